@@ -1,0 +1,3 @@
+"""kimi-convert and kimi-verify: read a Hugging Face checkpoint (local directory), apply a precision
+plan and write one kimi-stream weight file; check checkpoints and weight files. Depends on
+kimistream.formats only."""

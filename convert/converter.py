@@ -1,0 +1,163 @@
+"""The conversion pipeline: checkpoint directory -> precision plan -> one kimi-stream weight file.
+
+Tensors are read, encoded and written one at a time in source-shard order, so memory stays bounded
+by the largest tensor. The output is written to `OUT.partial` and renamed when complete."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kimistream.formats.codecs import CodecError, get_codec
+from kimistream.formats.constants import DEFAULT_ALIGNMENT, TENSOR_CLASSES
+from kimistream.formats.layout import model_shapes, plan_extents
+from kimistream.formats.weightfile import WeightFileWriter
+
+from .plan import PrecisionPlan
+from .source import HFCheckpoint, SourceError
+
+MANIFEST_NAME = "kimi-stream.sha256"   # written by a verified download; saves re-hashing sources
+
+
+class ConversionError(ValueError):
+    pass
+
+
+@dataclass
+class ClassStats:
+    tensors: int = 0
+    params: int = 0
+    bytes: int = 0
+
+    @property
+    def bpw(self) -> float:
+        return 8.0 * self.bytes / self.params if self.params else 0.0
+
+
+@dataclass
+class Summary:
+    output: str = ""
+    classes: dict = field(default_factory=lambda: {c: ClassStats() for c in TENSOR_CLASSES})
+    skipped: list = field(default_factory=list)
+    file_bytes: int = 0
+
+    def to_json(self) -> dict:
+        total = ClassStats()
+        classes = {}
+        for c, s in self.classes.items():
+            classes[c] = {"tensors": s.tensors, "params": s.params, "bytes": s.bytes, "bpw": round(s.bpw, 4)}
+            total.tensors += s.tensors
+            total.params += s.params
+            total.bytes += s.bytes
+        return {"output": self.output, "classes": classes,
+                "total": {"tensors": total.tensors, "params": total.params, "bytes": total.bytes,
+                          "bpw": round(total.bpw, 4), "file_bytes": self.file_bytes},
+                "skipped_source_tensors": self.skipped}
+
+
+def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def source_record(ckpt: HFCheckpoint) -> dict:
+    """Size and SHA-256 of every source file the output was built from."""
+    known = {}
+    manifest = ckpt.dir / MANIFEST_NAME
+    if manifest.is_file():
+        for line in manifest.read_text().splitlines():
+            parts = line.split(None, 1)
+            if len(parts) == 2 and not line.startswith("#"):
+                known[parts[1].lstrip("*").strip()] = parts[0]
+    names = ["config.json", *([ "model.safetensors.index.json"] if ckpt.index_map is not None else []),
+             *ckpt.shard_names, *ckpt.tokenizer_files().keys()]
+    files = {}
+    for n in names:
+        p = ckpt.dir / n
+        files[n] = {"size": p.stat().st_size, "sha256": known.get(n) or sha256_file(p)}
+    return {"files": files}
+
+
+def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_ALIGNMENT,
+                       progress=None) -> Summary:
+    """Convert a local checkpoint directory. `progress(kind, **info)` is called as work advances:
+    ("start", total_bytes=..., tensors=...), ("tensor", name=..., nbytes=...), ("done")."""
+    progress = progress or (lambda *a, **k: None)
+    try:
+        ckpt = HFCheckpoint(src)
+    except SourceError as e:
+        raise ConversionError(str(e)) from None
+    cfg = ckpt.config
+    expected = model_shapes(cfg)
+    missing = [n for n in expected if not ckpt.has(n)]
+    if missing:
+        raise ConversionError(f"{ckpt.dir}: checkpoint lacks {len(missing)} tensor(s) the config requires, "
+                              f"e.g. {missing[0]}")
+    for n, shape in expected.items():
+        if ckpt.shape(n) != shape:
+            raise ConversionError(f"{ckpt.dir / ckpt.location[n]}: tensor {n} has shape {list(ckpt.shape(n))}, "
+                                  f"config.json implies {list(shape)}")
+    summary = Summary(output=str(out))
+    summary.skipped = sorted(n for n in ckpt.location if n not in expected and not n.endswith("_scale_inv"))
+
+    tok_files = ckpt.tokenizer_files()
+    if "tokenizer.json" in tok_files:
+        tok_kind = "hf"
+    elif "tiktoken.model" in tok_files:
+        tok_kind = "tiktoken"
+    else:
+        raise ConversionError(f"{ckpt.dir}: no tokenizer (need tokenizer.json, or tiktoken.model with "
+                              f"tokenizer_config.json)")
+
+    writer = WeightFileWriter(out, alignment)
+    for name, kind, tensors in plan_extents(cfg, plan.codec_for):
+        writer.add_extent(name, kind, tensors)
+    for name, data in tok_files.items():
+        writer.add_blob(name, data)
+    meta = {
+        "config": cfg.to_dict(),
+        "hf_config": ckpt.hf_config,
+        "tokenizer": {"kind": tok_kind, "files": sorted(tok_files)},
+        "plan": plan.to_json(),
+        "source": source_record(ckpt),
+    }
+    # Source-shard order: each shard is read front to back once.
+    order = sorted(expected, key=lambda n: (ckpt.shard_names.index(ckpt.location[n]),
+                                            ckpt.shards[ckpt.location[n]].entries[n]["begin"]))
+    total_bytes = sum(writer.tensors[n].nbytes for n in order)
+    progress("start", total_bytes=total_bytes, tensors=len(order))
+    writer.begin(meta)
+    try:
+        for n in order:
+            t = writer.tensors[n]
+            values = ckpt.read(n)
+            try:
+                encoded = get_codec(t.codec).encode(values)
+            except CodecError as e:
+                raise ConversionError(f"{ckpt.dir / ckpt.location[n]}: tensor {n}: {e}") from None
+            writer.write_tensor(n, encoded)
+            st = summary.classes[t.cls]
+            st.tensors += 1
+            st.params += math.prod(t.shape)
+            st.bytes += t.nbytes
+            progress("tensor", name=n, nbytes=t.nbytes)
+            del values, encoded
+        path = writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        ckpt.close()
+    summary.file_bytes = path.stat().st_size
+    progress("done")
+    return summary
+
+
+def summary_json(summary: Summary) -> str:
+    return json.dumps(summary.to_json())

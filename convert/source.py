@@ -1,0 +1,125 @@
+"""A Hugging Face checkpoint directory as a source of tensors: config.json, one or many safetensors
+shards (with model.safetensors.index.json, padded or unpadded shard names), tokenizer files.
+Tensors are read one at a time, so memory is bounded by the largest tensor. FP8 (e4m3) weights are
+dequantized with their 128x128 block `weight_scale_inv`, as in the DeepSeek-V3 and Kimi K2 releases."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from kimistream.formats.config import ConfigError, ModelConfig
+from kimistream.formats.constants import TOKENIZER_FILES
+from kimistream.formats.safetensors import SafetensorsError, SafetensorsFile
+
+INDEX_FILE = "model.safetensors.index.json"
+SCALE_SUFFIX = "_scale_inv"
+
+
+class SourceError(ValueError):
+    pass
+
+
+class HFCheckpoint:
+    def __init__(self, directory):
+        self.dir = Path(directory)
+        if not self.dir.is_dir():
+            raise SourceError(f"{self.dir}: not a directory")
+        cfg_path = self.dir / "config.json"
+        try:
+            self.hf_config = json.loads(cfg_path.read_text())
+        except FileNotFoundError:
+            raise SourceError(f"{cfg_path}: missing (not a Hugging Face checkpoint directory?)") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise SourceError(f"{cfg_path}: not valid JSON ({e})") from None
+        try:
+            self.config = ModelConfig.from_hf(self.hf_config)
+        except ConfigError as e:
+            raise SourceError(f"{cfg_path}: {e}") from None
+        self.shard_names = self._find_shards()
+        self.shards: dict[str, SafetensorsFile] = {}
+        for name in self.shard_names:
+            try:
+                self.shards[name] = SafetensorsFile(self.dir / name)
+            except SafetensorsError as e:
+                raise SourceError(str(e)) from None
+        self.location: dict[str, str] = {}
+        for name, st in self.shards.items():
+            for t in st.keys():
+                if t in self.location:
+                    raise SourceError(f"{self.dir / name}: tensor {t} also in {self.location[t]}")
+                self.location[t] = name
+        if self.index_map is not None:
+            for t, shard in self.index_map.items():
+                if self.location.get(t) != shard:
+                    raise SourceError(f"{self.dir / shard}: lacks tensor {t} that {INDEX_FILE} places there")
+
+    def _find_shards(self) -> list[str]:
+        idx = self.dir / INDEX_FILE
+        self.index_map = None
+        if idx.exists():
+            try:
+                self.index_map = json.loads(idx.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+                raise SourceError(f"{idx}: malformed index ({e})") from None
+            names = sorted(set(self.index_map.values()), key=_shard_key)
+            missing = [n for n in names if not (self.dir / n).is_file()]
+            if missing:
+                raise SourceError(f"{self.dir / missing[0]}: shard named in {INDEX_FILE} is missing"
+                                  + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+            return names
+        names = sorted((p.name for p in self.dir.glob("*.safetensors")), key=_shard_key)
+        if not names:
+            raise SourceError(f"{self.dir}: no *.safetensors files and no {INDEX_FILE}")
+        return names
+
+    def has(self, name: str) -> bool:
+        return name in self.location
+
+    def shape(self, name: str) -> tuple:
+        return tuple(self.shards[self.location[name]].entries[name]["shape"])
+
+    def dtype(self, name: str) -> str:
+        return self.shards[self.location[name]].entries[name]["dtype"]
+
+    def read(self, name: str) -> np.ndarray:
+        """Tensor `name` as float32, FP8 block scales applied."""
+        st = self.shards[self.location[name]]
+        arr = st.read(name)
+        if st.entries[name]["dtype"] == "F8_E4M3":
+            scale_name = name + SCALE_SUFFIX
+            if scale_name not in self.location:
+                raise SourceError(f"{st.path}: FP8 tensor {name} has no {scale_name}")
+            arr = dequantize_fp8_blocks(arr, self.shards[self.location[scale_name]].read(scale_name), name)
+        if not np.isfinite(arr).all():
+            raise SourceError(f"{st.path}: tensor {name} holds NaN or Inf values")
+        return arr
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        return {n: (self.dir / n).read_bytes() for n in TOKENIZER_FILES if (self.dir / n).is_file()}
+
+    def close(self):
+        for st in self.shards.values():
+            st.close()
+
+
+def dequantize_fp8_blocks(w: np.ndarray, scale_inv: np.ndarray, name: str = "", block: int = 128) -> np.ndarray:
+    """w[i, j] * scale_inv[i // block, j // block], exactly (both already float32)."""
+    if w.ndim != 2 or scale_inv.ndim != 2:
+        raise SourceError(f"{name}: FP8 block scaling needs 2-D weight and scale")
+    rows, cols = w.shape
+    if scale_inv.shape != (math.ceil(rows / block), math.ceil(cols / block)):
+        raise SourceError(f"{name}: weight_scale_inv shape {scale_inv.shape} does not match weight {w.shape} "
+                          f"with {block}x{block} blocks")
+    full = np.repeat(np.repeat(scale_inv, block, axis=0), block, axis=1)[:rows, :cols]
+    return w * full
+
+
+def _shard_key(name: str):
+    """Order shards by their number ('model-00002-of-00062', 'model-2-of-61'), else by name."""
+    import re
+    m = re.search(r"-(\d+)-of-(\d+)", name)
+    return (0, int(m.group(1)), name) if m else (1, 0, name)

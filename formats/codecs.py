@@ -1,0 +1,117 @@
+"""Codecs: how a tensor's values become bytes in a weight file, and back.
+
+Each codec defines its byte layout once (documented in SPEC.md), an encoder used by the
+converter, and a numpy reference decoder that tests hold the runtime's kernels to. All codecs
+take and give float32 arrays; a 2-D weight has shape [out_features, in_features] (row-major).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+class CodecError(ValueError):
+    """The values cannot be encoded (non-finite input, out of range, wrong shape)."""
+
+
+class Codec:
+    name: str = ""
+    description: str = ""
+
+    def nbytes(self, shape) -> int:
+        raise NotImplementedError
+
+    def encode(self, values: np.ndarray) -> np.ndarray:
+        """Encode float values into a uint8 array of exactly nbytes(values.shape)."""
+        raise NotImplementedError
+
+    def decode(self, buf, shape) -> np.ndarray:
+        """Reference decoder: float32 array of `shape` from the codec's bytes."""
+        raise NotImplementedError
+
+    def decode_rows(self, buf, shape, rows) -> np.ndarray:
+        """Reference decode of the given rows of a 2-D tensor (embedding gathers)."""
+        return self.decode(buf, shape)[np.asarray(rows)]
+
+    def bits_per_weight(self, shape) -> float:
+        n = math.prod(shape)
+        return 8.0 * self.nbytes(shape) / n if n else 0.0
+
+
+def _check_finite(values: np.ndarray) -> None:
+    if not np.isfinite(values).all():
+        bad = int(values.size - np.isfinite(values).sum())
+        raise CodecError(f"{bad} non-finite value(s) (NaN or Inf) in the source tensor")
+
+
+class _Float(Codec):
+    """IEEE little-endian floats, row-major."""
+
+    def __init__(self, name: str, dtype: str, description: str):
+        self.name, self.dtype, self.description = name, np.dtype(dtype), description
+
+    def nbytes(self, shape) -> int:
+        return math.prod(shape) * self.dtype.itemsize
+
+    def encode(self, values):
+        values = np.asarray(values, dtype=np.float32)
+        _check_finite(values)
+        if self.dtype.itemsize == 2:
+            limit = float(np.finfo(np.float16).max)
+            if np.abs(values).max(initial=0.0) > limit:
+                raise CodecError(f"value out of float16 range (|x| > {limit})")
+        return np.ascontiguousarray(values.astype(self.dtype)).view(np.uint8).reshape(-1)
+
+    def decode(self, buf, shape):
+        arr = np.frombuffer(buf, dtype=self.dtype, count=math.prod(shape)).reshape(shape)
+        return arr if self.dtype == np.float32 else arr.astype(np.float32)
+
+    def decode_rows(self, buf, shape, rows):
+        arr = np.frombuffer(buf, dtype=self.dtype, count=math.prod(shape)).reshape(shape)
+        return arr[np.asarray(rows)].astype(np.float32)
+
+
+class _BFloat16(Codec):
+    """bfloat16: the upper 16 bits of a float32, rounded to nearest even; little-endian."""
+
+    name = "bf16"
+    description = "bfloat16"
+
+    def nbytes(self, shape) -> int:
+        return math.prod(shape) * 2
+
+    def encode(self, values):
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        _check_finite(values)
+        bits = values.view(np.uint32).astype(np.uint64)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        if (rounded & 0x7F80 == 0x7F80).any():
+            raise CodecError("value out of bfloat16 range")
+        return rounded.astype("<u2").view(np.uint8).reshape(-1)
+
+    def decode(self, buf, shape):
+        raw = np.frombuffer(buf, dtype="<u2", count=math.prod(shape))
+        return (raw.astype(np.uint32) << 16).view(np.float32).reshape(shape)
+
+    def decode_rows(self, buf, shape, rows):
+        raw = np.frombuffer(buf, dtype="<u2", count=math.prod(shape)).reshape(shape)[np.asarray(rows)]
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+
+
+CODECS: dict[str, Codec] = {
+    c.name: c
+    for c in (
+        _Float("f32", "<f4", "float32"),
+        _Float("f16", "<f2", "float16"),
+        _BFloat16(),
+    )
+}
+
+
+def get_codec(name: str) -> Codec:
+    try:
+        return CODECS[name]
+    except KeyError:
+        raise CodecError(f"unknown codec {name!r} (known: {', '.join(sorted(CODECS))})") from None

@@ -1,0 +1,351 @@
+"""The kimi-stream weight file: writer and reader (layout in SPEC.md).
+
+The writer is given the whole layout up front (every extent and the tensors inside it), reserves the
+header, lets the caller write tensors in any order, hashes each extent once its last tensor is in,
+then writes the final header and renames the temporary file into place. The reader maps the file,
+treats the header as untrusted input and checks every offset before anything is used.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import checksum
+from .codecs import CodecError, get_codec
+from .constants import (DEFAULT_ALIGNMENT, EXTENT_KINDS, MAGIC, MAX_ALIGNMENT, MAX_HEADER_BYTES,
+                        PREFIX_SIZE, TENSOR_ALIGNMENT, TENSOR_CLASSES, VERSION)
+
+_PREFIX = struct.Struct("<8sIIQQQQ16s")
+assert _PREFIX.size == PREFIX_SIZE
+
+
+class WeightFileError(ValueError):
+    """A weight file is malformed, truncated, changed, or of an unknown version."""
+
+
+def align_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass
+class TensorEntry:
+    name: str
+    cls: str
+    codec: str
+    shape: tuple
+    offset: int = 0        # absolute offset in the file
+    nbytes: int = 0
+    extent: int = -1       # index into the extent list
+    rel: int = 0           # offset inside the extent (writer only)
+
+    def to_json(self):
+        return {"class": self.cls, "codec": self.codec, "shape": list(self.shape),
+                "extent": self.extent, "offset": self.offset, "nbytes": self.nbytes}
+
+
+@dataclass
+class Extent:
+    name: str
+    kind: str
+    offset: int = 0
+    nbytes: int = 0
+    checksum: str = checksum.PLACEHOLDER
+    tensors: list = field(default_factory=list)   # tensor names, in layout order
+
+    def to_json(self):
+        return {"name": self.name, "kind": self.kind, "offset": self.offset, "nbytes": self.nbytes,
+                "checksum": self.checksum}
+
+
+# --------------------------------------------------------------------------------------- writer
+
+class WeightFileWriter:
+    """Plan a layout, then fill it.
+
+        w = WeightFileWriter(path)
+        w.add_extent("layers.0", "resident", [(name, cls, codec, shape), ...])
+        w.add_blob("tokenizer.json", data)
+        w.begin(meta)                      # meta: config, tokenizer, plan, source ...
+        w.write_tensor(name, encoded)      # any order
+        w.finish()                         # hashes, header, atomic rename
+    """
+
+    def __init__(self, path, alignment: int = DEFAULT_ALIGNMENT):
+        if alignment < 4096 or alignment > MAX_ALIGNMENT or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two in 4096..{MAX_ALIGNMENT}")
+        self.path = Path(path)
+        self.tmp_path = self.path.with_name(self.path.name + ".partial")
+        self.alignment = alignment
+        self.extents: list[Extent] = []
+        self.tensors: dict[str, TensorEntry] = {}
+        self._blobs: dict[str, bytes] = {}
+        self._pending: list[int] = []
+        self._file = None
+        self._header_len = 0
+        self.meta: dict = {}
+
+    # -- planning
+    def add_extent(self, name: str, kind: str, tensors) -> Extent:
+        assert kind in EXTENT_KINDS, kind
+        ext = Extent(name, kind)
+        idx = len(self.extents)
+        size = 0
+        for tname, cls, codec, shape in tensors:
+            if tname in self.tensors:
+                raise ValueError(f"tensor {tname} placed twice")
+            nb = get_codec(codec).nbytes(shape)
+            size = align_up(size, TENSOR_ALIGNMENT)
+            self.tensors[tname] = TensorEntry(tname, cls, codec, tuple(int(s) for s in shape),
+                                              nbytes=nb, extent=idx, rel=size)
+            ext.tensors.append(tname)
+            size += nb
+        ext.nbytes = size
+        self.extents.append(ext)
+        return ext
+
+    def add_blob(self, name: str, data: bytes) -> None:
+        ext = self.add_extent(f"blob:{name}", "blob", [])
+        ext.nbytes = len(data)
+        self._blobs[ext.name] = bytes(data)
+
+    def _header_bytes(self) -> bytes:
+        header = dict(self.meta)
+        header.update(format="kimi-stream", version=VERSION, alignment=self.alignment,
+                      checksum=checksum.EXTENT_ALGORITHM,
+                      extents=[e.to_json() for e in self.extents],
+                      tensors={n: t.to_json() for n, t in self.tensors.items()})
+        return json.dumps(header, separators=(",", ":"), sort_keys=False).encode()
+
+    # -- filling
+    def begin(self, meta: dict) -> None:
+        self.meta = meta
+        # Offsets and checksums are fixed-width in the JSON, so a header written with placeholder
+        # values has the same length as the final one: lay out extents after a provisional header.
+        data_start = align_up(PREFIX_SIZE + len(self._header_bytes()), self.alignment)
+        while True:
+            pos = data_start
+            for e in self.extents:
+                e.offset = pos
+                pos = align_up(pos + e.nbytes, self.alignment)
+            for t in self.tensors.values():
+                t.offset = self.extents[t.extent].offset + t.rel
+            self._header_len = len(self._header_bytes())
+            if PREFIX_SIZE + self._header_len <= data_start:
+                break
+            data_start = align_up(PREFIX_SIZE + self._header_len, self.alignment)
+        self._data_start = data_start
+        self._file_size = pos
+        self._pending = [len(e.tensors) for e in self.extents]
+        self.tmp_path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.tmp_path, "w+b")
+        self._file.truncate(self._file_size)
+        for name, data in self._blobs.items():
+            ext = next(e for e in self.extents if e.name == name)
+            self._file.seek(ext.offset)
+            self._file.write(data)
+            ext.checksum = checksum.extent_digest(data)
+
+    def write_tensor(self, name: str, encoded) -> None:
+        t = self.tensors[name]
+        buf = memoryview(np.ascontiguousarray(encoded)).cast("B")
+        if buf.nbytes != t.nbytes:
+            raise CodecError(f"{name}: encoded {buf.nbytes} bytes, layout expects {t.nbytes}")
+        self._file.seek(t.offset)
+        self._file.write(buf)
+        self._pending[t.extent] -= 1
+        if self._pending[t.extent] == 0:
+            self._hash_extent(self.extents[t.extent])
+
+    def _hash_extent(self, ext: Extent) -> None:
+        self._file.flush()
+        h = checksum.new_extent_hasher()
+        remaining, pos = ext.nbytes, ext.offset
+        while remaining:
+            n = min(remaining, 16 << 20)
+            chunk = os.pread(self._file.fileno(), n, pos)
+            h.update(chunk)
+            remaining -= len(chunk)
+            pos += len(chunk)
+        ext.checksum = h.hexdigest()
+
+    def finish(self) -> Path:
+        unwritten = [e.name for e, p in zip(self.extents, self._pending) if p]
+        if unwritten:
+            raise WeightFileError(f"{self.tmp_path}: {len(unwritten)} extent(s) never written, e.g. {unwritten[0]}")
+        header = self._header_bytes()
+        assert len(header) == self._header_len, "header length changed between begin and finish"
+        prefix = _PREFIX.pack(MAGIC, VERSION, self.alignment, PREFIX_SIZE, len(header), self._data_start,
+                              self._file_size, checksum.header_digest(header))
+        self._file.seek(0)
+        self._file.write(prefix + header)
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        self._file = None
+        os.replace(self.tmp_path, self.path)
+        return self.path
+
+    def abort(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+# --------------------------------------------------------------------------------------- reader
+
+class WeightFile:
+    """A read-only, memory-mapped weight file whose header has been validated."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        except OSError as e:
+            raise WeightFileError(f"{self.path}: cannot open: {e.strerror}") from None
+        try:
+            self.size = os.fstat(self._fd).st_size
+            self._parse_prefix_and_header()
+            self.mm = mmap.mmap(self._fd, self.size, access=mmap.ACCESS_READ) if self.size else None
+        except Exception:
+            os.close(self._fd)
+            raise
+
+    def _fail(self, msg: str):
+        raise WeightFileError(f"{self.path}: {msg}")
+
+    def _parse_prefix_and_header(self) -> None:
+        raw = os.pread(self._fd, PREFIX_SIZE, 0)
+        if len(raw) < PREFIX_SIZE:
+            self._fail(f"too short to be a kimi-stream weight file ({self.size} bytes)")
+        magic, version, alignment, hoff, hlen, data_start, file_size, hdigest = _PREFIX.unpack(raw)
+        if magic != MAGIC:
+            self._fail(f"not a kimi-stream weight file (magic {magic!r})")
+        if version != VERSION:
+            self._fail(f"unsupported format version {version} (this build reads version {VERSION})")
+        if alignment < 4096 or alignment > MAX_ALIGNMENT or alignment & (alignment - 1):
+            self._fail(f"invalid alignment {alignment}")
+        if hoff != PREFIX_SIZE or hlen > MAX_HEADER_BYTES or hoff + hlen > data_start:
+            self._fail(f"invalid header placement (offset {hoff}, length {hlen}, data at {data_start})")
+        if file_size != self.size:
+            what = "truncated" if self.size < file_size else "longer than written"
+            self._fail(f"{what}: {self.size} bytes on disk, header says {file_size}")
+        header = os.pread(self._fd, hlen, hoff)
+        if len(header) != hlen or checksum.header_digest(header) != hdigest:
+            self._fail("header checksum mismatch (file changed or corrupted since it was written)")
+        try:
+            self.header = json.loads(header)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            self._fail(f"header is not valid JSON: {e}")
+        self.alignment = alignment
+        self.data_start = data_start
+        self.header_digest = hdigest.hex()
+        self._validate_directory()
+
+    def _validate_directory(self) -> None:
+        h = self.header
+        if not isinstance(h, dict) or h.get("format") != "kimi-stream":
+            self._fail("header does not describe a kimi-stream file")
+        exts, tens = h.get("extents"), h.get("tensors")
+        if not isinstance(exts, list) or not isinstance(tens, dict):
+            self._fail("header lacks the extent list or tensor directory")
+        self.extents: list[Extent] = []
+        for i, e in enumerate(exts):
+            try:
+                ext = Extent(str(e["name"]), e["kind"], int(e["offset"]), int(e["nbytes"]), str(e["checksum"]))
+            except (KeyError, TypeError, ValueError):
+                self._fail(f"extent #{i} is malformed")
+            if ext.kind not in EXTENT_KINDS:
+                self._fail(f"extent {ext.name}: unknown kind {ext.kind!r}")
+            if ext.offset < self.data_start or ext.offset % self.alignment or ext.nbytes < 0:
+                self._fail(f"extent {ext.name}: offset {ext.offset} is not an aligned data offset")
+            if ext.offset + ext.nbytes > self.size:
+                self._fail(f"extent {ext.name}: bytes {ext.offset}..{ext.offset + ext.nbytes} lie past the "
+                           f"end of the file ({self.size} bytes)")
+            self.extents.append(ext)
+        order = sorted(self.extents, key=lambda x: x.offset)
+        for a, b in zip(order, order[1:]):
+            if a.offset + a.nbytes > b.offset:
+                self._fail(f"extents {a.name} and {b.name} overlap")
+        self.extent_by_name = {e.name: e for e in self.extents}
+        self.tensors: dict[str, TensorEntry] = {}
+        for name, t in tens.items():
+            try:
+                ent = TensorEntry(name, t["class"], t["codec"], tuple(int(s) for s in t["shape"]),
+                                  int(t["offset"]), int(t["nbytes"]), int(t["extent"]))
+            except (KeyError, TypeError, ValueError):
+                self._fail(f"tensor {name}: malformed directory entry")
+            if ent.cls not in TENSOR_CLASSES:
+                self._fail(f"tensor {name}: unknown class {ent.cls!r}")
+            try:
+                expected = get_codec(ent.codec).nbytes(ent.shape)
+            except CodecError as e:
+                self._fail(f"tensor {name}: {e}")
+            if any(s < 0 for s in ent.shape) or ent.nbytes != expected:
+                self._fail(f"tensor {name}: {ent.nbytes} bytes recorded, codec {ent.codec} of shape "
+                           f"{list(ent.shape)} needs {expected}")
+            if not 0 <= ent.extent < len(self.extents):
+                self._fail(f"tensor {name}: extent index {ent.extent} out of range")
+            ext = self.extents[ent.extent]
+            if ent.offset < ext.offset or ent.offset + ent.nbytes > ext.offset + ext.nbytes:
+                self._fail(f"tensor {name}: bytes lie outside its extent {ext.name}")
+            ext.tensors.append(name)
+            self.tensors[name] = ent
+
+    # -- access
+    @property
+    def meta(self) -> dict:
+        return self.header
+
+    def raw(self, name: str) -> np.ndarray:
+        """Zero-copy uint8 view of a tensor's bytes in the mapping."""
+        t = self.tensors[name]
+        return np.frombuffer(self.mm, dtype=np.uint8, count=t.nbytes, offset=t.offset)
+
+    def decode(self, name: str) -> np.ndarray:
+        """Reference decode of a whole tensor to float32 (zero-copy for f32)."""
+        t = self.tensors[name]
+        return get_codec(t.codec).decode(self.raw(name), t.shape)
+
+    def extent_bytes(self, ext: Extent) -> np.ndarray:
+        return np.frombuffer(self.mm, dtype=np.uint8, count=ext.nbytes, offset=ext.offset)
+
+    def blob(self, name: str) -> bytes:
+        ext = self.extent_by_name.get(f"blob:{name}")
+        if ext is None:
+            raise KeyError(name)
+        return bytes(self.extent_bytes(ext))
+
+    def verify_extent(self, ext: Extent) -> bool:
+        return checksum.extent_digest(self.extent_bytes(ext)) == ext.checksum
+
+    def close(self) -> None:
+        if self.mm is not None:
+            try:
+                self.mm.close()
+            except BufferError:
+                pass   # numpy views still alive; the mapping goes when they do
+            self.mm = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def params_of(shape) -> int:
+    return math.prod(shape)

@@ -1,0 +1,248 @@
+"""The DeepseekV3 / Kimi-K2 forward pass in numpy float32, computing what transformers'
+`DeepseekV3ForCausalLM` computes: MLA attention (optional q LoRA, YaRN RoPE, interleaved or not),
+dense first layers, sigmoid routing with correction bias and group-limited top-k, shared experts.
+
+Attention runs in the "absorbed" form: the KV cache holds only the normalised latent (kv_lora_rank)
+and the rotated key part (qk_rope_head_dim) per token and layer; kv_b_proj is folded into the query
+and the output instead of expanding keys and values for every cached token."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kimistream.formats.config import ModelConfig, RopeConfig
+
+from .weights import ModelWeights, Weight
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    var = np.mean(x * x, axis=-1, keepdims=True)
+    return w * (x / np.sqrt(var + eps))
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return x / (1.0 + np.exp(-x))
+
+
+def linear(x: np.ndarray, w: Weight) -> np.ndarray:
+    return x @ w.dense().T
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_tables(rope: RopeConfig, dim: int):
+    """(inv_freq [dim/2], cos/sin amplitude) for default or YaRN RoPE."""
+    pos_freqs = rope.theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    inv_freq = 1.0 / pos_freqs
+    if rope.type != "yarn":
+        return inv_freq.astype(np.float32), 1.0
+    f = rope.factor
+
+    def correction_dim(rot):
+        return dim * math.log(rope.original_max_position_embeddings / (rot * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (inv_freq / f) * (1 - extrapolation) + inv_freq * extrapolation
+    if rope.mscale and rope.mscale_all_dim:
+        amp = _yarn_mscale(f, rope.mscale) / _yarn_mscale(f, rope.mscale_all_dim)
+    else:
+        amp = _yarn_mscale(f)
+    return inv_freq.astype(np.float32), float(amp)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleave: bool) -> np.ndarray:
+    """Rotate the last axis. cos/sin: [T, d/2] broadcast over the middle axes of x [T, ..., d].
+    Output pairs come out as [first halves, second halves] in both layouts (as in the reference)."""
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        h = x.shape[-1] // 2
+        x1, x2 = x[..., :h], x[..., h:]
+    shape = (cos.shape[0],) + (1,) * (x.ndim - 2) + (cos.shape[1],)
+    c, s = cos.reshape(shape), sin.reshape(shape)
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+class KVCache:
+    """Per layer: the normalised KV latent [max_context, kv_lora_rank] and rotated key part
+    [max_context, qk_rope_head_dim], float32."""
+
+    def __init__(self, cfg: ModelConfig, max_context: int):
+        self.max_context = max_context
+        L = cfg.num_hidden_layers
+        self.latent = [np.zeros((max_context, cfg.kv_lora_rank), np.float32) for _ in range(L)]
+        self.k_rot = [np.zeros((max_context, cfg.qk_rope_head_dim), np.float32) for _ in range(L)]
+        self.length = 0
+
+    @staticmethod
+    def bytes_for(cfg: ModelConfig, max_context: int) -> int:
+        return 4 * max_context * cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+
+
+class Model:
+    def __init__(self, weights: ModelWeights, max_context: int):
+        self.w = weights
+        self.cfg = cfg = weights.config
+        if max_context < 1:
+            raise ValueError("--max-context must be at least 1")
+        self.cache = KVCache(cfg, max_context)
+        self.inv_freq, self.rope_amp = rope_tables(cfg.rope, cfg.qk_rope_head_dim)
+        scale = cfg.qk_head_dim ** -0.5
+        if cfg.rope.type != "default" and cfg.rope.mscale_all_dim:
+            scale *= _yarn_mscale(cfg.rope.factor, cfg.rope.mscale_all_dim) ** 2
+        self.softmax_scale = scale
+        self.layers = [self._bind_layer(i) for i in range(cfg.num_hidden_layers)]
+        self.final_norm = weights.vector("model.norm.weight")
+        self.lm_head = weights.weight("lm_head.weight" if weights.has("lm_head.weight") else "model.embed_tokens.weight")
+        self.decoded_resident_bytes = self.lm_head.keep_dense()
+
+    def _bind_layer(self, i: int) -> dict:
+        cfg, w, p = self.cfg, self.w, f"model.layers.{i}."
+        L = {"moe": cfg.is_moe_layer(i), "index": i,
+             "ln1": w.vector(p + "input_layernorm.weight"), "ln2": w.vector(p + "post_attention_layernorm.weight"),
+             "kv_a": w.weight(p + "self_attn.kv_a_proj_with_mqa.weight"),
+             "kv_ln": w.vector(p + "self_attn.kv_a_layernorm.weight"),
+             "o": w.weight(p + "self_attn.o_proj.weight")}
+        if cfg.q_lora_rank:
+            L["q_a"] = w.weight(p + "self_attn.q_a_proj.weight")
+            L["q_ln"] = w.vector(p + "self_attn.q_a_layernorm.weight")
+            L["q_b"] = w.weight(p + "self_attn.q_b_proj.weight")
+        else:
+            L["q"] = w.weight(p + "self_attn.q_proj.weight")
+        nh, nope, v, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        kv_b = w.weight(p + "self_attn.kv_b_proj.weight").dense().reshape(nh, nope + v, r)
+        L["w_k"] = np.ascontiguousarray(kv_b[:, :nope, :])                  # [nh, nope, r]
+        L["w_v_t"] = np.ascontiguousarray(kv_b[:, nope:, :].transpose(0, 2, 1))  # [nh, r, v]
+        if L["moe"]:
+            L["router"] = w.vector(p + "mlp.gate.weight")
+            L["bias"] = w.vector(p + "mlp.gate.e_score_correction_bias")
+            if cfg.n_shared_experts:
+                L["shared"] = tuple(w.weight(p + f"mlp.shared_experts.{n}.weight")
+                                    for n in ("gate_proj", "up_proj", "down_proj"))
+        else:
+            L["mlp"] = tuple(w.weight(p + f"mlp.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj"))
+        for k in ("kv_a", "o", "q_a", "q_b", "q"):
+            if k in L:
+                self_bytes = L[k].keep_dense()
+                self.w.decoded_bytes += self_bytes
+        return L
+
+    # ------------------------------------------------------------------ blocks
+    def _attention(self, L: dict, h: np.ndarray, start: int) -> np.ndarray:
+        cfg, T = self.cfg, h.shape[0]
+        nh, nope, rd = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        if cfg.q_lora_rank:
+            q = linear(rms_norm(linear(h, L["q_a"]), L["q_ln"], cfg.rms_norm_eps), L["q_b"])
+        else:
+            q = linear(h, L["q"])
+        q = q.reshape(T, nh, cfg.qk_head_dim)
+        q_nope, q_rot = q[..., :nope], q[..., nope:]
+        ckv = linear(h, L["kv_a"])
+        latent = rms_norm(ckv[:, :cfg.kv_lora_rank], L["kv_ln"], cfg.rms_norm_eps)
+        k_rot = ckv[:, cfg.kv_lora_rank:]
+
+        pos = np.arange(start, start + T, dtype=np.float32)
+        freqs = pos[:, None] * self.inv_freq[None, :]
+        cos = (np.cos(freqs) * self.rope_amp).astype(np.float32)
+        sin = (np.sin(freqs) * self.rope_amp).astype(np.float32)
+        q_rot = apply_rope(q_rot, cos, sin, cfg.rope.interleave)
+        k_rot = apply_rope(k_rot, cos, sin, cfg.rope.interleave)
+
+        i = L["index"]
+        C, K = self.cache.latent[i], self.cache.k_rot[i]
+        C[start:start + T] = latent
+        K[start:start + T] = k_rot
+        S = start + T
+        q_lat = np.matmul(q_nope.transpose(1, 0, 2), L["w_k"])            # [nh, T, r]
+        scores = np.matmul(q_lat, C[:S].T) + np.matmul(q_rot.transpose(1, 0, 2), K[:S].T)  # [nh, T, S]
+        scores *= self.softmax_scale
+        if T > 1:
+            causal = np.arange(S)[None, :] > (start + np.arange(T))[:, None]
+            scores[:, causal] = -np.inf
+        scores -= scores.max(axis=-1, keepdims=True)
+        probs = np.exp(scores)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        o_lat = np.matmul(probs, C[:S])                                    # [nh, T, r]
+        o = np.matmul(o_lat, L["w_v_t"])                                   # [nh, T, v]
+        return linear(o.transpose(1, 0, 2).reshape(T, nh * cfg.v_head_dim), L["o"])
+
+    @staticmethod
+    def _mlp(x: np.ndarray, gate: Weight, up: Weight, down: Weight) -> np.ndarray:
+        return linear(silu(linear(x, gate)) * linear(x, up), down)
+
+    def route(self, L: dict, h: np.ndarray):
+        """Top-k expert ids [T, k] and weights [T, k] (DeepSeek-V3 noaux_tc routing)."""
+        cfg = self.cfg
+        logits = h @ L["router"].T
+        scores = 1.0 / (1.0 + np.exp(-logits))
+        choice = scores + L["bias"]
+        E, G = cfg.n_routed_experts, cfg.n_group
+        if G > 1:
+            grouped = choice.reshape(-1, G, E // G)
+            group_scores = np.sort(grouped, axis=-1)[..., -2:].sum(axis=-1)            # [T, G]
+            keep = np.argsort(-group_scores, axis=-1, kind="stable")[:, :cfg.topk_group]
+            mask = np.zeros_like(group_scores, dtype=bool)
+            np.put_along_axis(mask, keep, True, axis=-1)
+            choice = np.where(np.repeat(mask, E // G, axis=-1), choice, -np.inf)
+        idx = np.argsort(-choice, axis=-1, kind="stable")[:, :cfg.num_experts_per_tok]
+        weights = np.take_along_axis(scores, idx, axis=-1)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+        return idx, (weights * cfg.routed_scaling_factor).astype(np.float32)
+
+    def _moe(self, L: dict, h: np.ndarray) -> np.ndarray:
+        idx, weights = self.route(L, h)
+        out = np.zeros_like(h)
+        # Group the chunk's tokens by expert: each expert is fetched once per chunk.
+        for e in np.unique(idx):
+            tok, slot = np.nonzero(idx == e)
+            gate, up, down = self.w.expert(L["index"], int(e))
+            out[tok] += self._mlp(h[tok], gate, up, down) * weights[tok, slot][:, None]
+        if "shared" in L:
+            out += self._mlp(h, *L["shared"])
+        return out
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, ids, all_logits: bool = False) -> np.ndarray:
+        """Run tokens `ids` at the next positions of the cache; logits [T, vocab] or [1, vocab]."""
+        T, start = len(ids), self.cache.length
+        if start + T > self.cache.max_context:
+            raise ContextFull(f"context of {self.cache.max_context} tokens is full (raise --max-context)")
+        cfg = self.cfg
+        x = self.w.embed_rows(np.asarray(ids))
+        for L in self.layers:
+            x = x + self._attention(L, rms_norm(x, L["ln1"], cfg.rms_norm_eps), start)
+            h = rms_norm(x, L["ln2"], cfg.rms_norm_eps)
+            x = x + (self._moe(L, h) if L["moe"] else self._mlp(h, *L["mlp"]))
+        self.cache.length = start + T
+        if not all_logits:
+            x = x[-1:]
+        return linear(rms_norm(x, self.final_norm, cfg.rms_norm_eps), self.lm_head)
+
+    def prefill(self, ids, batch: int, all_logits: bool = False) -> np.ndarray:
+        """Feed the prompt in chunks of `batch` tokens; logits of every position or of the last."""
+        if batch < 1:
+            raise ValueError("--prefill-batch-size must be at least 1")
+        outs = []
+        for s in range(0, len(ids), batch):
+            outs.append(self.forward(ids[s:s + batch], all_logits=all_logits))
+        return np.concatenate(outs, axis=0) if all_logits else outs[-1]
+
+    def reset(self):
+        self.cache.length = 0
+
+
+class ContextFull(RuntimeError):
+    pass
