@@ -50,14 +50,19 @@ def print_summary(console: Console, summary) -> None:
                       f"use, e.g. {data['skipped_source_tensors'][0]}[/]")
 
 
+def _error(msg, code: int = 1) -> int:
+    # Plain print: one line, never wrapped to a terminal width.
+    print(f"kimi-convert: error: {msg}", file=sys.stderr, flush=True)
+    return code
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     err = Console(stderr=True)
     try:
         plan = PrecisionPlan.from_preset(args.quant, args.override)
     except ValueError as e:
-        err.print(f"[red]kimi-convert: error:[/] {e}")
-        return 2
+        return _error(e, 2)
     out = Path(args.output)
     progress = Progress(TextColumn("[bold]converting"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                         TimeRemainingColumn(), TextColumn("{task.fields[tensor]}"), console=err,
@@ -75,11 +80,9 @@ def main(argv=None) -> int:
         with progress:
             summary = convert_checkpoint(args.source, out, plan, args.alignment, on_progress)
     except (ConversionError, ValueError, OSError) as e:
-        err.print(f"[red]kimi-convert: error:[/] {e}", highlight=False, soft_wrap=True)
-        return 1
+        return _error(e)
     except KeyboardInterrupt:
-        err.print(f"[yellow]kimi-convert: interrupted; nothing written to {out}[/]")
-        return 130
+        return _error(f"interrupted; nothing written to {out}", 130)
     if args.json:
         sys.stdout.write(json.dumps(summary.to_json()) + "\n")
     else:

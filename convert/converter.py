@@ -136,9 +136,11 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
     try:
         for n in order:
             t = writer.tensors[n]
-            values = ckpt.read(n)
             try:
+                values = ckpt.read(n)
                 encoded = get_codec(t.codec).encode(values)
+            except SourceError as e:
+                raise ConversionError(str(e)) from None
             except CodecError as e:
                 raise ConversionError(f"{ckpt.dir / ckpt.location[n]}: tensor {n}: {e}") from None
             writer.write_tensor(n, encoded)

@@ -48,6 +48,7 @@ class SafetensorsFile:
 
     def __init__(self, path):
         self.path = Path(path)
+        self._mm = None
         try:
             self.size = self.path.stat().st_size
             with open(self.path, "rb") as f:

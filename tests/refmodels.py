@@ -78,6 +78,8 @@ def reference_greedy(ckpt_dir: Path, ids, n: int) -> list[int]:
     from transformers import DeepseekV3ForCausalLM
     model = DeepseekV3ForCausalLM.from_pretrained(ckpt_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        out = model.generate(torch.tensor([list(ids)]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
-                             eos_token_id=None, pad_token_id=0)
+        x = torch.tensor([list(ids)])
+        # An explicit mask: otherwise generate() masks prompt tokens that equal pad_token_id.
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                             min_new_tokens=n, eos_token_id=None, pad_token_id=0)
     return out[0, len(ids):].tolist()

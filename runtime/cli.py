@@ -1,0 +1,48 @@
+"""kimi-run: generate text from a kimi-stream weight file over mmap. Routed experts are touched only
+when a token is routed to them; everything else is resident. Logs go to stderr, text to stdout."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kimi-run", description=__doc__)
+    p.add_argument("--weights", help="weight file from kimi-convert (default: the bundled model)")
+    p.add_argument("--prompt", help="prompt text ('-' reads standard input)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="KV cache length in tokens (default: min(4096, the model's maximum))")
+    p.add_argument("--prefill-batch-size", type=int, default=64, help="prompt tokens per forward chunk (default 64)")
+    p.add_argument("--json", action="store_true", help="print one JSON object with ids, text and stats")
+    p.add_argument("--dump-logits", metavar="PATH", help="save the prompt's logits [n_prompt, vocab] as float32 .npy")
+    p.add_argument("--quiet", action="store_true", help="no startup log")
+    return p
+
+
+def _set_threads(n: int | None) -> None:
+    # BLAS reads these when numpy is first imported, so this runs before any numpy import.
+    if n is not None:
+        if n < 1:
+            raise SystemExit("kimi-run: error: --threads must be at least 1")
+        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+            os.environ[var] = str(n)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    _set_threads(args.threads)
+    from .app import run
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

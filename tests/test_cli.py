@@ -1,0 +1,157 @@
+"""The three commands as a user runs them: kimi-convert's summary, kimi-run's streaming text, JSON
+report and logit dump, lazy expert paging (measured by the OS in /proc/self/smaps), and clear
+one-line errors with a non-zero exit for bad input."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import refmodels
+
+CLASSES = {"routed_experts", "shared_experts", "dense_mlp", "attention", "router", "norms", "embeddings", "lm_head"}
+
+
+def run(module, *args, check=True):
+    proc = subprocess.run([sys.executable, "-m", f"kimistream.{module}", *map(str, args)],
+                          capture_output=True, text=True, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}: {proc.stderr}")
+    return proc
+
+
+def convert(*args, **kw):
+    return run("convert.cli", *args, **kw)
+
+
+def kimi_run(*args, **kw):
+    return run("runtime.cli", *args, **kw)
+
+
+def test_console_scripts_installed():
+    for name in ("kimi-convert", "kimi-verify", "kimi-run"):
+        assert shutil.which(name), f"{name} not on PATH"
+
+
+@pytest.mark.parametrize("quant,expert_bpw", [("f32", 32.0), ("bf16", 16.0), ("f16", 16.0)])
+def test_convert_json_summary(tiny_ckpt, tmp_path, quant, expert_bpw):
+    out = tmp_path / "m.kst"
+    proc = convert(tiny_ckpt, "-o", out, "--quant", quant, "--json", "--quiet")
+    summary = json.loads(proc.stdout)
+    assert set(summary["classes"]) == CLASSES
+    for c, s in summary["classes"].items():
+        assert s["params"] > 0 and s["bytes"] > 0, c
+    assert summary["classes"]["routed_experts"]["bpw"] == expert_bpw
+    assert summary["classes"]["norms"]["bpw"] == 32.0
+    total = summary["total"]
+    assert total["params"] == sum(s["params"] for s in summary["classes"].values())
+    assert total["file_bytes"] == out.stat().st_size
+    assert not list(tmp_path.glob("*.partial"))
+
+
+def test_run_json_stream_and_logits(tiny_ckpt, tiny_kst, tmp_path):
+    dump = tmp_path / "logits.npy"
+    prompt = "def main(argv):\n    return"
+    proc = kimi_run("--weights", tiny_kst, "--prompt", prompt, "--max-tokens", 12, "--json",
+                    "--dump-logits", dump, "--prefill-batch-size", 3, "--threads", 1)
+    rep = json.loads(proc.stdout)
+    assert "mmap weight file: OK" in proc.stderr
+    ids = rep["prompt_tokens"]
+    from transformers import AutoTokenizer
+    assert ids == AutoTokenizer.from_pretrained(tiny_ckpt)(prompt)["input_ids"]
+    assert len(rep["tokens"]) == 12
+    assert rep["tokens"] == refmodels.reference_greedy(tiny_ckpt, ids, 12)
+    for k in ("prefill_tokens_per_s", "decode_tokens_per_s", "peak_rss_bytes", "resident_bytes", "experts_touched"):
+        assert rep["stats"][k] > 0, k
+    logits = np.load(dump)
+    assert logits.dtype == np.float32 and logits.shape == (len(ids), 320)
+    ref = refmodels.reference_logits(tiny_ckpt, ids)
+    assert np.abs(logits - ref).max() <= 1e-4 * np.abs(ref).max()
+
+    plain = kimi_run("--weights", tiny_kst, "--prompt", prompt, "--max-tokens", 12, "--quiet")
+    assert plain.stdout.rstrip("\n") == rep["text"]
+
+
+def test_chat_uses_template(tiny_kst):
+    rep = json.loads(kimi_run("--weights", tiny_kst, "--prompt", "hi", "--chat", "--max-tokens", 2, "--json").stdout)
+    from tokenizers import Tokenizer
+    assert rep["prompt_tokens"][0] == 2  # <|im_start|>
+
+
+def test_sampling_is_seeded(tiny_kst):
+    a = kimi_run("--weights", tiny_kst, "--prompt", "x", "--temperature", 1.0, "--top-p", 0.9, "--seed", 7,
+                 "--max-tokens", 16, "--json")
+    b = kimi_run("--weights", tiny_kst, "--prompt", "x", "--temperature", 1.0, "--top-p", 0.9, "--seed", 7,
+                 "--max-tokens", 16, "--json")
+    c = kimi_run("--weights", tiny_kst, "--prompt", "x", "--temperature", 1.0, "--top-p", 0.9, "--seed", 8,
+                 "--max-tokens", 16, "--json")
+    ta, tb, tc = (json.loads(p.stdout)["tokens"] for p in (a, b, c))
+    assert ta == tb and ta != tc
+
+
+def _one_line_error(proc, *needles):
+    assert proc.returncode != 0
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def test_run_errors(tiny_kst, tmp_path):
+    _one_line_error(kimi_run("--weights", tmp_path / "nope.kst", "--prompt", "x", check=False), "nope.kst", "cannot open")
+    bad = tmp_path / "trunc.kst"
+    bad.write_bytes(tiny_kst.read_bytes()[:-5000])
+    _one_line_error(kimi_run("--weights", bad, "--prompt", "x", check=False), "trunc.kst", "truncated")
+    _one_line_error(kimi_run("--weights", tiny_kst, "--prompt", "a b c d e f g h", "--max-context", 3, "--quiet",
+                             check=False), "--max-context")
+    _one_line_error(kimi_run("--weights", tiny_kst, "--prompt", "x", "--top-p", 0, "--quiet", check=False), "--top-p")
+
+
+def test_convert_errors(tiny_ckpt, tmp_path):
+    _one_line_error(convert(tmp_path / "missing", "-o", tmp_path / "x.kst", check=False), "missing")
+    src = tmp_path / "src"
+    shutil.copytree(tiny_ckpt, src)
+    (src / "config.json").write_text("{not json")
+    _one_line_error(convert(src, "-o", tmp_path / "x.kst", check=False), "config.json", "not valid JSON")
+    _one_line_error(convert(tiny_ckpt, "-o", tmp_path / "x.kst", "--override", "((=f32", check=False), "--override")
+    assert not (tmp_path / "x.kst").exists()
+
+
+def _mapped_rss(path) -> int:
+    """Resident bytes of this process's mappings of `path`, as the kernel accounts them."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and not line.startswith(("Rss", "Size")):
+                inside = line.rstrip().endswith(str(path))
+            elif inside and line.startswith("Rss:"):
+                total += int(head[1]) * 1024
+    return total
+
+
+def test_experts_are_paged_in_only_when_routed(tmp_path):
+    from kimistream.convert.converter import convert_checkpoint
+    from kimistream.convert.plan import PrecisionPlan
+    from kimistream.runtime.model import Model
+    from kimistream.runtime.weights import ModelWeights
+    ckpt = tmp_path / "big-experts"
+    refmodels.make_checkpoint(ckpt, seed=5, moe_intermediate_size=1024, n_routed_experts=16)
+    out = tmp_path / "m.kst"
+    convert_checkpoint(ckpt, out, PrecisionPlan.from_preset("f32"))
+    weights = ModelWeights(out)
+    expert_bytes = sum(e.nbytes for e in weights.file.extents if e.kind == "expert")
+    assert _mapped_rss(out) < 64 * 1024                       # opening maps nothing
+    resident = weights.load_resident()
+    model = Model(weights, 16)
+    model.forward([5])
+    touched = weights.expert_bytes_touched
+    assert len(weights.experts_touched) == 2 * 2               # top-2 in each of 2 MoE layers
+    rss = _mapped_rss(out)
+    embed_page_slack = 2 * 65536
+    assert touched <= rss <= resident + touched + embed_page_slack + 4 * 65536
+    assert rss < expert_bytes / 3
