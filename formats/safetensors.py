@@ -119,7 +119,18 @@ class SafetensorsFile:
         else:
             out = raw.view({"I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U8": "u1",
                             "BOOL": "u1"}[dt]).astype(np.float32)
+        self._release(e)
         return out.reshape(shape)
+
+    def _release(self, e) -> None:
+        """Drop the source pages just copied from this process's RSS, so converting a shard of any
+        size holds about one tensor (the page cache keeps them if memory allows)."""
+        if not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = (self.data_start + e["begin"]) // mmap.PAGESIZE * mmap.PAGESIZE
+        end = self.data_start + e["end"]
+        if end > start:
+            self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def close(self):
         if self._mm is not None:
