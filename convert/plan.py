@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 
 from kimistream.formats.codecs import get_codec
-from kimistream.formats.constants import NORMS, ROUTER, TENSOR_CLASSES
+from kimistream.formats.constants import EMBEDDINGS, NORMS, ROUTED_EXPERTS, ROUTER, TENSOR_CLASSES
 
 
 def _uniform(codec: str) -> dict[str, str]:
@@ -17,10 +17,20 @@ def _uniform(codec: str) -> dict[str, str]:
     return plan
 
 
+def _mixed(experts: str, resident: str, embeddings: str) -> dict[str, str]:
+    plan = _uniform(resident)
+    plan[ROUTED_EXPERTS] = experts
+    plan[EMBEDDINGS] = embeddings
+    return plan
+
+
 PRESETS: dict[str, dict[str, str]] = {
     "f32": _uniform("f32"),
     "f16": _uniform("f16"),
     "bf16": _uniform("bf16"),
+    "q8": _uniform("q8"),
+    "q4": _mixed("q4", "q8", "q8"),
+    "q2-rtn": _mixed("q2", "q8", "q8"),
 }
 
 
@@ -47,14 +57,20 @@ class PrecisionPlan:
             parsed.append((pattern, codec))
         return cls(name, dict(PRESETS[name]), parsed)
 
-    def codec_for(self, name: str, cls: str) -> str:
+    def codec_for(self, name: str, cls: str, shape=None) -> str:
         # The router's correction bias is added to sigmoid scores to pick experts: keep it exact.
         if name.endswith("e_score_correction_bias"):
             return "f32"
-        for pattern, codec in self.overrides:
+        codec = self.classes[cls]
+        for pattern, c in self.overrides:
             if re.search(pattern, name):
-                return codec
-        return self.classes[cls]
+                codec = c
+                break
+        # A group codec needs whole groups along the input dimension; a tensor without them (and
+        # every 1-D tensor) falls back to f16, or f32 when the plan asked for a float codec.
+        if shape is not None and not get_codec(codec).supports(shape):
+            codec = "f16" if get_codec("f16").supports(shape) else "f32"
+        return codec
 
     def to_json(self) -> dict:
         return {"preset": self.preset, "classes": self.classes, "overrides": [list(o) for o in self.overrides]}

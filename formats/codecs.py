@@ -23,6 +23,14 @@ class Codec:
     def nbytes(self, shape) -> int:
         raise NotImplementedError
 
+    def supports(self, shape) -> bool:
+        """Whether this codec can hold a tensor of `shape` (group codecs need whole groups)."""
+        try:
+            self.nbytes(shape)
+            return True
+        except CodecError:
+            return False
+
     def encode(self, values: np.ndarray) -> np.ndarray:
         """Encode float values into a uint8 array of exactly nbytes(values.shape)."""
         raise NotImplementedError
@@ -58,11 +66,11 @@ class _Float(Codec):
     def encode(self, values):
         values = np.asarray(values, dtype=np.float32)
         _check_finite(values)
-        if self.dtype.itemsize == 2:
-            limit = float(np.finfo(np.float16).max)
-            if np.abs(values).max(initial=0.0) > limit:
-                raise CodecError(f"value out of float16 range (|x| > {limit})")
-        return np.ascontiguousarray(values.astype(self.dtype)).view(np.uint8).reshape(-1)
+        with np.errstate(over="ignore"):
+            out = np.ascontiguousarray(values.astype(self.dtype))
+        if self.dtype.itemsize == 2 and not np.isfinite(out).all():
+            raise CodecError(f"value out of float16 range (|x| > {float(np.finfo(np.float16).max)})")
+        return out.view(np.uint8).reshape(-1)
 
     def decode(self, buf, shape):
         arr = np.frombuffer(buf, dtype=self.dtype, count=math.prod(shape)).reshape(shape)

@@ -76,11 +76,11 @@ def model_shapes(cfg: ModelConfig) -> dict[str, tuple]:
 def plan_extents(cfg: ModelConfig, codec_for):
     """The extent layout: a list of (extent_name, kind, [(tensor, class, codec, shape), ...]).
 
-    `codec_for(tensor_name, tensor_class) -> codec name` applies the precision plan."""
+    `codec_for(tensor_name, tensor_class, shape) -> codec name` applies the precision plan."""
 
     def entry(name, shape):
         cls = classify(name)
-        return (name, cls, codec_for(name, cls), shape)
+        return (name, cls, codec_for(name, cls, shape), shape)
 
     out = []
     for i in range(cfg.num_hidden_layers):

@@ -9,7 +9,6 @@ treats the header as untrusted input and checks every offset before anything is 
 from __future__ import annotations
 
 import json
-import math
 import mmap
 import os
 import struct
@@ -144,9 +143,13 @@ class WeightFileWriter:
         self._data_start = data_start
         self._file_size = pos
         self._pending = [len(e.tensors) for e in self.extents]
+        self._written: set[str] = set()
         self.tmp_path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.tmp_path, "w+b")
         self._file.truncate(self._file_size)
+        for ext in self.extents:
+            if not ext.tensors and ext.name not in self._blobs:
+                ext.checksum = checksum.extent_digest(b"")
         for name, data in self._blobs.items():
             ext = next(e for e in self.extents if e.name == name)
             self._file.seek(ext.offset)
@@ -155,6 +158,9 @@ class WeightFileWriter:
 
     def write_tensor(self, name: str, encoded) -> None:
         t = self.tensors[name]
+        if name in self._written:
+            raise WeightFileError(f"{self.tmp_path}: tensor {name} written twice")
+        self._written.add(name)
         buf = memoryview(np.ascontiguousarray(encoded)).cast("B")
         if buf.nbytes != t.nbytes:
             raise CodecError(f"{name}: encoded {buf.nbytes} bytes, layout expects {t.nbytes}")
@@ -259,9 +265,11 @@ class WeightFile:
         self.extents: list[Extent] = []
         for i, e in enumerate(exts):
             try:
-                ext = Extent(str(e["name"]), e["kind"], int(e["offset"]), int(e["nbytes"]), str(e["checksum"]))
+                ext = Extent(str(e["name"]), e["kind"], _int(e["offset"]), _int(e["nbytes"]), str(e["checksum"]))
             except (KeyError, TypeError, ValueError):
                 self._fail(f"extent #{i} is malformed")
+            if ext.nbytes < 0:
+                self._fail(f"extent {ext.name}: negative size {ext.nbytes}")
             if ext.kind not in EXTENT_KINDS:
                 self._fail(f"extent {ext.name}: unknown kind {ext.kind!r}")
             if ext.offset < self.data_start or ext.offset % self.alignment or ext.nbytes < 0:
@@ -278,10 +286,14 @@ class WeightFile:
         self.tensors: dict[str, TensorEntry] = {}
         for name, t in tens.items():
             try:
-                ent = TensorEntry(name, t["class"], t["codec"], tuple(int(s) for s in t["shape"]),
-                                  int(t["offset"]), int(t["nbytes"]), int(t["extent"]))
+                if not isinstance(t["codec"], str) or not isinstance(t["shape"], list):
+                    raise TypeError
+                ent = TensorEntry(name, t["class"], t["codec"], tuple(_int(s) for s in t["shape"]),
+                                  _int(t["offset"]), _int(t["nbytes"]), _int(t["extent"]))
             except (KeyError, TypeError, ValueError):
                 self._fail(f"tensor {name}: malformed directory entry")
+            if any(s < 0 for s in ent.shape):
+                self._fail(f"tensor {name}: negative dimension in shape {list(ent.shape)}")
             if ent.cls not in TENSOR_CLASSES:
                 self._fail(f"tensor {name}: unknown class {ent.cls!r}")
             try:
@@ -347,5 +359,8 @@ class WeightFile:
         self.close()
 
 
-def params_of(shape) -> int:
-    return math.prod(shape)
+def _int(v) -> int:
+    """Header integers must be JSON integers: no floats, strings, booleans or Infinity."""
+    if type(v) is not int:
+        raise TypeError(f"not an integer: {v!r}")
+    return v

@@ -41,7 +41,12 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     _set_threads(args.threads)
     from .app import run
-    return run(args)
+    try:
+        return run(args)
+    except BrokenPipeError:
+        # stdout closed early (e.g. piped into `head`): stop quietly like other Unix tools.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

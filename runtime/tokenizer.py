@@ -20,6 +20,12 @@ KIMI_PATTERN = "|".join([
     r"""\s+""",
 ])
 KIMI_RESERVED_SPECIAL = 256
+# Kimi's encode() cuts text into <=400k-char windows, then each window wherever a run of whitespace or of
+# non-whitespace exceeds 25k chars (tiktoken issue 195), and encodes the pieces separately.
+KIMI_MAX_ENCODE_CHARS = 400_000
+KIMI_MAX_RUN_CHARS = 25_000
+# Named special tokens transformers hands to a chat template (`special_tokens_map`).
+_TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 class TokenizerError(ValueError):
@@ -50,9 +56,13 @@ class Tokenizer:
             self._init_tiktoken(files)
         else:
             raise TokenizerError(f"unknown tokenizer kind {kind!r}")
-        self.bos_token = _token_content(self.config.get("bos_token"))
-        self.eos_token = _token_content(self.config.get("eos_token"))
-        self.chat_template = self.config.get("chat_template")
+        named = dict(self.config)
+        if "added_tokens_decoder" not in named and "special_tokens_map.json" in files:
+            named.update(json.loads(files["special_tokens_map.json"]))  # legacy files, as transformers reads them
+        self.named_tokens = {k: t for k in _TEMPLATE_TOKENS if (t := _token_content(named.get(k))) is not None}
+        self.bos_token = self.named_tokens.get("bos_token")
+        self.eos_token = self.named_tokens.get("eos_token")
+        self.chat_template = _default_template(self.config.get("chat_template"))
         if "chat_template.jinja" in files:
             self.chat_template = files["chat_template.jinja"].decode()
 
@@ -68,13 +78,18 @@ class Tokenizer:
                 tok, rank = line.split()
                 ranks[base64.b64decode(tok)] = int(rank)
             except ValueError:
-                raise TokenizerError(f"tiktoken.model line {n}: expected 'BASE64 RANK'") from None
+                raise TokenizerError(f"tiktoken.model line {n}: expected 'BASE64 RANK', got {line[:60].decode(errors='replace')!r}") from None
+        if sorted(ranks.values()) != list(range(len(ranks))):
+            raise TokenizerError(f"tiktoken.model: ranks are not 0..{len(ranks) - 1}, each once")
         n_base = len(ranks)
         named = {int(i): _token_content(t) for i, t in self.config.get("added_tokens_decoder", {}).items()}
         n_special = max(KIMI_RESERVED_SPECIAL, max(named, default=0) - n_base + 1)
         special = {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(n_base, n_base + n_special)}
-        self._tt = tiktoken.Encoding(name="kimi", pat_str=self.config.get("pat_str", KIMI_PATTERN),
-                                     mergeable_ranks=ranks, special_tokens=special)
+        try:
+            self._tt = tiktoken.Encoding(name="kimi", pat_str=self.config.get("pat_str", KIMI_PATTERN),
+                                         mergeable_ranks=ranks, special_tokens=special)
+        except ValueError as e:
+            raise TokenizerError(f"tiktoken.model: {e}") from None
         self._special = special
         self.vocab_size = n_base + n_special
 
@@ -98,7 +113,7 @@ class Tokenizer:
         """Token ids as the reference tokenizer gives them; special tokens in the text are recognised."""
         if self.kind == "hf":
             return self._hf.encode(text, add_special_tokens=add_special_tokens).ids
-        ids = self._tt.encode(text, allowed_special="all")
+        ids = [i for piece in _kimi_pieces(text) for i in self._tt.encode(piece, allowed_special="all")]
         if add_special_tokens and self.config.get("add_bos_token") and self.bos_id is not None:
             ids = [self.bos_id] + ids
         return ids
@@ -113,20 +128,60 @@ class Tokenizer:
         return self._tt.decode(ids)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text, rendered as transformers' `apply_chat_template(..., tokenize=False)` does."""
         if not self.chat_template:
             raise TokenizerError("this model's tokenizer has no chat template (drop --chat)")
         from jinja2.exceptions import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(msg):
-            raise TemplateError(msg)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
-        env.globals["raise_exception"] = raise_exception
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
-            return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            return _chat_env().from_string(self.chat_template).render(
+                messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+                **self.named_tokens)
         except TemplateError as e:
             raise TokenizerError(f"chat template: {e}") from None
+
+
+def _default_template(template):
+    """tokenizer_config.json may hold several named templates ([{name, template}] or {name: template})."""
+    if isinstance(template, list):
+        template = {t["name"]: t["template"] for t in template}
+    if isinstance(template, dict):
+        return template.get("default")
+    return template
+
+
+def _chat_env():
+    """A jinja2 sandbox with the filters and globals transformers gives chat templates."""
+    from datetime import datetime
+
+    import jinja2.ext
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(msg):
+        raise TemplateError(msg)
+
+    def tojson(v, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(v, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _kimi_pieces(text: str):
+    """Kimi's encode-time split (KIMI_MAX_ENCODE_CHARS windows, runs capped at KIMI_MAX_RUN_CHARS)."""
+    for start in range(0, len(text), KIMI_MAX_ENCODE_CHARS):
+        window = text[start:start + KIMI_MAX_ENCODE_CHARS]
+        cut, run, space = 0, 0, window[:1].isspace()
+        for i, ch in enumerate(window):
+            if ch.isspace() != space:
+                run, space = 1, not space
+            else:
+                run += 1
+                if run > KIMI_MAX_RUN_CHARS:
+                    yield window[cut:i]
+                    cut, run = i, 1
+        yield window[cut:]
