@@ -3,10 +3,7 @@ and the reader's validation of untrusted files.
 
 The file layout is re-implemented here independently (prefix struct, xxh3 digests) so the tests can
 craft malicious files: `rewrite_header` replaces the header JSON and recomputes the prefix's header
-length and xxh3-128 digest, so only the check under test can reject the file.
-
-Tests whose name ends in ```` document a defect in formats/ and are expected to FAIL until the
-defect is fixed (see the docstring of each)."""
+length and xxh3-128 digest, so only the check under test can reject the file."""
 
 from __future__ import annotations
 
