@@ -32,6 +32,15 @@ class TokenizerError(ValueError):
     pass
 
 
+def _json_file(files, name):
+    if name not in files:
+        return {}
+    try:
+        return json.loads(files[name])
+    except ValueError as e:
+        raise TokenizerError(f"{name}: not valid JSON ({e})") from None
+
+
 def _token_content(tok):
     if isinstance(tok, dict):
         return tok.get("content")
@@ -43,7 +52,7 @@ class Tokenizer:
 
     def __init__(self, kind: str, files: dict[str, bytes]):
         self.kind = kind
-        self.config = json.loads(files["tokenizer_config.json"]) if "tokenizer_config.json" in files else {}
+        self.config = _json_file(files, "tokenizer_config.json")
         if kind == "hf":
             from tokenizers import Tokenizer as HFTokenizer
             try:
@@ -58,7 +67,7 @@ class Tokenizer:
             raise TokenizerError(f"unknown tokenizer kind {kind!r}")
         named = dict(self.config)
         if "added_tokens_decoder" not in named and "special_tokens_map.json" in files:
-            named.update(json.loads(files["special_tokens_map.json"]))  # legacy files, as transformers reads them
+            named.update(_json_file(files, "special_tokens_map.json"))  # legacy files, as transformers reads them
         self.named_tokens = {k: t for k in _TEMPLATE_TOKENS if (t := _token_content(named.get(k))) is not None}
         self.bos_token = self.named_tokens.get("bos_token")
         self.eos_token = self.named_tokens.get("eos_token")
@@ -78,7 +87,8 @@ class Tokenizer:
                 tok, rank = line.split()
                 ranks[base64.b64decode(tok)] = int(rank)
             except ValueError:
-                raise TokenizerError(f"tiktoken.model line {n}: expected 'BASE64 RANK', got {line[:60].decode(errors='replace')!r}") from None
+                got = line[:60].decode(errors="replace")
+                raise TokenizerError(f"tiktoken.model line {n}: expected 'BASE64 RANK', got {got!r}") from None
         if sorted(ranks.values()) != list(range(len(ranks))):
             raise TokenizerError(f"tiktoken.model: ranks are not 0..{len(ranks) - 1}, each once")
         n_base = len(ranks)
@@ -173,6 +183,9 @@ def _chat_env():
 
 def _kimi_pieces(text: str):
     """Kimi's encode-time split (KIMI_MAX_ENCODE_CHARS windows, runs capped at KIMI_MAX_RUN_CHARS)."""
+    if len(text) <= KIMI_MAX_RUN_CHARS:
+        yield text
+        return
     for start in range(0, len(text), KIMI_MAX_ENCODE_CHARS):
         window = text[start:start + KIMI_MAX_ENCODE_CHARS]
         cut, run, space = 0, 0, window[:1].isspace()

@@ -1,0 +1,150 @@
+"""runtime.tokenizer against reference tokenizers we did not write: transformers' AutoTokenizer for
+`tokenizer.json`, and transformers' TikTokenConverter (with Kimi's split pattern) for `tiktoken.model`."""
+
+import random
+
+import pytest
+import tokfixtures as fx
+
+from kimistream.runtime.tokenizer import KIMI_PATTERN, Tokenizer, TokenizerError
+
+MESSAGES = [
+    {"role": "system", "content": "Be brief.", "meta": {"lang": "fr", "ids": [1, 2]}},
+    {"role": "user", "content": "Bonjour — ça va? 日本語 🙂\n\tcode:\r\n  x = 1234567"},
+    {"role": "assistant", "content": "Oui <|im_end|> merci.", "tool_calls": None},
+    {"role": "user", "content": "Et toi?"},
+]
+
+
+def load(kind, d, *names):
+    return Tokenizer(kind, {n: (d / n).read_bytes() for n in names})
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    from transformers import AutoTokenizer
+    d = tmp_path_factory.mktemp("hf")
+    fx.write_hf_dir(d)
+    ours = load("hf", d, "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+    return ours, AutoTokenizer.from_pretrained(str(d))
+
+
+@pytest.fixture(scope="module")
+def tt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiktoken")
+    n_base = fx.write_tiktoken_dir(d, chat_template=fx.CHAT_TEMPLATE)
+    return load("tiktoken", d, "tiktoken.model", "tokenizer_config.json"), fx.tiktoken_reference(d, n_base)
+
+
+@pytest.fixture(params=["hf", "tt"])
+def pair(request):
+    return request.getfixturevalue(request.param)
+
+
+def random_texts(n=300, seed=0):
+    """Short strings mixing letters of many scripts and cases, marks, digits, punctuation and whitespace."""
+    pool = list("aZsStTmMdDlL'’ \t\n\r1234567890.,!?-_(){}<>|&#") + list(
+        "\u017f\u212a\u0130\u0131éßǅʰ\u0301\u0308中文日本アー한🙂🏽\u200d"
+        "\u00a0\u3000\u2028\u0085٣²Ⅻاל\u05b0\ufeff\x0b\x1c")
+    rng = random.Random(seed)
+    return ["".join(rng.choice(pool) for _ in range(rng.randint(1, 16))) for _ in range(n)]
+
+
+@pytest.mark.parametrize("name", fx.SAMPLES)
+def test_encode_matches_reference(pair, name):
+    ours, ref = pair
+    text = fx.SAMPLES[name]
+    assert ours.encode(text) == ref(text)["input_ids"]
+    assert ours.encode(text, add_special_tokens=False) == ref(text, add_special_tokens=False)["input_ids"]
+
+
+def test_random_text_matches_reference(pair):
+    ours, ref = pair
+    for text in random_texts():
+        assert ours.encode(text, add_special_tokens=False) == ref(text, add_special_tokens=False)["input_ids"], text
+
+
+@pytest.mark.parametrize("name", fx.SAMPLES)
+def test_decode_round_trip(pair, name):
+    ours, ref = pair
+    ids = ours.encode(fx.SAMPLES[name], add_special_tokens=False)
+    assert ours.decode(ids) == ref.decode(ids) == fx.SAMPLES[name]
+    for i in range(len(ids)):  # prefixes may end inside a UTF-8 sequence
+        assert ours.decode(ids[:i]) == ref.decode(ids[:i])
+    with_bos = [ours.bos_id, *ids, ours.eos_id]
+    assert ours.decode(with_bos, skip_special_tokens=True) == ref.decode(with_bos, skip_special_tokens=True)
+
+
+def test_ids_and_sizes(pair):
+    ours, ref = pair
+    assert (ours.bos_id, ours.eos_id) == (ref.bos_token_id, ref.eos_token_id)
+    assert ours.vocab_size == len(ref)
+
+
+def test_hf_adds_bos_from_post_processor(hf):
+    ours, _ = hf
+    assert ours.encode("hi")[0] == ours.bos_id != ours.encode("hi", add_special_tokens=False)[0]
+
+
+def test_tiktoken_special_token_ids(tt):
+    ours, ref = tt
+    assert KIMI_PATTERN == fx.KIMI_PAT
+    n_base = ours.vocab_size - 256
+    for i, name in enumerate(fx.kimi_special_names(n_base)):
+        assert ours.encode(f"a{name}b") == ref(f"a{name}b")["input_ids"]
+        assert ours.encode(name) == [n_base + i] == [ref.convert_tokens_to_ids(name)]
+
+
+def test_tiktoken_splits_long_runs_like_kimi(tt):
+    """Kimi encodes <=400k-char windows and <=25k-char runs of (non-)whitespace separately."""
+    ours, ref = tt
+    text = "x" + "ab" * 12_500 + " " * 25_003 + "z" + " quick" * 66_000 + " the end"
+    chunks = list(fx.kimi_chunks(text))
+    assert [len(c) for c in chunks] == [25_000, 25_001, 349_999, 46_013]  # cuts split 'ab', ' quick'
+    expected = [i for c in chunks for i in ref(c, add_special_tokens=False)["input_ids"]]
+    assert expected != ref(text, add_special_tokens=False)["input_ids"]  # the split is visible
+    assert ours.encode(text) == expected
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_render_chat_matches_reference(pair, add_generation_prompt):
+    ours, ref = pair
+    want = ref.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=add_generation_prompt)
+    got = ours.render_chat(MESSAGES, add_generation_prompt=add_generation_prompt)
+    assert got == want
+    assert ours.encode(got, add_special_tokens=False) == ref(want, add_special_tokens=False)["input_ids"]
+
+
+def test_render_chat_raise_exception(hf):
+    ours, _ = hf
+    with pytest.raises(TokenizerError, match="system message must come first"):
+        ours.render_chat([{"role": "user", "content": "x"}, {"role": "system", "content": "y"}])
+
+
+def test_render_chat_without_template(tmp_path):
+    n_base = fx.write_tiktoken_dir(tmp_path)
+    ours = load("tiktoken", tmp_path, "tiktoken.model", "tokenizer_config.json")
+    assert ours.vocab_size == n_base + 256
+    with pytest.raises(TokenizerError, match="no chat template"):
+        ours.render_chat([{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize("model, line", [
+    (b"YQ== 0\nYg==\n", 2),          # rank missing
+    (b"YQ== 0\nYg== one\n", 2),      # rank not an integer
+    (b"YQ== 0\n\nYg== 1 2\n", 3),    # extra field
+    (b"YQ= 0\n", 1),                 # bad base64 padding
+])
+def test_malformed_tiktoken_line(model, line):
+    with pytest.raises(TokenizerError, match=rf"tiktoken\.model line {line}: expected 'BASE64 RANK'"):
+        Tokenizer("tiktoken", {"tiktoken.model": model, "tokenizer_config.json": b"{}"})
+
+
+def test_tiktoken_ranks_must_be_dense():
+    with pytest.raises(TokenizerError, match="ranks are not 0..1"):
+        Tokenizer("tiktoken", {"tiktoken.model": b"YQ== 0\nYg== 5\n", "tokenizer_config.json": b"{}"})
+
+
+def test_malformed_config():
+    with pytest.raises(TokenizerError, match="tokenizer_config.json: not valid JSON"):
+        Tokenizer("tiktoken", {"tiktoken.model": b"YQ== 0\n", "tokenizer_config.json": b"{"})
