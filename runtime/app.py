@@ -1,5 +1,5 @@
-"""What `kimi-run` does once its flags are parsed: open the weights, report, generate, stream the
-text, and emit the stats (text or JSON)."""
+"""What `kimi-run` does once its flags are parsed: plan memory, open the weights, report, generate,
+stream the text, and emit the stats (text or JSON)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,23 @@ from pathlib import Path
 
 import numpy as np
 
-from kimistream.formats.weightfile import WeightFileError
+from kimistream.formats.codecs import get_codec
+from kimistream.formats.constants import EXTENT_EXPERT, EXTENT_RESIDENT
+from kimistream.formats.weightfile import WeightFile, WeightFileError
 
+from . import budget as B
 from .bundled import BundledModelError, default_weights
 from .generate import GenerationStats, generate
-from .model import ContextFull, KVCache, Model
+from .model import ContextFull, Model
+from .pager import ExpertReadError
 from .sampler import Sampler
+from .telemetry import Telemetry, plot_trace
 from .tokenizer import Tokenizer, TokenizerError
 from .weights import ModelWeights
+
+
+class RunError(Exception):
+    pass
 
 
 def _log(msg: str) -> None:
@@ -58,47 +67,126 @@ class _TextStream:
         self.done = text
 
 
+# ------------------------------------------------------------------------------------ memory plan
+
+def plan_for_file(wf: WeightFile, args, baseline: int) -> B.MemoryPlan:
+    """The memory plan from a weight file's header and the flags."""
+    from .model import resident_copies_bytes
+    from kimistream.formats.config import ModelConfig
+    cfg = ModelConfig.from_dict(wf.header["config"])
+    experts = [e for e in wf.extents if e.kind == EXTENT_EXPERT]
+    resident = sum(e.nbytes for e in wf.extents if e.kind == EXTENT_RESIDENT)
+    resident += resident_copies_bytes(wf)
+    # The parsed header and tokenizer (a few times their bytes as Python objects), embedding rows in flight.
+    metadata = 4 * len(json.dumps(wf.header)) + 8 * sum(e.nbytes for e in wf.extents if e.kind == "blob")
+    metadata += 4 * cfg.hidden_size * args.prefill_batch_size
+    scratch = 0
+    for name, t in wf.tensors.items():
+        if t.cls == "routed_experts" and t.codec != "f32":
+            scratch = max(scratch, 2 * 4 * int(np.prod(t.shape)))
+    return B.make_plan(cfg, budget=args.budget, baseline=baseline, resident=resident, metadata=metadata,
+                       expert_bytes=max((e.nbytes for e in experts), default=0), total_experts=len(experts),
+                       max_context=args.max_ctx, chunk=args.prefill_batch_size, expert_scratch=scratch,
+                       prefetch=args.prefetch != "off")
+
+
+def describe_plan(plan: B.MemoryPlan, log) -> None:
+    log(f"memory plan for a budget of {B.fmt(plan.budget)}:")
+    for label, n in plan.rows():
+        log(f"  {label:<58} {B.fmt(n):>12}")
+    used = plan.fixed + plan.cache_experts * plan.expert_bytes
+    log(f"  {'total planned':<58} {B.fmt(used):>12}")
+
+
+def refuse_if_unfit(plan: B.MemoryPlan, cfg, args) -> None:
+    if plan.fits:
+        return
+    per_ctx = B.kv_bytes(cfg, 1) + 4 * 3 * cfg.num_attention_heads * min(args.prefill_batch_size, args.max_ctx)
+    per_chunk = max(1, B.activation_bytes(cfg, 2, args.max_ctx, 0) - B.activation_bytes(cfg, 1, args.max_ctx, 0))
+    need = plan.min_cache_experts
+    raise RunError(f"a budget of {B.fmt(plan.budget)} cannot hold the minimum ({B.fmt(plan.fixed)} fixed + "
+                   f"{need} experts × {B.fmt(plan.expert_bytes)}; short by {B.fmt(plan.shortfall())}): "
+                   + plan.advice(args.max_ctx, args.prefill_batch_size, per_ctx, per_chunk))
+
+
+# ------------------------------------------------------------------------------------ run
+
 def run(args) -> int:
     log = (lambda m: None) if args.quiet else _log
-    if args.prompt is None:
-        return _fail("--prompt is required")
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    for flag in ("max_tokens", "prefill_batch_size"):
-        if getattr(args, flag) < (0 if flag == "max_tokens" else 1):
-            return _fail(f"--{flag.replace('_', '-')} must be {'>= 0' if flag == 'max_tokens' else '>= 1'}")
     try:
-        sampler = Sampler(args.temperature, args.top_p, args.seed)
-        path = Path(args.weights) if args.weights else default_weights(log)
-        weights = ModelWeights(path)
-    except (WeightFileError, BundledModelError, ValueError) as e:
+        if args.plot_trace:
+            if not args.output:
+                raise RunError("--plot-trace needs -o FILE.png")
+            plot_trace(args.plot_trace, args.output)
+            log(f"wrote {args.output}")
+            return 0
+        if args.plan_config:
+            from .planconfig import plan_config
+            return plan_config(args, log)
+        return _generate(args, log)
+    except (RunError, WeightFileError, BundledModelError, TokenizerError, ExpertReadError, ContextFull,
+            ValueError, OSError) as e:
         return _fail(str(e))
-    cfg, header = weights.config, weights.header
-    try:
-        tok_meta = header.get("tokenizer") or {}
-        tok = Tokenizer(tok_meta.get("kind", ""), {n: weights.file.blob(n) for n in tok_meta.get("files", [])})
-        if args.chat:
-            text = tok.render_chat([{"role": "user", "content": prompt}])
-            prompt_ids = tok.encode(text, add_special_tokens=False)
-        else:
-            prompt_ids = tok.encode(prompt)
-    except (TokenizerError, KeyError) as e:
-        return _fail(f"{path}: tokenizer: {e}")
 
-    max_ctx = args.max_context or min(4096, cfg.max_position_embeddings)
-    resident = weights.load_resident()
+
+def _generate(args, log) -> int:
+    baseline = B.current_rss()
+    if args.prompt is None and not args.dry_run:
+        raise RunError("--prompt is required")
+    if args.max_tokens < 0:
+        raise RunError("--max-tokens must be >= 0")
+    if args.prefill_batch_size < 1:
+        raise RunError("--prefill-batch-size must be >= 1")
+    if args.direct and args.io != "pread":
+        raise RunError("--direct needs --io pread")
+    sampler = Sampler(args.temperature, args.top_p, args.seed)
+    path = Path(args.weights) if args.weights else default_weights(log)
+    if args.memory_budget:
+        args.budget = B.parse_size(args.memory_budget)
+    else:
+        args.budget = int(B.DEFAULT_FRACTION * B.mem_available())
+        log(f"no --memory-budget: using {int(B.DEFAULT_FRACTION * 100)}% of available memory")
+
+    with WeightFile(path) as wf:
+        from kimistream.formats.config import ModelConfig
+        cfg = ModelConfig.from_dict(wf.header["config"])
+        args.max_ctx = args.max_context or min(4096, cfg.max_position_embeddings)
+        if args.max_ctx < 1:
+            raise RunError("--max-context must be >= 1")
+        plan = plan_for_file(wf, args, baseline)
+    describe_plan(plan, log)
+    if args.dry_run:
+        if args.json:
+            print(json.dumps({"memory_plan": plan.to_json()}))
+        refuse_if_unfit(plan, cfg, args)
+        return 0
+    refuse_if_unfit(plan, cfg, args)
+
+    weights = ModelWeights(path, io=args.io, cache_bytes=plan.cache_experts * plan.expert_bytes,
+                           policy=args.cache_policy, direct=args.direct)
+    header = weights.header
+    tok_meta = header.get("tokenizer") or {}
     try:
-        model = Model(weights, max_ctx)
-    except ValueError as e:
-        return _fail(str(e))
+        tok = Tokenizer(tok_meta.get("kind", ""), {n: weights.file.blob(n) for n in tok_meta.get("files", [])})
+    except KeyError as e:
+        raise RunError(f"{path}: tokenizer file {e} missing from the weight file") from None
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.chat:
+        prompt_ids = tok.encode(tok.render_chat([{"role": "user", "content": prompt}]), add_special_tokens=False)
+    else:
+        prompt_ids = tok.encode(prompt)
+
+    resident = weights.load_resident()
+    model = Model(weights, args.max_ctx, prefetch=args.prefetch)
     codecs = sorted({t.codec for t in weights.file.tensors.values()})
-    plan = header.get("plan", {}).get("classes", {})
+    plan_classes = header.get("plan", {}).get("classes", {})
     log(f"{path.name}: {cfg.num_hidden_layers} layers ({len(cfg.moe_layers)} MoE), "
         f"{cfg.n_routed_experts} routed experts top-{cfg.num_experts_per_tok}, "
         f"{cfg.n_shared_experts} shared, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
-    log(f"codecs: {', '.join(codecs)}; plan: " + ", ".join(f"{k}={v}" for k, v in plan.items()))
+    log(f"codecs: {', '.join(codecs)}; plan: " + ", ".join(f"{k}={v}" for k, v in plan_classes.items()))
     log(f"tokenizer: {tok.kind}, {tok.vocab_size} tokens; prompt {len(prompt_ids)} tokens")
-    log(f"resident {resident / 2**20:.1f} MiB (+{(weights.decoded_bytes + model.decoded_resident_bytes) / 2**20:.1f} MiB "
-        f"decoded), KV cache {KVCache.bytes_for(cfg, max_ctx) / 2**20:.1f} MiB for {max_ctx} tokens")
+    log(f"resident {B.fmt(resident)}; expert cache {plan.cache_experts} experts ({args.io}, {args.cache_policy}, "
+        f"prefetch {args.prefetch})")
     log("mmap weight file: OK")
 
     stats = GenerationStats()
@@ -110,19 +198,21 @@ def run(args) -> int:
             np.save(tmp, np.ascontiguousarray(all_logits, dtype=np.float32))
             os.replace(tmp, target)
 
+    telemetry = Telemetry(weights.pager, args.trace)
     stop_ids = {i for i in (tok.eos_id, *cfg.eos_token_ids) if i is not None}
     stream = _TextStream(tok, None if args.json else sys.stdout)
     try:
         for tid in generate(model, prompt_ids, args.max_tokens, sampler, args.prefill_batch_size,
-                            stop_ids, stats, dump):
+                            stop_ids, stats, dump, telemetry):
             stream.push(tid)
-    except ContextFull as e:
-        return _fail(str(e))
     except KeyboardInterrupt:
         log("interrupted")
+    finally:
+        telemetry.close()
     stream.finish()
     if not args.json:
         sys.stdout.write("\n")
+    tele = telemetry.summary()
     report = {
         "prefill_tokens_per_s": round(stats.prefill_tokens_per_s, 3),
         "decode_tokens_per_s": round(stats.decode_tokens_per_s, 3),
@@ -134,14 +224,24 @@ def run(args) -> int:
         "prefill_seconds": round(stats.prefill_seconds, 4),
         "decode_seconds": round(stats.decode_seconds, 4),
         "stop_reason": stats.stop_reason,
+        "memory_budget_bytes": plan.budget,
+        "expert_cache_experts": plan.cache_experts,
+        **tele,
     }
     if args.json:
         print(json.dumps({"prompt_tokens": prompt_ids, "tokens": stream.ids,
-                          "text": tok.decode(stream.ids), "stats": report}))
+                          "text": tok.decode(stream.ids), "stats": report, "memory_plan": plan.to_json()}))
     else:
         log(f"{stats.prompt_tokens} prompt tokens at {report['prefill_tokens_per_s']:.1f} tok/s, "
-            f"{stats.generated_tokens} generated at {report['decode_tokens_per_s']:.1f} tok/s ({stats.stop_reason}); "
-            f"experts touched {report['experts_touched']}/{report['experts_total']}; "
-            f"peak RSS {report['peak_rss_bytes'] / 2**20:.1f} MiB")
+            f"{stats.generated_tokens} generated at {report['decode_tokens_per_s']:.1f} tok/s ({stats.stop_reason})")
+        log(f"experts touched {report['experts_touched']}/{report['experts_total']}; cache hit rate "
+            f"{tele['hit_rate']:.1%}; read {B.fmt(tele['bytes_read'])}"
+            + (f"; prefetch recall {tele['prefetch_recall']:.1%}" if tele["prefetch_recall"] is not None else "")
+            + f"; per decoded token: {B.fmt(tele['decode_bytes_read_per_token'])} read, "
+              f"{tele['decode_compute_s_per_token'] * 1000:.1f} ms compute, "
+              f"{tele['decode_io_wait_s_per_token'] * 1000:.1f} ms I/O wait")
+        log(f"peak RSS {B.fmt(report['peak_rss_bytes'])} (anonymous {B.fmt(tele['peak_rss_anon_bytes'])}, "
+            f"file-backed {B.fmt(tele['peak_rss_file_bytes'])}) of budget {B.fmt(plan.budget)}; "
+            f"major faults {tele['major_faults']}")
     weights.close()
     return 0

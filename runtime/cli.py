@@ -25,6 +25,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object with ids, text and stats")
     p.add_argument("--dump-logits", metavar="PATH", help="save the prompt's logits [n_prompt, vocab] as float32 .npy")
     p.add_argument("--quiet", action="store_true", help="no startup log")
+    m = p.add_argument_group("memory and I/O")
+    m.add_argument("--memory-budget", metavar="SIZE",
+                   help="hard budget for the whole process, e.g. 600M, 8.24G, 8GiB (default: 80%% of MemAvailable)")
+    m.add_argument("--io", choices=("mmap", "pread"), default="mmap", help="expert I/O mode (default mmap)")
+    m.add_argument("--direct", action="store_true", help="with --io pread: O_DIRECT reads (bypass the page cache)")
+    m.add_argument("--prefetch", choices=("off", "next-layer"), default="next-layer",
+                   help="speculative prefetch of the next layer's experts (default next-layer)")
+    m.add_argument("--cache-policy", choices=("lru", "lfru"), default="lru",
+                   help="expert cache eviction: lru, or lfru (least frequently routed among the older half)")
+    m.add_argument("--dry-run", action="store_true", help="print the memory plan and exit")
+    m.add_argument("--plan-config", metavar="CONFIG_JSON",
+                   help="plan memory for a Hugging Face config.json alone (with --quant), before any download")
+    m.add_argument("--quant", default="q2", help="with --plan-config: the precision preset to plan for (default q2)")
+    t = p.add_argument_group("telemetry")
+    t.add_argument("--trace", metavar="FILE.jsonl", help="write one telemetry record per step")
+    t.add_argument("--plot-trace", metavar="FILE.jsonl", help="draw a trace (memory over time, I/O per token) and exit")
+    t.add_argument("-o", "--output", metavar="FILE.png", help="with --plot-trace: the image to write")
     return p
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .model import ContextFull, Model
 from .sampler import Sampler
 
@@ -31,18 +33,26 @@ class GenerationStats:
 
 
 def generate(model: Model, prompt_ids: list[int], max_tokens: int, sampler: Sampler, prefill_batch: int,
-             stop_ids=(), stats: GenerationStats | None = None, on_prefill_logits=None):
+             stop_ids=(), stats: GenerationStats | None = None, on_prefill_logits=None, telemetry=None):
     """Yield generated token ids. `on_prefill_logits(all_logits)` gets every prompt position's logits
-    when given (teacher-forced), at no extra cost."""
+    when given (teacher-forced), at no extra cost. `telemetry.record(phase, n)` closes each step."""
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt_ids)
     if not prompt_ids:
         raise ValueError("the prompt is empty after tokenisation")
     if len(prompt_ids) > model.cache.max_context:
         raise ContextFull(f"the prompt has {len(prompt_ids)} tokens but --max-context is {model.cache.max_context}")
+    if prefill_batch < 1:
+        raise ValueError("--prefill-batch-size must be at least 1")
     t0 = time.perf_counter()
     all_logits = on_prefill_logits is not None
-    logits = model.prefill(prompt_ids, prefill_batch, all_logits=all_logits)
+    chunks = []
+    for s in range(0, len(prompt_ids), prefill_batch):
+        chunk = prompt_ids[s:s + prefill_batch]
+        chunks.append(model.forward(chunk, all_logits=all_logits))
+        if telemetry:
+            telemetry.record("prefill", len(chunk))
+    logits = np.concatenate(chunks, axis=0) if all_logits else chunks[-1]
     if all_logits:
         on_prefill_logits(logits)
         logits = logits[-1:]
@@ -63,6 +73,8 @@ def generate(model: Model, prompt_ids: list[int], max_tokens: int, sampler: Samp
         t = time.perf_counter()
         logits = model.forward([tok])
         dt = time.perf_counter() - t
+        if telemetry:
+            telemetry.record("decode", 1)
         stats.token_seconds.append(dt)
         stats.decode_seconds += dt
     stats.stop_reason = "max tokens"

@@ -75,6 +75,24 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleave: bool
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
+# Attention projections used at every token are decoded once to float32 and kept (f32 is a view).
+DECODED_ONCE = ("kv_a", "o", "q_a", "q_b", "q")
+_DECODED_SUFFIXES = ("kv_a_proj_with_mqa.weight", "o_proj.weight", "q_a_proj.weight", "q_b_proj.weight",
+                     "q_proj.weight")
+
+
+def resident_copies_bytes(wf) -> int:
+    """Bytes of float32 copies the Model makes of resident tensors (for the memory plan): the split
+    kv_b_proj of every layer, and decoded attention projections / lm_head when not stored as f32."""
+    total = 0
+    for name, t in wf.tensors.items():
+        n = 4 * math.prod(t.shape)
+        if t.codec != "f32" and (name.endswith(_DECODED_SUFFIXES + ("kv_b_proj.weight",))
+                                 or name == "lm_head.weight"):
+            total += n
+    return total
+
+
 class KVCache:
     """Per layer: the normalised KV latent [max_context, kv_lora_rank] and rotated key part
     [max_context, qk_rope_head_dim], float32."""
@@ -92,7 +110,10 @@ class KVCache:
 
 
 class Model:
-    def __init__(self, weights: ModelWeights, max_context: int):
+    def __init__(self, weights: ModelWeights, max_context: int, prefetch: str = "off"):
+        if prefetch not in ("off", "next-layer"):
+            raise ValueError(f"unknown --prefetch {prefetch!r} (off, next-layer)")
+        self.prefetch = prefetch
         self.w = weights
         self.cfg = cfg = weights.config
         if max_context < 1:
@@ -104,6 +125,9 @@ class Model:
             scale *= _yarn_mscale(cfg.rope.factor, cfg.rope.mscale_all_dim) ** 2
         self.softmax_scale = scale
         self.layers = [self._bind_layer(i) for i in range(cfg.num_hidden_layers)]
+        moe = [L for L in self.layers if L["moe"]]
+        for a, b in zip(moe, moe[1:]):
+            a["next_moe"] = b
         self.final_norm = weights.vector("model.norm.weight")
         self.lm_head = weights.weight("lm_head.weight" if weights.has("lm_head.weight") else "model.embed_tokens.weight")
         self.decoded_resident_bytes = self.lm_head.keep_dense()
@@ -122,9 +146,10 @@ class Model:
         else:
             L["q"] = w.weight(p + "self_attn.q_proj.weight")
         nh, nope, v, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        # Strided views, no copies, when kv_b_proj is stored as f32 (a decoded copy otherwise).
         kv_b = w.weight(p + "self_attn.kv_b_proj.weight").dense().reshape(nh, nope + v, r)
-        L["w_k"] = np.ascontiguousarray(kv_b[:, :nope, :])                  # [nh, nope, r]
-        L["w_v_t"] = np.ascontiguousarray(kv_b[:, nope:, :].transpose(0, 2, 1))  # [nh, r, v]
+        L["w_k"] = kv_b[:, :nope, :]                       # [nh, nope, r]
+        L["w_v_t"] = kv_b[:, nope:, :].transpose(0, 2, 1)  # [nh, r, v]
         if L["moe"]:
             L["router"] = w.vector(p + "mlp.gate.weight")
             L["bias"] = w.vector(p + "mlp.gate.e_score_correction_bias")
@@ -133,10 +158,9 @@ class Model:
                                     for n in ("gate_proj", "up_proj", "down_proj"))
         else:
             L["mlp"] = tuple(w.weight(p + f"mlp.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj"))
-        for k in ("kv_a", "o", "q_a", "q_b", "q"):
+        for k in DECODED_ONCE:
             if k in L:
-                self_bytes = L[k].keep_dense()
-                self.w.decoded_bytes += self_bytes
+                self.w.decoded_bytes += L[k].keep_dense()
         return L
 
     # ------------------------------------------------------------------ blocks
@@ -202,11 +226,24 @@ class Model:
             weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
         return idx, (weights * cfg.routed_scaling_factor).astype(np.float32)
 
-    def _moe(self, L: dict, h: np.ndarray) -> np.ndarray:
+    def _predict_next(self, L: dict, x: np.ndarray) -> None:
+        """Speculative prefetch: the next MoE layer's router applied to the current residual stream
+        guesses that layer's experts; their reads start while this layer computes."""
+        nxt = L.get("next_moe")
+        if nxt is None:
+            return
+        guess, _ = self.route(nxt, rms_norm(x, nxt["ln2"], self.cfg.rms_norm_eps))
+        self.w.pager.prefetch(nxt["index"], np.unique(guess))
+
+    def _moe(self, L: dict, h: np.ndarray, x: np.ndarray) -> np.ndarray:
         idx, weights = self.route(L, h)
+        used = np.unique(idx)
+        self.w.pager.note_routed(L["index"], used)
+        if self.prefetch == "next-layer":
+            self._predict_next(L, x)
         out = np.zeros_like(h)
         # Group the chunk's tokens by expert: each expert is fetched once per chunk.
-        for e in np.unique(idx):
+        for e in used:
             tok, slot = np.nonzero(idx == e)
             gate, up, down = self.w.expert(L["index"], int(e))
             out[tok] += self._mlp(h[tok], gate, up, down) * weights[tok, slot][:, None]
@@ -225,7 +262,7 @@ class Model:
         for L in self.layers:
             x = x + self._attention(L, rms_norm(x, L["ln1"], cfg.rms_norm_eps), start)
             h = rms_norm(x, L["ln2"], cfg.rms_norm_eps)
-            x = x + (self._moe(L, h) if L["moe"] else self._mlp(h, *L["mlp"]))
+            x = x + (self._moe(L, h, x) if L["moe"] else self._mlp(h, *L["mlp"]))
         self.cache.length = start + T
         if not all_logits:
             x = x[-1:]

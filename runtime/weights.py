@@ -1,6 +1,6 @@
 """The runtime's view of a weight file: the memory map, the resident set (touched once at start and
-kept), the embedding table (rows gathered on demand) and routed experts (touched only when a token
-is routed to them). Expert accesses are counted here."""
+kept), the embedding table (rows gathered on demand, then released) and routed experts (fetched
+through the expert pager only when a token is routed to them)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ import numpy as np
 
 from kimistream.formats.codecs import get_codec
 from kimistream.formats.config import ModelConfig
-from kimistream.formats.constants import EXTENT_EXPERT, EXTENT_RESIDENT
-from kimistream.formats.layout import EXPERT_PROJS, expert_extent, expert_tensor
+from kimistream.formats.constants import EXTENT_EMBEDDING, EXTENT_EXPERT, EXTENT_RESIDENT
 from kimistream.formats.weightfile import WeightFile
 
+from .pager import ExpertPager, make_pager
+
 PAGE = mmap.PAGESIZE
+UNBOUNDED = 1 << 62
 
 
 @dataclass
@@ -42,21 +44,33 @@ class Weight:
 
 
 class ModelWeights:
-    def __init__(self, path):
+    def __init__(self, path, io: str = "mmap", cache_bytes: int = UNBOUNDED, policy: str = "lru",
+                 direct: bool = False):
         self.file = WeightFile(path)
         self.header = self.file.header
         self.config = ModelConfig.from_dict(self.header["config"])
         self.experts_touched: set[tuple[int, int]] = set()
         self.expert_bytes_touched = 0
-        self._expert_cache: dict[tuple[int, int], tuple[Weight, Weight, Weight]] = {}
         self.resident_bytes = 0
         self.decoded_bytes = 0
         self._advise_experts_random()
+        self.pager: ExpertPager = make_pager(io, self.file, cache_bytes, policy, direct)
+
+    def _extents(self, kind):
+        return [e for e in self.file.extents if e.kind == kind]
+
+    @property
+    def expert_extent_bytes(self) -> int:
+        return max((e.nbytes for e in self._extents(EXTENT_EXPERT)), default=0)
+
+    @property
+    def resident_extent_bytes(self) -> int:
+        return sum(e.nbytes for e in self._extents(EXTENT_RESIDENT))
 
     def _advise_experts_random(self) -> None:
-        # Default readahead pulls megabytes around every fault in a randomly-accessed expert region;
+        # Default readahead pulls far more than a fault needs in a randomly-accessed expert region;
         # MADV_RANDOM limits each fault to its page (see DESIGN 5b).
-        exps = [e for e in self.file.extents if e.kind == EXTENT_EXPERT]
+        exps = self._extents(EXTENT_EXPERT)
         if exps and hasattr(mmap, "MADV_RANDOM"):
             lo = min(e.offset for e in exps) // PAGE * PAGE
             hi = max(e.offset + e.nbytes for e in exps)
@@ -65,11 +79,11 @@ class ModelWeights:
     def load_resident(self) -> int:
         """Fault in every resident extent (WILLNEED, then touch each page); returns bytes."""
         total = 0
-        for ext in self.file.extents:
-            if ext.kind != EXTENT_RESIDENT or not ext.nbytes:
+        for ext in self._extents(EXTENT_RESIDENT):
+            if not ext.nbytes:
                 continue
             if hasattr(mmap, "MADV_WILLNEED"):
-                self.file.mm.madvise(mmap.MADV_WILLNEED, ext.offset, ext.nbytes)
+                self.file.mm.madvise(mmap.MADV_WILLNEED, ext.offset // PAGE * PAGE, ext.nbytes + ext.offset % PAGE)
             view = self.file.extent_bytes(ext)
             int(view[::PAGE].sum())       # one byte per page: the pages are now mapped
             total += ext.nbytes
@@ -88,19 +102,21 @@ class ModelWeights:
 
     def embed_rows(self, ids) -> np.ndarray:
         t = self.file.tensors["model.embed_tokens.weight"]
-        return get_codec(t.codec).decode_rows(self.file.raw(t.name), t.shape, ids).astype(np.float32, copy=False)
+        rows = np.array(get_codec(t.codec).decode_rows(self.file.raw(t.name), t.shape, ids), dtype=np.float32)
+        ext = self.file.extents[t.extent]
+        if ext.kind == EXTENT_EMBEDDING and hasattr(mmap, "MADV_DONTNEED"):
+            # Rows were copied out: give the table's pages back so RSS does not grow with the vocabulary seen.
+            self.file.mm.madvise(mmap.MADV_DONTNEED, ext.offset, -(-ext.nbytes // PAGE) * PAGE)
+        return rows
 
     def expert(self, layer: int, e: int) -> tuple[Weight, Weight, Weight]:
+        views = self.pager.get(layer, e)
         key = (layer, e)
-        w = self._expert_cache.get(key)
-        if w is None:
-            w = tuple(self.weight(expert_tensor(layer, e, p)) for p in EXPERT_PROJS)
-            self._expert_cache[key] = w
         if key not in self.experts_touched:
             self.experts_touched.add(key)
-            self.expert_bytes_touched += self.file.extent_by_name[expert_extent(layer, e)].nbytes
-        return w
+            self.expert_bytes_touched += sum(v[3].nbytes for v in views)
+        return tuple(Weight(*v) for v in views)
 
     def close(self):
-        self._expert_cache.clear()
+        self.pager.close()
         self.file.close()

@@ -95,10 +95,11 @@ def test_sampling_is_seeded(tiny_kst):
 def _one_line_error(proc, *needles):
     assert proc.returncode != 0
     lines = [l for l in proc.stderr.splitlines() if l.strip()]
-    assert len(lines) == 1, proc.stderr
+    errors = [l for l in lines if ": error: " in l]
+    assert len(errors) == 1 and lines[-1] == errors[0], proc.stderr   # one error line, last
     assert "Traceback" not in proc.stderr
     for n in needles:
-        assert n in lines[0], lines[0]
+        assert n in errors[0], errors[0]
 
 
 def test_run_errors(tiny_kst, tmp_path):

@@ -1,0 +1,135 @@
+"""The memory budget: parse sizes, account for every part of the process's memory before anything is
+loaded, size the expert cache from what is left, and refuse — saying which flag to change and by
+how much — when the budget cannot hold the minimum."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+
+from kimistream.formats.config import ModelConfig
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+DEFAULT_FRACTION = 0.8       # default budget: this share of MemAvailable
+
+
+def parse_size(text: str) -> int:
+    """'600M', '8.24G', '8GiB', '123456' -> bytes (K/M/G/T are powers of 1000, KiB/MiB/GiB of 1024)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read size {text!r} (examples: 600M, 8.24G, 8GiB, 123456)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def fmt(n: float) -> str:
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("MemAvailable not in /proc/meminfo")
+
+
+def current_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def kv_bytes(cfg: ModelConfig, max_context: int) -> int:
+    return 4 * max_context * cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+
+
+def activation_bytes(cfg: ModelConfig, chunk: int, max_context: int, expert_scratch: int) -> int:
+    """Peak working memory of one forward chunk (float32): the residual stream and its temporaries,
+    attention scores/probabilities for the chunk against the whole context, MoE intermediates,
+    logits, plus scratch for decoding one weight when its codec has no fused kernel."""
+    H, nh = cfg.hidden_size, cfg.num_attention_heads
+    inter = max(cfg.intermediate_size, cfg.moe_intermediate_size * max(1, cfg.n_shared_experts))
+    q = nh * (cfg.qk_head_dim + cfg.kv_lora_rank + cfg.v_head_dim)
+    per_token = 4 * (8 * H + 3 * q + 4 * inter + cfg.vocab_size)
+    scores = 4 * 3 * nh * chunk * max_context
+    return chunk * per_token + scores + expert_scratch
+
+
+@dataclass
+class MemoryPlan:
+    budget: int
+    baseline: int            # interpreter + libraries, measured at start
+    resident: int            # attention, norms, routers, shared experts, dense layers, lm_head
+    metadata: int            # embedding rows in flight, routers' working copies, header, tokenizer
+    kv_cache: int
+    activations: int
+    expert_cache: int        # what is left for resident copies of routed experts
+    expert_bytes: int        # the largest routed expert (one extent)
+    cache_experts: int
+    min_cache_experts: int
+    total_experts: int
+
+    @property
+    def fixed(self) -> int:
+        return self.baseline + self.resident + self.metadata + self.kv_cache + self.activations
+
+    @property
+    def fits(self) -> bool:
+        return self.cache_experts >= self.min_cache_experts
+
+    def shortfall(self) -> int:
+        return max(0, self.fixed + self.min_cache_experts * self.expert_bytes - self.budget)
+
+    def advice(self, max_context: int, chunk: int, per_ctx_token: int, per_chunk_token: int) -> str:
+        """Which flag to lower, and to what, to make the plan fit."""
+        short = self.shortfall()
+        if not short:
+            return ""
+        tips = [f"raise --memory-budget to at least {fmt(self.budget + short)}"]
+        if self.kv_cache + self.activations > short and per_ctx_token:
+            ctx = max_context - math.ceil(short / per_ctx_token)
+            if ctx >= 1:
+                tips.append(f"lower --max-context from {max_context} to {ctx}")
+        if per_chunk_token and chunk > 1:
+            b = chunk - math.ceil(short / per_chunk_token)
+            if b >= 1:
+                tips.append(f"lower --prefill-batch-size from {chunk} to {b}")
+        if self.resident > self.budget // 2:
+            tips.append(f"convert with a lower-precision --quant (resident weights alone take {fmt(self.resident)})")
+        return "; or ".join(tips)
+
+    def rows(self):
+        return [("baseline (interpreter, libraries)", self.baseline),
+                ("resident weights", self.resident),
+                ("metadata, embeddings in flight, routers", self.metadata),
+                ("KV cache", self.kv_cache),
+                ("activations and buffers", self.activations),
+                (f"expert cache ({self.cache_experts} of {self.total_experts} experts "
+                 f"× {fmt(self.expert_bytes)})", self.cache_experts * self.expert_bytes)]
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["fits"] = self.fits
+        return d
+
+
+def make_plan(cfg: ModelConfig, *, budget: int, baseline: int, resident: int, metadata: int,
+              expert_bytes: int, total_experts: int, max_context: int, chunk: int, expert_scratch: int,
+              prefetch: bool) -> MemoryPlan:
+    kv = kv_bytes(cfg, max_context)
+    act = activation_bytes(cfg, min(chunk, max_context), max_context, expert_scratch)
+    fixed = baseline + resident + metadata + kv + act
+    left = budget - fixed
+    k = max(1, cfg.num_experts_per_tok)
+    # One token's experts of a layer must fit, plus the next layer's predicted set when prefetching.
+    min_cache = min(total_experts, (2 if prefetch else 1) * k) if total_experts else 0
+    cache = min(total_experts, max(0, left) // expert_bytes) if expert_bytes else 0
+    return MemoryPlan(budget, baseline, resident, metadata, kv, act, max(0, left), expert_bytes, int(cache),
+                      min_cache, total_experts)

@@ -1,0 +1,353 @@
+"""Routed experts on demand, under a byte budget, behind one interface with two I/O modes.
+
+- `mmap`: experts are views of the file mapping. A miss maps the extent's pages in one blocking
+  MADV_POPULATE_READ; prefetch is posix_fadvise(WILLNEED) from a helper thread (it releases the GIL)
+  in pieces of at most 8 MiB; eviction is MADV_DONTNEED, which drops the pages from this process's
+  RSS (the page cache may keep them).
+- `pread`: a fixed pool of page-aligned buffers, one expert each, filled by preadv (optionally
+  O_DIRECT) on the caller's thread or, for prefetch, a thread pool. The pool is the cache.
+
+Both count hits, misses, bytes read, time spent waiting for I/O, and prefetch recall/waste."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kimistream.formats.layout import EXPERT_PROJS, expert_extent, expert_tensor
+from kimistream.formats.weightfile import WeightFile
+
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)   # Linux 5.14+; constant missing in 3.11
+FADVISE_PIECE = 8 << 20
+PAGE = mmap.PAGESIZE
+
+
+class ExpertReadError(OSError):
+    pass
+
+
+@dataclass
+class PagerStats:
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    io_wait_s: float = 0.0
+    evictions: int = 0
+    prefetched: int = 0
+    prefetch_bytes: int = 0
+    prefetch_wasted_bytes: int = 0
+    predicted_used: int = 0          # routed experts that had been predicted
+    routed_checked: int = 0          # routed experts at layers where a prediction was made
+
+    @property
+    def hit_rate(self) -> float:
+        n = self.hits + self.misses
+        return self.hits / n if n else 0.0
+
+    @property
+    def recall(self) -> float:
+        return self.predicted_used / self.routed_checked if self.routed_checked else 0.0
+
+    def snapshot(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Entry:
+    key: tuple
+    offset: int
+    nbytes: int
+    views: tuple = ()
+    slot: int = -1
+    freq: int = 0
+    ready: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+class ExpertPager:
+    """get(layer, expert) -> (gate, up, down) weight views; prefetch(layer, experts)."""
+
+    def __init__(self, wf: WeightFile, capacity_bytes: int, policy: str = "lru", threads: int = 2):
+        if policy not in ("lru", "lfru"):
+            raise ValueError(f"unknown cache policy {policy!r} (lru, lfru)")
+        self.wf, self.capacity, self.policy = wf, capacity_bytes, policy
+        self.stats = PagerStats()
+        self._cache: OrderedDict[tuple, _Entry] = OrderedDict()
+        self._inflight: dict[tuple, _Entry] = {}
+        self._predicted: dict[int, set] = {}
+        self._freq: dict[tuple, int] = {}
+        self._prefetched: set[tuple] = set()     # prefetched, not yet used
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="kimi-prefetch")
+        self.cached_bytes = 0
+
+    # ---------------------------------------------------------------- interface
+    def extent(self, key):
+        ext = self.wf.extent_by_name[expert_extent(*key)]
+        return ext.offset, ext.nbytes
+
+    def get(self, layer: int, e: int):
+        key = (layer, e)
+        self._freq[key] = self._freq.get(key, 0) + 1
+        self._prefetched.discard(key)
+        with self._lock:
+            ent = self._cache.get(key)
+            if ent is not None and ent.ready.is_set() and ent.error is None:
+                self._cache.move_to_end(key)
+                self.stats.hits += 1
+                return ent.views
+        t0 = time.perf_counter()
+        ent = self._load(key)
+        self.stats.io_wait_s += time.perf_counter() - t0
+        self.stats.misses += 1
+        return ent.views
+
+    def note_routed(self, layer: int, experts) -> None:
+        """Score the prediction made for `layer` against the experts actually routed there."""
+        pred = self._predicted.pop(layer, None)
+        if pred is None:
+            return
+        used = set(int(x) for x in experts)
+        self.stats.routed_checked += len(used)
+        self.stats.predicted_used += len(used & pred)
+        for e in pred - used:
+            key = (layer, e)
+            if key in self._prefetched:
+                self._prefetched.discard(key)
+                self.stats.prefetch_wasted_bytes += self.extent(key)[1]
+
+    def prefetch(self, layer: int, experts) -> None:
+        self._predicted[layer] = set(int(x) for x in experts)
+        for e in self._predicted[layer]:
+            key = (layer, e)
+            with self._lock:
+                if key in self._cache or key in self._inflight:
+                    continue
+            self._prefetched.add(key)
+            self._start_prefetch(key)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    # ---------------------------------------------------------------- eviction
+    def _victim(self):
+        if self.policy == "lru":
+            for k, ent in self._cache.items():
+                if ent.ready.is_set():
+                    return k
+            return None
+        # lfru: among the least recent half, evict the least frequently routed expert.
+        ready = [k for k, ent in self._cache.items() if ent.ready.is_set()]
+        if not ready:
+            return None
+        window = ready[: max(1, len(ready) // 2)]
+        return min(window, key=lambda k: self._freq.get(k, 0))
+
+    def _make_room(self, nbytes: int) -> None:
+        while self._cache and self.cached_bytes + nbytes > self.capacity:
+            k = self._victim()
+            if k is None:
+                return
+            ent = self._cache.pop(k)
+            self.cached_bytes -= ent.nbytes
+            self.stats.evictions += 1
+            self._release(ent)
+
+    # ---------------------------------------------------------------- per mode
+    def _views(self, key, buf: np.ndarray, base: int):
+        out = []
+        for proj in EXPERT_PROJS:
+            t = self.wf.tensors[expert_tensor(key[0], key[1], proj)]
+            start = t.offset - base
+            out.append((t.name, t.codec, t.shape, buf[start:start + t.nbytes]))
+        return tuple(out)
+
+    def _load(self, key) -> _Entry:
+        raise NotImplementedError
+
+    def _start_prefetch(self, key) -> None:
+        raise NotImplementedError
+
+    def _release(self, ent: _Entry) -> None:
+        raise NotImplementedError
+
+
+class MmapPager(ExpertPager):
+    mode = "mmap"
+
+    def __init__(self, wf, capacity_bytes, policy="lru", threads=2):
+        super().__init__(wf, capacity_bytes, policy, threads)
+        self._all = np.frombuffer(wf.mm, dtype=np.uint8)
+
+    def _load(self, key):
+        off, n = self.extent(key)
+        with self._lock:
+            ent = self._inflight.get(key)
+        if ent is not None:
+            ent.ready.wait()
+        try:
+            self.wf.mm.madvise(MADV_POPULATE_READ, off // PAGE * PAGE, n + off % PAGE)
+        except OSError as e:
+            raise ExpertReadError(f"{self.wf.path}: reading expert {key[0]}.{key[1]} "
+                                  f"(bytes {off}..{off + n}): {e.strerror}") from None
+        self.stats.bytes_read += n
+        with self._lock:
+            self._inflight.pop(key, None)
+            self._make_room(n)
+            ent = _Entry(key, off, n, self._views(key, self._all[off:off + n], off))
+            ent.ready.set()
+            self._cache[key] = ent
+            self.cached_bytes += n
+        return ent
+
+    def _start_prefetch(self, key):
+        off, n = self.extent(key)
+        ent = _Entry(key, off, n)
+        with self._lock:
+            self._inflight[key] = ent
+        self.stats.prefetched += 1
+        self.stats.prefetch_bytes += n
+        fd = self.wf.fileno()
+
+        def work():
+            try:
+                for p in range(off, off + n, FADVISE_PIECE):
+                    os.posix_fadvise(fd, p, min(FADVISE_PIECE, off + n - p), os.POSIX_FADV_WILLNEED)
+            except OSError as e:
+                ent.error = e
+            finally:
+                ent.ready.set()
+        self._pool.submit(work)
+
+    def _release(self, ent):
+        if hasattr(mmap, "MADV_DONTNEED"):
+            start = ent.offset // PAGE * PAGE
+            self.wf.mm.madvise(mmap.MADV_DONTNEED, start, ent.offset + ent.nbytes - start)
+
+
+class PreadPager(ExpertPager):
+    mode = "pread"
+
+    def __init__(self, wf, capacity_bytes, policy="lru", threads=2, direct: bool = False):
+        super().__init__(wf, capacity_bytes, policy, threads)
+        sizes = [e.nbytes for e in wf.extents if e.kind == "expert"]
+        self.slot_bytes = -(-max(sizes, default=PAGE) // PAGE) * PAGE
+        self.slots = max(1, capacity_bytes // self.slot_bytes) if sizes else 0
+        self.capacity = self.slots * self.slot_bytes
+        # One anonymous mapping: page-aligned slots (O_DIRECT needs aligned buffers).
+        self._arena = mmap.mmap(-1, max(PAGE, self.slots * self.slot_bytes))
+        self._buf = np.frombuffer(self._arena, dtype=np.uint8)
+        self._free = list(range(self.slots))
+        self.direct = direct
+        flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
+        try:
+            self._fd = os.open(wf.path, flags)
+        except OSError as e:
+            raise ExpertReadError(f"{wf.path}: cannot open for {'O_DIRECT ' if direct else ''}reads: {e.strerror}")
+
+    def _read_into(self, ent: _Entry) -> None:
+        # O_DIRECT wants the length rounded up to the page; extents start page-aligned.
+        length = -(-ent.nbytes // PAGE) * PAGE if self.direct else ent.nbytes
+        length = min(length, self.wf.size - ent.offset) if not self.direct else length
+        mv = memoryview(self._arena)[ent.slot * self.slot_bytes: ent.slot * self.slot_bytes + length]
+        got = 0
+        while got < ent.nbytes:
+            n = os.preadv(self._fd, [mv[got:]], ent.offset + got)
+            if n <= 0:
+                raise ExpertReadError(f"{self.wf.path}: short read of expert {ent.key[0]}.{ent.key[1]} at byte "
+                                      f"{ent.offset + got} (file truncated or changed since it was opened?)")
+            got += n
+        base = ent.slot * self.slot_bytes
+        ent.views = self._views(ent.key, self._buf[base:base + ent.nbytes], ent.offset)
+
+    def _take_slot(self, nbytes) -> int:
+        if not self._free:
+            self._make_room(self.capacity)      # evict one (capacity is full)
+        if not self._free:
+            raise ExpertReadError(f"{self.wf.path}: expert cache has no free slot (raise --memory-budget)")
+        return self._free.pop()
+
+    def _load(self, key):
+        with self._lock:
+            ent = self._inflight.get(key)
+        if ent is not None:
+            ent.ready.wait()
+            if ent.error is None:
+                return ent
+        off, n = self.extent(key)
+        with self._lock:
+            ent = _Entry(key, off, n, slot=self._take_slot(n))
+        try:
+            self._read_into(ent)
+        except OSError as e:
+            with self._lock:
+                self._free.append(ent.slot)
+            if isinstance(e, ExpertReadError):
+                raise
+            raise ExpertReadError(f"{self.wf.path}: reading expert {key[0]}.{key[1]}: {e.strerror}") from None
+        self.stats.bytes_read += n
+        ent.ready.set()
+        with self._lock:
+            self._cache[key] = ent
+            self.cached_bytes += n
+        return ent
+
+    def _make_room(self, nbytes):
+        # Slots, not bytes, are the unit here: evict until one is free.
+        while self._cache and not self._free:
+            k = self._victim()
+            if k is None:
+                return
+            ent = self._cache.pop(k)
+            self.cached_bytes -= ent.nbytes
+            self.stats.evictions += 1
+            self._release(ent)
+
+    def _start_prefetch(self, key):
+        off, n = self.extent(key)
+        with self._lock:
+            if not self._free and len(self._cache) <= 1:
+                return                          # never evict the only cached expert for a guess
+            ent = _Entry(key, off, n, slot=self._take_slot(n))
+            self._inflight[key] = ent
+        self.stats.prefetched += 1
+        self.stats.prefetch_bytes += n
+
+        def work():
+            try:
+                self._read_into(ent)
+                with self._lock:
+                    self._cache[key] = ent
+                    self.cached_bytes += n
+                    self.stats.bytes_read += n
+            except BaseException as e:   # reported when the expert is needed
+                ent.error = e
+                with self._lock:
+                    self._free.append(ent.slot)
+            finally:
+                with self._lock:
+                    self._inflight.pop(key, None)
+                ent.ready.set()
+        self._pool.submit(work)
+
+    def _release(self, ent):
+        self._free.append(ent.slot)
+
+    def close(self):
+        super().close()
+        os.close(self._fd)
+
+
+def make_pager(mode: str, wf: WeightFile, capacity_bytes: int, policy: str = "lru", direct: bool = False):
+    if mode == "mmap":
+        return MmapPager(wf, capacity_bytes, policy)
+    if mode == "pread":
+        return PreadPager(wf, capacity_bytes, policy, direct=direct)
+    raise ValueError(f"unknown --io mode {mode!r} (mmap, pread)")

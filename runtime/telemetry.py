@@ -1,0 +1,142 @@
+"""Where time and memory go, per token, from the OS's own accounting: wall time split into compute
+and waiting on expert I/O, bytes read, cache hit rate, prefetch recall, major faults (getrusage),
+RSS split into anonymous and file-backed (/proc/self/smaps_rollup), and the page cache
+(/proc/meminfo). Records go to a JSONL trace; a summary closes the run; a trace can be plotted."""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from pathlib import Path
+
+
+def smaps_rollup() -> dict:
+    out = {}
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 3 and parts[2] == "kB":
+                    out[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def meminfo(key: str) -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def vm_hwm() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class Telemetry:
+    def __init__(self, pager, trace_path: str | None = None):
+        self.pager = pager
+        self.records: list[dict] = []
+        self._trace = open(Path(trace_path), "w") if trace_path else None
+        self._t0 = time.perf_counter()
+        self._mark()
+
+    def _mark(self):
+        self._t = time.perf_counter()
+        self._stats = self.pager.stats.snapshot()
+        self._majflt = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+
+    def record(self, phase: str, tokens: int) -> dict:
+        """Close one step (a prefill chunk or a decoded token) and start the next."""
+        now = time.perf_counter()
+        s = self.pager.stats.snapshot()
+        d = {k: s[k] - self._stats[k] for k in s}
+        roll = smaps_rollup()
+        wall = now - self._t
+        rec = {
+            "step": len(self.records), "phase": phase, "tokens": tokens, "t": round(now - self._t0, 6),
+            "wall_s": round(wall, 6), "io_wait_s": round(d["io_wait_s"], 6),
+            "compute_s": round(max(0.0, wall - d["io_wait_s"]), 6),
+            "bytes_read": d["bytes_read"], "hits": d["hits"], "misses": d["misses"],
+            "hit_rate": round(d["hits"] / (d["hits"] + d["misses"]), 4) if d["hits"] + d["misses"] else None,
+            "prefetch_recall": round(d["predicted_used"] / d["routed_checked"], 4) if d["routed_checked"] else None,
+            "prefetch_bytes": d["prefetch_bytes"], "prefetch_wasted_bytes": d["prefetch_wasted_bytes"],
+            "major_faults": resource.getrusage(resource.RUSAGE_SELF).ru_majflt - self._majflt,
+            "rss_bytes": roll.get("Rss", 0), "rss_anon_bytes": roll.get("Anonymous", 0),
+            "rss_file_bytes": roll.get("Rss", 0) - roll.get("Anonymous", 0),
+            "page_cache_bytes": meminfo("Cached"), "vm_hwm_bytes": vm_hwm(),
+        }
+        self.records.append(rec)
+        if self._trace:
+            self._trace.write(json.dumps(rec) + "\n")
+            self._trace.flush()
+        self._mark()
+        return rec
+
+    def summary(self) -> dict:
+        s = self.pager.stats
+        dec = [r for r in self.records if r["phase"] == "decode"]
+        n = len(dec)
+        return {
+            "hits": s.hits, "misses": s.misses, "hit_rate": round(s.hit_rate, 4),
+            "bytes_read": s.bytes_read, "io_wait_s": round(s.io_wait_s, 4), "evictions": s.evictions,
+            "prefetch_recall": round(s.recall, 4) if s.routed_checked else None,
+            "prefetch_bytes": s.prefetch_bytes, "prefetch_wasted_bytes": s.prefetch_wasted_bytes,
+            "decode_bytes_read_per_token": round(sum(r["bytes_read"] for r in dec) / n) if n else 0,
+            "decode_io_wait_s_per_token": round(sum(r["io_wait_s"] for r in dec) / n, 6) if n else 0,
+            "decode_compute_s_per_token": round(sum(r["compute_s"] for r in dec) / n, 6) if n else 0,
+            "major_faults": sum(r["major_faults"] for r in self.records),
+            "peak_rss_anon_bytes": max((r["rss_anon_bytes"] for r in self.records), default=0),
+            "peak_rss_file_bytes": max((r["rss_file_bytes"] for r in self.records), default=0),
+            "vm_hwm_bytes": vm_hwm(),
+        }
+
+    def close(self):
+        if self._trace:
+            self._trace.close()
+            self._trace = None
+
+
+def plot_trace(trace: str, out: str) -> None:
+    """Memory over time and I/O per step from a --trace file, as a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    recs = [json.loads(line) for line in Path(trace).read_text().splitlines() if line.strip()]
+    if not recs:
+        raise ValueError(f"{trace}: no records")
+    steps = [r["step"] for r in recs]
+    mib = 2 ** 20
+    fig, (a, b) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+    a.plot(steps, [r["rss_bytes"] / mib for r in recs], label="RSS")
+    a.plot(steps, [r["rss_anon_bytes"] / mib for r in recs], label="RSS anonymous")
+    a.plot(steps, [r["rss_file_bytes"] / mib for r in recs], label="RSS file-backed")
+    a.plot(steps, [r["vm_hwm_bytes"] / mib for r in recs], "--", label="peak RSS (VmHWM)")
+    prefill = [r["step"] for r in recs if r["phase"] == "prefill"]
+    if prefill:
+        a.axvspan(min(prefill) - 0.5, max(prefill) + 0.5, alpha=0.1, color="gray", label="prefill")
+    a.set_ylabel("MiB")
+    a.legend(loc="lower right")
+    a.set_title(f"kimi-run memory and I/O — {Path(trace).name}")
+    b.bar(steps, [r["bytes_read"] / mib for r in recs], label="expert bytes read")
+    b2 = b.twinx()
+    b2.plot(steps, [r["io_wait_s"] * 1000 for r in recs], "r.-", label="I/O wait (ms)")
+    b2.plot(steps, [r["compute_s"] * 1000 for r in recs], "g.-", label="compute (ms)")
+    b.set_ylabel("MiB read")
+    b2.set_ylabel("ms")
+    b.set_xlabel("step (prefill chunk or decoded token)")
+    b.legend(loc="upper left")
+    b2.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
