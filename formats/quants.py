@@ -1,153 +1,580 @@
-"""Group-wise integer codecs for the weights that dominate the file.
+"""Block codecs for the weights that dominate the file: q8, q6, q4 (resident parts), q2, t1, q1
+(routed experts), and q2rtn (the round-to-nearest baseline). The byte layout is in SPEC.md, section
+"Codecs"; this module is its encoder and numpy reference decoder, and runtime/kernels.py decodes the
+same bytes fused with the matrix product.
 
-Every codec quantises along the input dimension in groups (a multiple of 32 weights), and stores a
-tensor as two planes, each row-contiguous: first the packed codes of all rows, then the per-group
-parameters of all rows (float16). Packing puts consecutive weights of a group in consecutive bytes'
-same bit field, so a SIMD lane unpacks consecutive weights with one shift and mask:
-
-    q8  symmetric   int8 codes,                    f16 scale per 32       8.5 bits/weight
-    q4  asymmetric  4-bit codes, 2 per byte,      f16 scale+min per 32   5.0 bits/weight
-    q2  asymmetric  2-bit codes, 4 per byte,      f16 scale+min per 64   2.5 bits/weight
-
-For a group of g weights packed p per byte, byte j holds weights j, j + g/p, j + 2g/p, ... in bit
-fields 0, b, 2b, ... (b = 8/p). Value = code * scale + min (asymmetric) or code * scale (q8).
+A weight [rows, cols] is quantised along cols. Every row is cut into 32-weight sub-blocks (64 for
+q2rtn) and 256-weight super-blocks (the last one of a row may be shorter). A tensor is five planes,
+each row-major: f16 block parameters, outlier columns (u16), outlier values (f16), sub-block
+parameters (u8) and codes. Codes are packed in chunks of 32 bytes: byte j, field k holds weight
+j + 32k of the chunk, so one SIMD register of 32 bytes yields 32 consecutive weights per shift.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
 from .codecs import CODECS, Codec, CodecError, _check_finite
 
+SUPER = 256                 # weights per super-block (f16 parameters)
+F16_MAX = 65504.0
+POW3 = np.array([1, 3, 9, 27, 81], dtype=np.uint16)
 
-class GroupCodec(Codec):
-    def __init__(self, name: str, bits: int, group: int, symmetric: bool, description: str):
-        self.name, self.bits, self.group, self.symmetric, self.description = name, bits, group, symmetric, description
-        self.per_byte = 8 // bits
-        self.params = 1 if symmetric else 2          # f16 values per group
+# kind ids shared with runtime/kernels.py
+K_Q8, K_Q6, K_Q4, K_Q2, K_Q2RTN, K_T1, K_Q1 = range(7)
 
-    def _geometry(self, shape):
+
+@dataclass(frozen=True)
+class Geometry:
+    """Sizes (bytes per row) and plane offsets (bytes from the tensor start) of one tensor."""
+    rows: int
+    cols: int
+    nsub: int          # sub-blocks per row
+    nblk: int          # f16-parameter blocks per row
+    k: int             # outliers per row
+    par_row: int
+    sub_row: int
+    code_row: int
+    off_par: int
+    off_ocol: int
+    off_oval: int
+    off_sub: int
+    off_code: int
+    nbytes: int
+
+    def as_array(self) -> np.ndarray:
+        return np.array([self.rows, self.cols, self.nsub, self.nblk, self.k, self.par_row, self.sub_row,
+                         self.code_row, self.off_par, self.off_ocol, self.off_oval, self.off_sub,
+                         self.off_code, self.nbytes], dtype=np.int64)
+
+
+# ----------------------------------------------------------------------------------------------- packing
+
+def chunk_bytes(n: int, per_byte: int) -> int:
+    """Bytes used by n codes packed per_byte per byte: full 32-byte chunks, then a shorter tail."""
+    full, tail = divmod(n, 32 * per_byte)
+    return 32 * full + -(-tail // per_byte)
+
+
+def pack_fields(digits: np.ndarray, per_byte: int, bits: int | None) -> np.ndarray:
+    """digits [rows, n] (uint8) -> [rows, chunk_bytes(n)]; bits=None packs base-3 digits (trits)."""
+    rows, n = digits.shape
+    chunk = 32 * per_byte
+    full = n // chunk
+    parts = []
+    for start, width, lane in ((0, full * chunk, 32), (full * chunk, n - full * chunk, -(-(n - full * chunk) // per_byte))):
+        if width == 0:
+            continue
+        d = digits[:, start:start + width]
+        pad = -width % (lane * per_byte)
+        if pad:       # padding digits hold value 0 (trit digit 1)
+            d = np.concatenate([d, np.full((rows, pad), 0 if bits else 1, np.uint8)], axis=1)
+        d = d.reshape(rows, -1, per_byte, lane)
+        if bits:
+            out = np.zeros(d.shape[:2] + d.shape[3:], np.uint8)
+            for k in range(per_byte):
+                out |= d[:, :, k, :] << np.uint8(k * bits)
+        else:
+            v = np.zeros(d.shape[:2] + d.shape[3:], np.uint16)
+            for k in range(per_byte):
+                v = v * 3 + d[:, :, k, :]
+            out = ((v * 256 + 242) // 243).astype(np.uint8)   # ceil(v * 256 / 243), see SPEC
+        parts.append(out.reshape(rows, -1))
+    return np.concatenate(parts, axis=1) if parts else np.zeros((rows, 0), np.uint8)
+
+
+def unpack_fields(packed: np.ndarray, n: int, per_byte: int, bits: int | None) -> np.ndarray:
+    """Inverse of pack_fields: [rows, chunk_bytes(n)] -> digits [rows, n] (uint8)."""
+    rows = packed.shape[0]
+    chunk = 32 * per_byte
+    full, tail = divmod(n, chunk)
+    parts = []
+    for pos, nb, lane, width in ((0, 32 * full, 32, full * chunk),
+                                 (32 * full, -(-tail // per_byte), -(-tail // per_byte), tail)):
+        if width == 0:
+            continue
+        b = packed[:, pos:pos + nb]
+        b = b.reshape(rows, -1, 1, lane)
+        if bits:
+            mask = np.uint8((1 << bits) - 1)
+            ks = np.arange(per_byte, dtype=np.uint8).reshape(1, 1, per_byte, 1) * np.uint8(bits)
+            d = (b >> ks) & mask
+        else:
+            t = (b.astype(np.uint16) * POW3.reshape(1, 1, 5, 1)) & 0xFF
+            d = ((t * 3) >> 8).astype(np.uint8)
+        parts.append(d.reshape(rows, -1)[:, :width])
+    return np.concatenate(parts, axis=1) if parts else np.zeros((rows, 0), np.uint8)
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+def _f16(x) -> np.ndarray:
+    return np.asarray(x, dtype=np.float32).astype(np.float16).astype(np.float32)
+
+
+def _safe(a: np.ndarray) -> np.ndarray:
+    return np.where(a == 0, np.float32(1), a)
+
+
+def _wsum(v: np.ndarray, w: np.ndarray) -> np.ndarray:
+    return (v * w).sum(axis=-1)
+
+
+def _blocks_view(a: np.ndarray, per_blk: int, nblk: int, fill) -> np.ndarray:
+    """[rows, nsub] sub-block values -> [rows, nblk, per_blk] (padding the last block with fill)."""
+    rows, nsub = a.shape
+    pad = nblk * per_blk - nsub
+    if pad:
+        a = np.concatenate([a, np.full((rows, pad), fill, a.dtype)], axis=1)
+    return a.reshape(rows, nblk, per_blk)
+
+
+def _to_subs(blk_vals: np.ndarray, per_blk: int, nsub: int) -> np.ndarray:
+    """[rows, nblk] block values -> [rows, nsub] (each sub-block gets its block's value)."""
+    return np.repeat(blk_vals, per_blk, axis=1)[:, :nsub]
+
+
+# ----------------------------------------------------------------------------------------------- codec
+
+class BlockCodec(Codec):
+    """One of the block codecs; `kind` selects the value formula (see SPEC.md)."""
+
+    def __init__(self, name, kind, sub, blk, npar, sub_bytes, budget, code_planes, description,
+                 levels=None, sub_levels=15):
+        self.name, self.kind, self.sub, self.blk, self.npar = name, kind, sub, blk, npar
+        self.sub_bytes = sub_bytes            # bytes of sub-block parameters per sub-block (0, 0.5, 1, 2)
+        self.budget = budget                  # (num, den): outliers fill the row up to num/den bits per weight
+        self.code_planes = code_planes        # [(bits or None for trits, per_byte)]
+        self.description = description
+        self.levels = levels
+        self.sub_levels = sub_levels
+
+    # ----- geometry
+    def geometry(self, shape) -> Geometry:
+        shape = tuple(int(s) for s in shape)
         if len(shape) != 2:
             raise CodecError(f"{self.name} needs a 2-D weight, got shape {list(shape)}")
         rows, cols = shape
-        if cols % self.group:
-            raise CodecError(f"{self.name}: input dimension {cols} is not a multiple of the group size {self.group}")
-        return rows, cols, cols // self.group
+        if cols <= 0 or cols % self.sub:
+            raise CodecError(f"{self.name}: input dimension {cols} is not a multiple of the group size {self.sub}")
+        nsub = cols // self.sub
+        nblk = -(-cols // self.blk)
+        par_row = nblk * self.npar * 2
+        sub_row = math.ceil(nsub * self.sub_bytes)
+        code_row = sum(chunk_bytes(cols, p) for _, p in self.code_planes)
+        k = 0
+        if self.budget:
+            # as many 32-bit outliers as fit the codec's bits-per-weight budget for this row length
+            num, den = self.budget
+            k = max(0, (num * cols - den * 8 * (par_row + sub_row + code_row)) // (den * 32))
+            if k and cols > 65536:
+                raise CodecError(f"{self.name}: input dimension {cols} exceeds the u16 outlier column range")
+        off_par = 0
+        off_ocol = off_par + rows * par_row
+        off_oval = off_ocol + rows * k * 2
+        off_sub = off_oval + rows * k * 2
+        off_code = off_sub + rows * sub_row
+        nbytes = off_code + rows * code_row
+        return Geometry(rows, cols, nsub, nblk, k, par_row, sub_row, code_row, off_par, off_ocol, off_oval,
+                        off_sub, off_code, nbytes)
 
     def nbytes(self, shape) -> int:
-        rows, cols, groups = self._geometry(shape)
-        return rows * cols * self.bits // 8 + rows * groups * self.params * 2
+        return self.geometry(shape).nbytes
 
-    # ----- bit packing
-    def _pack(self, codes: np.ndarray) -> np.ndarray:
-        """codes [rows, groups, g] uint8 -> [rows, groups, g/p] bytes."""
-        p, b = self.per_byte, self.bits
-        if p == 1:
-            return codes.astype(np.uint8)
-        lanes = codes.reshape(codes.shape[0], codes.shape[1], p, self.group // p)
-        out = np.zeros(lanes.shape[:2] + lanes.shape[3:], dtype=np.uint8)
-        for k in range(p):
-            out |= (lanes[:, :, k, :].astype(np.uint8) << (k * b))
+    # ----- planes
+    def _planes(self, raw: np.ndarray, g: Geometry):
+        r = g.rows
+        par = raw[g.off_par:g.off_ocol].view("<f2").astype(np.float32).reshape(r, g.nblk, self.npar)
+        ocol = raw[g.off_ocol:g.off_oval].view("<u2").reshape(r, g.k)
+        oval = raw[g.off_oval:g.off_sub].view("<f2").astype(np.float32).reshape(r, g.k)
+        sub = raw[g.off_sub:g.off_code].reshape(r, g.sub_row)
+        codes = raw[g.off_code:g.nbytes].reshape(r, g.code_row)
+        return par, ocol, oval, sub, codes
+
+    def _digits(self, codes: np.ndarray, cols: int) -> list[np.ndarray]:
+        out, pos = [], 0
+        for bits, p in self.code_planes:
+            nb = chunk_bytes(cols, p)
+            out.append(unpack_fields(codes[:, pos:pos + nb], cols, p, bits))
+            pos += nb
         return out
 
-    def _unpack(self, packed: np.ndarray, rows: int, groups: int) -> np.ndarray:
-        p, b = self.per_byte, self.bits
-        packed = packed.reshape(rows, groups, self.group // p)
-        if p == 1:
-            return packed
-        mask = (1 << b) - 1
-        return np.concatenate([(packed >> (k * b)) & mask for k in range(p)], axis=-1)
+    def _sub_params(self, sub: np.ndarray, nsub: int):
+        """-> (first, second) sub-block parameters as float32 [rows, nsub] (second may be None)."""
+        if self.sub_bytes == 0.5:
+            lo, hi = sub & 15, sub >> 4
+            return np.stack([lo, hi], axis=-1).reshape(sub.shape[0], -1)[:, :nsub].astype(np.float32), None
+        if self.sub_bytes == 1 and self.kind == K_Q2:
+            return (sub & 15).astype(np.float32), (sub >> 4).astype(np.float32)
+        if self.sub_bytes == 1:
+            return sub.astype(np.float32), None
+        if self.sub_bytes == 2:
+            s = sub.reshape(sub.shape[0], nsub, 2)
+            return s[..., 0].astype(np.float32), s[..., 1].astype(np.float32)
+        return None, None
 
-    # ----- fitting
-    def _fit(self, x: np.ndarray, importance: np.ndarray | None):
-        """Per-group (scale, min) minimising weighted squared error over a grid of clipped ranges."""
-        levels = (1 << self.bits) - 1
-        w = np.ones_like(x) if importance is None else np.broadcast_to(importance, x.shape)
-        if self.symmetric:
-            amax = np.abs(x).max(axis=-1, keepdims=True)
-            half = levels // 2            # int8: [-127, 127]
-            best_scale, best_err = None, None
-            for shrink in (1.0, 0.95, 0.9, 0.85, 0.8):
-                scale = (amax * shrink / half).astype(np.float16).astype(np.float32)
-                safe = np.where(scale == 0, 1, scale)
-                q = np.clip(np.rint(x / safe), -half, half)
-                err = (w * (q * scale - x) ** 2).sum(axis=-1, keepdims=True)
-                if best_err is None:
-                    best_scale, best_err = scale, err
-                else:
-                    better = err < best_err
-                    best_scale = np.where(better, scale, best_scale)
-                    best_err = np.where(better, err, best_err)
-            return best_scale, None
-        lo, hi = x.min(axis=-1, keepdims=True), x.max(axis=-1, keepdims=True)
-        best = None
-        for a in np.linspace(0.0, 0.3, 7):
-            for c in np.linspace(0.0, 0.3, 7):
-                mn = lo + a * (hi - lo) * 0.5
-                mx = hi - c * (hi - lo) * 0.5
-                scale = ((mx - mn) / levels).astype(np.float16).astype(np.float32)
-                mn16 = mn.astype(np.float16).astype(np.float32)
-                safe = np.where(scale == 0, 1, scale)
-                q = np.clip(np.rint((x - mn16) / safe), 0, levels)
-                err = (w * (q * scale + mn16 - x) ** 2).sum(axis=-1, keepdims=True)
-                if best is None:
-                    best = [scale, mn16, err]
-                else:
-                    better = err < best[2]
-                    best = [np.where(better, scale, best[0]), np.where(better, mn16, best[1]),
-                            np.where(better, err, best[2])]
-        return best[0], best[1]
-
-    def encode(self, values, importance: np.ndarray | None = None):
-        """`importance` (optional, [in_features]) weights the squared error of each input channel."""
-        x = np.asarray(values, dtype=np.float32)
-        rows, cols, groups = self._geometry(x.shape)
-        _check_finite(x)
-        if np.abs(x).max(initial=0) > 60000:
-            raise CodecError(f"{self.name}: |value| > 60000 does not fit the float16 group parameters")
-        g = x.reshape(rows, groups, self.group)
-        imp = None
-        if importance is not None:
-            imp = np.asarray(importance, dtype=np.float32).reshape(1, groups, self.group)
-        scale, mn = self._fit(g, imp)
-        levels = (1 << self.bits) - 1
-        safe = np.where(scale == 0, 1, scale)
-        if self.symmetric:
-            q = np.clip(np.rint(g / safe), -(levels // 2), levels // 2).astype(np.int8).view(np.uint8)
-            params = scale[..., 0].astype("<f2")
-        else:
-            q = np.clip(np.rint((g - mn) / safe), 0, levels).astype(np.uint8)
-            params = np.stack([scale[..., 0], mn[..., 0]], axis=-1).astype("<f2")
-        codes = self._pack(q).reshape(-1)
-        return np.concatenate([codes, params.reshape(-1).view(np.uint8)])
-
+    # ----- decode
     def decode(self, buf, shape):
-        rows, cols, groups = self._geometry(shape)
-        raw = np.frombuffer(buf, dtype=np.uint8, count=self.nbytes(shape))
-        ncode = rows * cols * self.bits // 8
-        q = self._unpack(raw[:ncode], rows, groups)
-        params = raw[ncode:].view("<f2").astype(np.float32).reshape(rows, groups, self.params)
-        if self.symmetric:
-            vals = q.view(np.int8).astype(np.float32) * params[..., :1]
-        else:
-            vals = q.astype(np.float32) * params[..., :1] + params[..., 1:2]
-        return vals.reshape(rows, cols)
+        g = self.geometry(shape)
+        raw = np.frombuffer(buf, dtype=np.uint8, count=g.nbytes)
+        if g.rows == 0:
+            return np.zeros(shape, np.float32)
+        par, ocol, oval, sub, codes = self._planes(raw, g)
+        if g.k and (ocol >= g.cols).any():
+            raise CodecError(f"{self.name}: corrupt data: outlier column out of range")
+        dig = self._digits(codes, g.cols)
+        rows, cols, S = g.rows, g.cols, self.sub
+        per_blk = self.blk // S
+        s1, s2 = self._sub_params(sub, g.nsub)
+        # parameters per sub-block [rows, nsub, 1], combined exactly as SPEC.md writes them
+        p0 = _to_subs(par[..., 0], per_blk, g.nsub)[..., None]
+        p1 = _to_subs(par[..., 1], per_blk, g.nsub)[..., None] if self.npar == 2 else None
+        q = dig[0].reshape(rows, g.nsub, S)
+        kind = self.kind
+        if kind == K_Q8:
+            v = p0 * q.view(np.int8).astype(np.float32)
+        elif kind == K_Q6:
+            code = (q | (dig[1].reshape(rows, g.nsub, S) << 4)).astype(np.float32)
+            v = (p0 * s1[..., None]) * (code - np.float32(32))
+        elif kind in (K_Q4, K_Q2):
+            v = (p0 * s1[..., None]) * q.astype(np.float32) + p1 * s2[..., None]
+        elif kind == K_Q2RTN:
+            v = p0 * q.astype(np.float32) + p1
+        elif kind == K_T1:
+            v = (p0 * s1[..., None]) * (q.astype(np.float32) - np.float32(1))
+        elif kind == K_Q1:
+            v = (p0 * s1[..., None]) * (q.astype(np.float32) * np.float32(2) - np.float32(1)) + p1
+        else:  # pragma: no cover
+            raise AssertionError(kind)
+        v = np.ascontiguousarray(v, dtype=np.float32).reshape(rows, cols)
+        if g.k:
+            v[np.arange(rows)[:, None], ocol] = oval
+        return v.reshape(shape)
 
     def decode_rows(self, buf, shape, rows_idx):
-        rows, cols, groups = self._geometry(shape)
-        rows_idx = np.asarray(rows_idx).reshape(-1)
-        raw = np.frombuffer(buf, dtype=np.uint8, count=self.nbytes(shape))
-        row_code = cols * self.bits // 8
-        row_par = groups * self.params * 2
-        codes = raw[:rows * row_code].reshape(rows, row_code)[rows_idx]
-        params = raw[rows * row_code:].reshape(rows, row_par)[rows_idx]
-        sub = np.concatenate([codes.reshape(-1), params.reshape(-1)])
-        return self.decode(sub, (len(rows_idx), cols))
+        g = self.geometry(shape)
+        idx = np.asarray(rows_idx)
+        flat = idx.reshape(-1).astype(np.int64)
+        if flat.size and (flat.min() < -g.rows or flat.max() >= g.rows):
+            raise IndexError(f"row index out of range for {g.rows} rows")
+        flat = np.where(flat < 0, flat + g.rows, flat)
+        raw = np.frombuffer(buf, dtype=np.uint8, count=g.nbytes)
+        parts = []
+        for off, per in ((g.off_par, g.par_row), (g.off_ocol, 2 * g.k), (g.off_oval, 2 * g.k),
+                         (g.off_sub, g.sub_row), (g.off_code, g.code_row)):
+            parts.append(raw[off:off + g.rows * per].reshape(g.rows, per)[flat].reshape(-1))
+        out = self.decode(np.concatenate(parts), (flat.size, g.cols))
+        return out.reshape(idx.shape + (g.cols,))
+
+    # ----- encode
+    def encode(self, values, importance: np.ndarray | None = None):
+        """`importance` (optional, [in_features], >= 0) weights the squared error of each input channel."""
+        x = np.ascontiguousarray(values, dtype=np.float32)
+        g = self.geometry(x.shape)
+        _check_finite(x)
+        if x.size and np.abs(x).max() > F16_MAX:
+            raise CodecError(f"{self.name}: |value| > {F16_MAX:g} does not fit the float16 parameters")
+        rows, cols = x.shape
+        if rows == 0:
+            return np.zeros(0, np.uint8)
+        w = self._importance(importance, cols)
+        wt = np.broadcast_to(w, x.shape).copy()
+        ocol = np.zeros((rows, 0), np.uint16)
+        oval = np.zeros((rows, 0), np.float32)
+        if g.k:
+            score = np.abs(x) * np.sqrt(w)
+            top = np.argpartition(-score, g.k - 1, axis=1)[:, :g.k]
+            top.sort(axis=1)
+            ocol = top.astype(np.uint16)
+            oval = np.take_along_axis(x, top, axis=1)
+            np.put_along_axis(wt, top, 0.0, axis=1)      # excluded from the fit
+        par, sub, digits = self._fit(x, wt, g)
+        code_bytes = [pack_fields(d, p, bits) for d, (bits, p) in zip(digits, self.code_planes)]
+        out = [par.astype("<f2").reshape(-1).view(np.uint8),
+               ocol.astype("<u2").reshape(-1).view(np.uint8),
+               oval.astype("<f2").reshape(-1).view(np.uint8),
+               sub.reshape(-1),
+               np.concatenate(code_bytes, axis=1).reshape(-1)]
+        buf = np.concatenate(out)
+        assert buf.size == g.nbytes
+        return buf
+
+    def _importance(self, importance, cols) -> np.ndarray:
+        if importance is None:
+            return np.ones(cols, np.float32)
+        imp = np.asarray(importance, dtype=np.float32).reshape(-1)
+        if imp.size != cols:
+            raise CodecError(f"{self.name}: importance has {imp.size} values for {cols} input channels")
+        if not np.isfinite(imp).all() or (imp < 0).any():
+            raise CodecError(f"{self.name}: importance must be finite and non-negative")
+        mean = float(imp.mean())
+        if mean <= 0:
+            return np.ones(cols, np.float32)
+        # a small floor keeps channels never seen in calibration weakly fitted
+        return (imp / mean + np.float32(1e-3)).astype(np.float32)
+
+    # ----- fitting: returns (f16 params [rows, nblk, npar] float32, sub bytes [rows, sub_row] uint8,
+    #       [digit planes [rows, cols] uint8])
+    def _fit(self, x, wt, g):
+        rows, cols, S = g.rows, g.cols, self.sub
+        X = x.reshape(rows, g.nsub, S)
+        W = wt.reshape(rows, g.nsub, S)
+        kind = self.kind
+        if kind == K_Q2RTN:
+            lo, hi = X.min(-1), X.max(-1)
+            s, o = _f16((hi - lo) / 3), _f16(lo)
+            q = np.clip(np.rint((X - o[..., None]) / _safe(s)[..., None]), 0, 3).astype(np.uint8)
+            return np.stack([s, o], -1), np.zeros((rows, 0), np.uint8), [q.reshape(rows, cols)]
+        if kind == K_Q8:
+            a = _fit_sym(X, W, -127, 127)
+            s = _f16(a)
+            q = np.clip(np.rint(X / _safe(s)[..., None]), -127, 127).astype(np.int8).view(np.uint8)
+            return s[..., None], np.zeros((rows, 0), np.uint8), [q.reshape(rows, cols)]
+        per_blk = self.blk // S
+        if kind in (K_Q4, K_Q2):
+            a, b = _fit_affine(X, W, self.levels)
+            d, m, sc, mc = _quant_affine(X, W, a, b, self.levels, self.sub_levels, per_blk, g.nblk)
+            A = (_to_subs(d, per_blk, g.nsub) * sc)[..., None]
+            B = (_to_subs(m, per_blk, g.nsub) * mc)[..., None]
+            q = np.clip(np.rint((X - B) / _safe(A)), 0, self.levels).astype(np.uint8)
+            q = np.where(A == 0, np.uint8(0), q)
+            sc8, mc8 = sc.astype(np.uint8), mc.astype(np.uint8)
+            if kind == K_Q2:
+                sub = sc8 | (mc8 << 4)
+            else:
+                sub = np.stack([sc8, mc8], -1).reshape(rows, -1)
+            return np.stack([d, m], -1), sub, [q.reshape(rows, cols)]
+        if kind in (K_T1, K_Q6):
+            lo, hi = (-1, 1) if kind == K_T1 else (-32, 31)
+            a = _fit_sym(X, W, lo, hi)
+            d, sc = _quant_scale(X, W, a, lo, hi, self.sub_levels, per_blk, g.nblk)
+            A = (_to_subs(d, per_blk, g.nsub) * sc)[..., None]
+            t = np.clip(np.rint(X / _safe(A)), lo, hi)
+            t = np.where(A == 0, 0, t)
+            if kind == K_T1:
+                digits = [(t + 1).astype(np.uint8).reshape(rows, cols)]
+                sub = _pack_nibbles(sc.astype(np.uint8), g.sub_row)
+            else:
+                c = (t + 32).astype(np.uint8).reshape(rows, cols)
+                digits = [c & 15, c >> 4]
+                sub = sc.astype(np.uint8)
+            return d[..., None], sub, digits
+        if kind == K_Q1:
+            d, m, sc = _fit_q1(X, W, self.sub_levels, per_blk, g.nblk)
+            ms = _to_subs(m, per_blk, g.nsub)[..., None]
+            bit = (X >= ms).astype(np.uint8)
+            return np.stack([d, m], -1), _pack_nibbles(sc.astype(np.uint8), g.sub_row), [bit.reshape(rows, cols)]
+        raise AssertionError(kind)  # pragma: no cover
 
 
-for _c in (GroupCodec("q8", 8, 32, True, "8-bit symmetric, f16 scale per 32"),
-           GroupCodec("q4", 4, 32, False, "4-bit asymmetric, f16 scale+min per 32"),
-           GroupCodec("q2", 2, 64, False, "2-bit asymmetric, f16 scale+min per 64")):
+def _pack_nibbles(v: np.ndarray, nbytes: int) -> np.ndarray:
+    rows, n = v.shape
+    if n % 2:
+        v = np.concatenate([v, np.zeros((rows, 1), np.uint8)], axis=1)
+    v = v.reshape(rows, -1, 2)
+    return (v[..., 0] | (v[..., 1] << 4)).astype(np.uint8)[:, :nbytes]
+
+
+# ----------------------------------------------------------------------------------------------- fits
+
+def _fit_affine(X, W, levels):
+    """Per sub-block continuous (scale a >= 0, offset b) minimising sum W (a q + b - X)^2, q in 0..levels:
+    a grid of clipped ranges, each refitted by weighted least squares on its codes."""
+    has = W > 0
+    inf = np.float32(np.inf)
+    lo = np.where(has, X, inf).min(-1)
+    hi = np.where(has, X, -inf).max(-1)
+    empty = ~has.any(-1)
+    lo, hi = np.where(empty, 0, lo), np.where(empty, 0, hi)
+    span = hi - lo
+    sw = W.sum(-1)
+    sx = _wsum(X, W)
+    best = None
+    grid = (0.0, 0.06, 0.12, 0.2)
+    for al in grid:
+        for be in grid:
+            mn = lo + np.float32(al) * span
+            a = np.maximum(hi - np.float32(be) * span - mn, 0) / levels
+            q = np.clip(np.rint((X - mn[..., None]) / _safe(a)[..., None]), 0, levels)
+            sq, sqq, sqx = _wsum(q, W), _wsum(q * q, W), _wsum(q * X, W)
+            det = sw * sqq - sq * sq
+            ok = det > 1e-12 * np.maximum(sw * sqq, 1e-30)
+            a2 = np.where(ok, (sw * sqx - sq * sx) / np.where(ok, det, 1), a)
+            a2 = np.maximum(a2, 0)
+            b2 = np.where(ok, (sqq * sx - sq * sqx) / np.where(ok, det, 1),
+                          (sx - a2 * sq) / np.where(sw > 0, sw, 1))
+            q = np.clip(np.rint((X - b2[..., None]) / _safe(a2)[..., None]), 0, levels)
+            err = _wsum((a2[..., None] * q + b2[..., None] - X) ** 2, W)
+            if best is None:
+                best = [a2, b2, err]
+            else:
+                bt = err < best[2]
+                best = [np.where(bt, a2, best[0]), np.where(bt, b2, best[1]), np.where(bt, err, best[2])]
+    return best[0].astype(np.float32), best[1].astype(np.float32)
+
+
+def _fit_sym(X, W, lo, hi):
+    """Per sub-block scale a >= 0 minimising sum W (a q - X)^2 with q in lo..hi."""
+    amax = np.where(W > 0, np.abs(X), 0).max(-1)
+    best = None
+    top = float(max(-lo, hi))
+    fracs = (0.35, 0.5, 0.65, 0.8, 1.0) if hi == 1 else (0.75, 0.85, 0.92, 1.0)
+    for f in fracs:
+        a = amax * np.float32(f) / np.float32(top if hi > 1 else 1.0)
+        for _ in range(2):
+            q = np.clip(np.rint(X / _safe(a)[..., None]), lo, hi)
+            den = _wsum(q * q, W)
+            a = np.where(den > 0, _wsum(q * X, W) / np.where(den > 0, den, 1), a)
+            a = np.maximum(a, 0)
+        q = np.clip(np.rint(X / _safe(a)[..., None]), lo, hi)
+        err = _wsum((a[..., None] * q - X) ** 2, W)
+        if best is None:
+            best = [a, err]
+        else:
+            bt = err < best[1]
+            best = [np.where(bt, a, best[0]), np.where(bt, err, best[1])]
+    return best[0].astype(np.float32)
+
+
+_MULTS = (0.92, 1.0, 1.08)
+
+
+def _quant_affine(X, W, a, b, levels, smax, per_blk, nblk):
+    """Quantise sub-block (a, b) to sc * d, mc * m with sc, mc in 0..smax and d, m f16 per block,
+    choosing d, m and each sub-block's (sc, mc) from a few candidates by weighted error."""
+    rows, nsub = a.shape
+    ab = _blocks_view(a, per_blk, nblk, 0)
+    bb = _blocks_view(b, per_blk, nblk, 0)
+    amax = ab.max(-1)
+    ext = np.take_along_axis(bb, np.abs(bb).argmax(-1)[..., None], -1)[..., 0]   # signed extreme offset
+    best = None
+    for mult in _MULTS:
+        d = _f16(amax / smax * np.float32(mult))
+        m = _f16(ext / smax * np.float32(mult))
+        ds, ms = _to_subs(d, per_blk, nsub), _to_subs(m, per_blk, nsub)
+        sc0 = np.clip(np.rint(a / _safe(ds)), 0, smax)
+        mc0 = np.clip(np.rint(b / _safe(ms)), 0, smax)
+        sb = None
+        for dsc in (-1, 0, 1):
+            for dmc in (-1, 0, 1):
+                sc = np.clip(sc0 + dsc, 0, smax)
+                mc = np.clip(mc0 + dmc, 0, smax)
+                A, B = (ds * sc)[..., None], (ms * mc)[..., None]
+                q = np.clip(np.rint((X - B) / _safe(A)), 0, levels)
+                q = np.where(A == 0, 0, q)
+                err = _wsum((A * q + B - X) ** 2, W)
+                if sb is None:
+                    sb = [sc, mc, err]
+                else:
+                    bt = err < sb[2]
+                    sb = [np.where(bt, sc, sb[0]), np.where(bt, mc, sb[1]), np.where(bt, err, sb[2])]
+        berr = _blocks_view(sb[2], per_blk, nblk, 0).sum(-1)
+        cand = [d, m, sb[0], sb[1], berr]
+        if best is None:
+            best = cand
+        else:
+            bt = berr < best[4]
+            bs = _to_subs(bt, per_blk, nsub)
+            best = [np.where(bt, d, best[0]), np.where(bt, m, best[1]), np.where(bs, sb[0], best[2]),
+                    np.where(bs, sb[1], best[3]), np.where(bt, berr, best[4])]
+    return best[0], best[1], best[2], best[3]
+
+
+def _quant_scale(X, W, a, lo, hi, smax, per_blk, nblk):
+    """Quantise sub-block scales a to sc * d (sc in 0..smax, d f16 per block) by weighted error."""
+    rows, nsub = a.shape
+    amax = _blocks_view(a, per_blk, nblk, 0).max(-1)
+    best = None
+    for mult in _MULTS:
+        d = _f16(amax / smax * np.float32(mult))
+        ds = _to_subs(d, per_blk, nsub)
+        sc0 = np.clip(np.rint(a / _safe(ds)), 0, smax)
+        sb = None
+        for dsc in (-1, 0, 1):
+            sc = np.clip(sc0 + dsc, 0, smax)
+            A = (ds * sc)[..., None]
+            q = np.clip(np.rint(X / _safe(A)), lo, hi)
+            err = _wsum((A * q - X) ** 2, W)
+            if sb is None:
+                sb = [sc, err]
+            else:
+                bt = err < sb[1]
+                sb = [np.where(bt, sc, sb[0]), np.where(bt, err, sb[1])]
+        berr = _blocks_view(sb[1], per_blk, nblk, 0).sum(-1)
+        if best is None:
+            best = [d, sb[0], berr]
+        else:
+            bt = berr < best[2]
+            best = [np.where(bt, d, best[0]), np.where(_to_subs(bt, per_blk, nsub), sb[0], best[1]),
+                    np.where(bt, berr, best[2])]
+    return best[0], best[1]
+
+
+def _fit_q1(X, W, smax, per_blk, nblk):
+    """Binary: value = a_sub * (+-1) + m_block; alternate the offset and the scales (weighted LS)."""
+    rows, nsub, S = X.shape
+    sw_sub = W.sum(-1)
+    sx_sub = _wsum(X, W)
+    swb = _blocks_view(sw_sub, per_blk, nblk, 0).sum(-1)
+    m = _blocks_view(sx_sub, per_blk, nblk, 0).sum(-1) / np.where(swb > 0, swb, 1)
+    for _ in range(3):
+        ms = _to_subs(m, per_blk, nsub)[..., None]
+        s = np.where(X >= ms, np.float32(1), np.float32(-1))
+        a = np.maximum(_wsum((X - ms) * s, W) / np.where(sw_sub > 0, sw_sub, 1), 0)
+        r = _wsum(X - a[..., None] * s, W)
+        m = _blocks_view(r, per_blk, nblk, 0).sum(-1) / np.where(swb > 0, swb, 1)
+    m = _f16(m)
+    ms = _to_subs(m, per_blk, nsub)[..., None]
+    s = np.where(X >= ms, np.float32(1), np.float32(-1))
+    a = np.maximum(_wsum((X - ms) * s, W) / np.where(sw_sub > 0, sw_sub, 1), 0).astype(np.float32)
+    amax = _blocks_view(a, per_blk, nblk, 0).max(-1)
+    best = None
+    for mult in _MULTS:
+        d = _f16(amax / smax * np.float32(mult))
+        ds = _to_subs(d, per_blk, nsub)
+        sc0 = np.clip(np.rint(a / _safe(ds)), 0, smax)
+        sb = None
+        for dsc in (-1, 0, 1):
+            sc = np.clip(sc0 + dsc, 0, smax)
+            err = _wsum(((ds * sc)[..., None] * s + ms - X) ** 2, W)
+            if sb is None:
+                sb = [sc, err]
+            else:
+                bt = err < sb[1]
+                sb = [np.where(bt, sc, sb[0]), np.where(bt, err, sb[1])]
+        berr = _blocks_view(sb[1], per_blk, nblk, 0).sum(-1)
+        if best is None:
+            best = [d, sb[0], berr]
+        else:
+            bt = berr < best[2]
+            best = [np.where(bt, d, best[0]), np.where(_to_subs(bt, per_blk, nsub), sb[0], best[1]),
+                    np.where(bt, berr, best[2])]
+    return best[0], m, best[1]
+
+
+# ----------------------------------------------------------------------------------------------- registry
+
+_DEFS = (
+    BlockCodec("q8", K_Q8, 32, 32, 1, 0, None, [(8, 1)],
+               "8-bit symmetric, f16 scale per 32: 8.5 bpw"),
+    BlockCodec("q6", K_Q6, 32, SUPER, 1, 1, None, [(4, 2), (2, 4)],
+               "6-bit symmetric, u8 scale per 32 under f16 per 256: 6.3125 bpw", sub_levels=255),
+    BlockCodec("q4", K_Q4, 32, SUPER, 2, 2, None, [(4, 2)],
+               "4-bit asymmetric, u8 scale+min per 32 under f16 scale+min per 256: 4.625 bpw",
+               levels=15, sub_levels=255),
+    BlockCodec("q2", K_Q2, 32, SUPER, 2, 1, (5, 2), [(2, 4)],
+               "2-bit asymmetric, 4-bit scale+min per 32 under f16 per 256, outliers up to 2.5 bpw",
+               levels=3, sub_levels=15),
+    BlockCodec("q2rtn", K_Q2RTN, 64, 64, 2, 0, None, [(2, 4)],
+               "2-bit round-to-nearest min-max, f16 scale+offset per 64 (baseline): 2.5 bpw"),
+    BlockCodec("t1", K_T1, 32, SUPER, 1, 0.5, (37, 20), [(None, 5)],
+               "ternary, 5 trits per byte, 4-bit scale per 32 under f16 per 256, outliers up to 1.85 bpw"),
+    BlockCodec("q1", K_Q1, 32, SUPER, 2, 0.5, (27, 20), [(1, 8)],
+               "binary, 4-bit scale per 32 under f16 scale+offset per 256, outliers up to 1.35 bpw"),
+)
+for _c in _DEFS:
     CODECS[_c.name] = _c
+QUANT_CODECS = tuple(c.name for c in _DEFS)

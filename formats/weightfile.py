@@ -144,6 +144,7 @@ class WeightFileWriter:
         self._file_size = pos
         self._pending = [len(e.tensors) for e in self.extents]
         self._written: set[str] = set()
+        self._zero_digests: dict[int, str] = {}
         self.tmp_path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.tmp_path, "w+b")
         self._file.truncate(self._file_size)
@@ -169,6 +170,26 @@ class WeightFileWriter:
         self._pending[t.extent] -= 1
         if self._pending[t.extent] == 0:
             self._hash_extent(self.extents[t.extent])
+
+    def leave_hole(self, extent_name: str) -> None:
+        """Leave an extent unwritten: a sparse hole that reads as zeros (synthetic models far larger
+        than the disk). Its checksum is that of its zero bytes, so verification still holds."""
+        idx = next(i for i, e in enumerate(self.extents) if e.name == extent_name)
+        ext = self.extents[idx]
+        for name in ext.tensors:
+            if name in self._written:
+                raise WeightFileError(f"{self.tmp_path}: extent {extent_name} is partly written")
+            self._written.add(name)
+        self._pending[idx] = 0
+        if ext.nbytes not in self._zero_digests:
+            h = checksum.new_extent_hasher()
+            zeros = bytes(min(ext.nbytes, 16 << 20))
+            left = ext.nbytes
+            while left:
+                h.update(zeros[:min(left, len(zeros))])
+                left -= min(left, len(zeros))
+            self._zero_digests[ext.nbytes] = h.hexdigest()
+        ext.checksum = self._zero_digests[ext.nbytes]
 
     def _hash_extent(self, ext: Extent) -> None:
         self._file.flush()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from .generate import GenerationStats, generate
 from .model import ContextFull, Model
 from .pager import ExpertReadError
 from .sampler import Sampler
-from .telemetry import Telemetry, plot_trace
+from .telemetry import Telemetry, plot_trace, vm_hwm
 from .tokenizer import Tokenizer, TokenizerError
 from .weights import ModelWeights
 
@@ -40,7 +39,8 @@ def _fail(msg: str) -> int:
 
 
 def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # VmHWM, not getrusage's ru_maxrss: the latter keeps the parent's peak across fork+exec.
+    return vm_hwm()
 
 
 class _TextStream:
@@ -69,7 +69,8 @@ class _TextStream:
 
 # ------------------------------------------------------------------------------------ memory plan
 
-def plan_for_file(wf: WeightFile, args, baseline: int) -> B.MemoryPlan:
+def plan_for_file(wf: WeightFile, args, baseline: int, max_ctx: int | None = None,
+                  chunk: int | None = None) -> B.MemoryPlan:
     """The memory plan from a weight file's header and the flags."""
     from .model import resident_copies_bytes
     from kimistream.formats.config import ModelConfig
@@ -86,7 +87,8 @@ def plan_for_file(wf: WeightFile, args, baseline: int) -> B.MemoryPlan:
             scratch = max(scratch, 2 * 4 * int(np.prod(t.shape)))
     return B.make_plan(cfg, budget=args.budget, baseline=baseline, resident=resident, metadata=metadata,
                        expert_bytes=max((e.nbytes for e in experts), default=0), total_experts=len(experts),
-                       max_context=args.max_ctx, chunk=args.prefill_batch_size, expert_scratch=scratch,
+                       max_context=max_ctx or args.max_ctx, chunk=chunk or args.prefill_batch_size,
+                       expert_scratch=scratch,
                        prefetch=args.prefetch != "off")
 
 
@@ -98,15 +100,33 @@ def describe_plan(plan: B.MemoryPlan, log) -> None:
     log(f"  {'total planned':<58} {B.fmt(used):>12}")
 
 
-def refuse_if_unfit(plan: B.MemoryPlan, cfg, args) -> None:
+def _largest_fitting(lo: int, hi: int, fits) -> int | None:
+    """The largest n in [lo, hi] with fits(n), for a monotone predicate; None if even lo fails."""
+    if not fits(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def refuse_if_unfit(plan: B.MemoryPlan, replan, args) -> None:
+    """Refuse an unfit plan, naming each flag that alone would make it fit and the value to use.
+    `replan(max_context, prefill_batch_size)` recomputes the plan with other flags unchanged."""
     if plan.fits:
         return
-    per_ctx = B.kv_bytes(cfg, 1) + 4 * 3 * cfg.num_attention_heads * min(args.prefill_batch_size, args.max_ctx)
-    per_chunk = max(1, B.activation_bytes(cfg, 2, args.max_ctx, 0) - B.activation_bytes(cfg, 1, args.max_ctx, 0))
-    need = plan.min_cache_experts
+    tips = [f"raise --memory-budget to at least {B.fmt(plan.budget + plan.shortfall())}"]
+    ctx = _largest_fitting(1, args.max_ctx - 1, lambda c: replan(c, args.prefill_batch_size).fits)
+    if ctx is not None:
+        tips.append(f"lower --max-context from {args.max_ctx} to {ctx}")
+    batch = _largest_fitting(1, args.prefill_batch_size - 1, lambda b: replan(args.max_ctx, b).fits)
+    if batch is not None:
+        tips.append(f"lower --prefill-batch-size from {args.prefill_batch_size} to {batch}")
+    if plan.resident > plan.budget // 2:
+        tips.append(f"convert with a lower-precision --quant (resident weights alone take {B.fmt(plan.resident)})")
     raise RunError(f"a budget of {B.fmt(plan.budget)} cannot hold the minimum ({B.fmt(plan.fixed)} fixed + "
-                   f"{need} experts × {B.fmt(plan.expert_bytes)}; short by {B.fmt(plan.shortfall())}): "
-                   + plan.advice(args.max_ctx, args.prefill_batch_size, per_ctx, per_chunk))
+                   f"{plan.min_cache_experts} experts × {B.fmt(plan.expert_bytes)}; short by "
+                   f"{B.fmt(plan.shortfall())}): " + "; or ".join(tips))
 
 
 # ------------------------------------------------------------------------------------ run
@@ -129,8 +149,16 @@ def run(args) -> int:
         return _fail(str(e))
 
 
+def _warm_up() -> None:
+    """Load the libraries a run uses and initialise BLAS, so the measured baseline includes them."""
+    import tokenizers  # noqa: F401
+    a = np.ones((8, 8), np.float32)
+    a @ a
+
+
 def _generate(args, log) -> int:
-    baseline = B.current_rss()
+    _warm_up()
+    baseline = B.current_rss() + B.RUNTIME_SLACK
     if args.prompt is None and not args.dry_run:
         raise RunError("--prompt is required")
     if args.max_tokens < 0:
@@ -154,13 +182,12 @@ def _generate(args, log) -> int:
         if args.max_ctx < 1:
             raise RunError("--max-context must be >= 1")
         plan = plan_for_file(wf, args, baseline)
-    describe_plan(plan, log)
-    if args.dry_run:
-        if args.json:
+        describe_plan(plan, log)
+        if args.dry_run and args.json:
             print(json.dumps({"memory_plan": plan.to_json()}))
-        refuse_if_unfit(plan, cfg, args)
+        refuse_if_unfit(plan, lambda c, b: plan_for_file(wf, args, baseline, c, b), args)
+    if args.dry_run:
         return 0
-    refuse_if_unfit(plan, cfg, args)
 
     weights = ModelWeights(path, io=args.io, cache_bytes=plan.cache_experts * plan.expert_bytes,
                            policy=args.cache_policy, direct=args.direct)

@@ -13,6 +13,7 @@ from kimistream.formats.config import ModelConfig
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 DEFAULT_FRACTION = 0.8       # default budget: this share of MemAvailable
+RUNTIME_SLACK = 12 << 20     # prefetch threads' stacks, allocator fragmentation, Python objects of a run
 
 
 def parse_size(text: str) -> int:
@@ -86,24 +87,6 @@ class MemoryPlan:
 
     def shortfall(self) -> int:
         return max(0, self.fixed + self.min_cache_experts * self.expert_bytes - self.budget)
-
-    def advice(self, max_context: int, chunk: int, per_ctx_token: int, per_chunk_token: int) -> str:
-        """Which flag to lower, and to what, to make the plan fit."""
-        short = self.shortfall()
-        if not short:
-            return ""
-        tips = [f"raise --memory-budget to at least {fmt(self.budget + short)}"]
-        if self.kv_cache + self.activations > short and per_ctx_token:
-            ctx = max_context - math.ceil(short / per_ctx_token)
-            if ctx >= 1:
-                tips.append(f"lower --max-context from {max_context} to {ctx}")
-        if per_chunk_token and chunk > 1:
-            b = chunk - math.ceil(short / per_chunk_token)
-            if b >= 1:
-                tips.append(f"lower --prefill-batch-size from {chunk} to {b}")
-        if self.resident > self.budget // 2:
-            tips.append(f"convert with a lower-precision --quant (resident weights alone take {fmt(self.resident)})")
-        return "; or ".join(tips)
 
     def rows(self):
         return [("baseline (interpreter, libraries)", self.baseline),

@@ -313,8 +313,10 @@ class PreadPager(ExpertPager):
     def _start_prefetch(self, key):
         off, n = self.extent(key)
         with self._lock:
-            if not self._free and len(self._cache) <= 1:
-                return                          # never evict the only cached expert for a guess
+            # Guesses never hold more than all-but-one slot: a demand miss always finds a slot.
+            if len(self._inflight) >= self.slots - 1 or (not self._free and len(self._cache) <= 1):
+                self._prefetched.discard(key)
+                return
             ent = _Entry(key, off, n, slot=self._take_slot(n))
             self._inflight[key] = ent
         self.stats.prefetched += 1

@@ -50,9 +50,11 @@ def plan_config(args, log) -> int:
     args.max_ctx = args.max_context or min(4096, cfg.max_position_embeddings)
     baseline = B.current_rss()
     metadata = 4 * cfg.hidden_size * args.prefill_batch_size + 16 * 2 ** 20   # header, tokenizer, rows in flight
-    plan = B.make_plan(cfg, budget=args.budget, baseline=baseline, resident=resident + copies, metadata=metadata,
-                       expert_bytes=expert, total_experts=n_experts, max_context=args.max_ctx,
-                       chunk=args.prefill_batch_size, expert_scratch=0, prefetch=args.prefetch != "off")
+    def replan(ctx, chunk):
+        return B.make_plan(cfg, budget=args.budget, baseline=baseline, resident=resident + copies,
+                           metadata=metadata, expert_bytes=expert, total_experts=n_experts, max_context=ctx,
+                           chunk=chunk, expert_scratch=0, prefetch=args.prefetch != "off")
+    plan = replan(args.max_ctx, args.prefill_batch_size)
     total = sum(size.values())
     log(f"{path}: {cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts × {len(cfg.moe_layers)} MoE layers, "
         f"preset {args.quant}: file {B.fmt(total)}, resident {B.fmt(resident)} (+{B.fmt(copies)} float32 copies), "
@@ -63,5 +65,5 @@ def plan_config(args, log) -> int:
         f"({plan.cache_experts / max(1, n_experts):.2%} of all)")
     if args.json:
         print(json.dumps({"config": str(path), "quant": args.quant, "file_bytes": total, "memory_plan": plan.to_json()}))
-    refuse_if_unfit(plan, cfg, args)
+    refuse_if_unfit(plan, replan, args)
     return 0

@@ -1,0 +1,90 @@
+"""Synthetic weight files of any geometry: random weights in the layout the converter writes, for
+tests and benchmarks that need models larger than RAM without a download. With `sparse`, routed
+experts are left as holes in the file (they read as zeros and take no disk space)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from kimistream.formats.codecs import get_codec
+from kimistream.formats.config import ConfigError, ModelConfig
+from kimistream.formats.constants import EXTENT_EXPERT
+from kimistream.formats.layout import plan_extents
+from kimistream.formats.weightfile import WeightFileWriter
+
+from .plan import PrecisionPlan
+
+
+class SyntheticError(ValueError):
+    pass
+
+
+def byte_tokenizer(vocab_size: int) -> dict[str, bytes]:
+    """A byte-level tokenizer.json (256 byte tokens + <s>/</s>), for configs that come without one."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    if vocab_size < 258:
+        raise SyntheticError(f"vocab_size {vocab_size} is too small for a byte-level tokenizer (needs 258)")
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<s>", "</s>"])
+    cfg = {"bos_token": "<s>", "eos_token": "</s>", "tokenizer_class": "PreTrainedTokenizerFast"}
+    return {"tokenizer.json": tok.to_str().encode(), "tokenizer_config.json": json.dumps(cfg).encode()}
+
+
+def _values(rng, name: str, shape, cfg: ModelConfig) -> np.ndarray:
+    if name.endswith("norm.weight"):
+        return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+    if name.endswith("e_score_correction_bias"):
+        return (0.01 * rng.standard_normal(shape)).astype(np.float32)
+    fan_in = shape[-1]
+    return (rng.standard_normal(shape, dtype=np.float32) / math.sqrt(fan_in)).astype(np.float32)
+
+
+def write_synthetic(config_path, out, plan: PrecisionPlan, sparse: bool = False, seed: int = 0,
+                    progress=None) -> Path:
+    progress = progress or (lambda *a, **k: None)
+    config_path = Path(config_path)
+    try:
+        hf = json.loads(config_path.read_text())
+        cfg = ModelConfig.from_hf(hf)
+    except (OSError, json.JSONDecodeError) as e:
+        raise SyntheticError(f"{config_path}: {e}") from None
+    except ConfigError as e:
+        raise SyntheticError(f"{config_path}: {e}") from None
+    tok_dir = config_path.parent
+    tok_files = {n: (tok_dir / n).read_bytes() for n in ("tokenizer.json", "tokenizer_config.json")
+                 if (tok_dir / n).is_file()}
+    if "tokenizer.json" not in tok_files:
+        tok_files = byte_tokenizer(cfg.vocab_size)
+    writer = WeightFileWriter(out)
+    layout = plan_extents(cfg, plan.codec_for)
+    for name, kind, tensors in layout:
+        writer.add_extent(name, kind, tensors)
+    for name, data in tok_files.items():
+        writer.add_blob(name, data)
+    writer.begin({"config": cfg.to_dict(), "hf_config": hf, "tokenizer": {"kind": "hf", "files": sorted(tok_files)},
+                  "plan": plan.to_json(), "source": {"synthetic": {"seed": seed, "sparse": sparse}}})
+    rng = np.random.default_rng(seed)
+    total = sum(e.nbytes for e in writer.extents if not (sparse and e.kind == EXTENT_EXPERT))
+    progress("start", total_bytes=total, tensors=len(writer.tensors))
+    try:
+        for name, kind, tensors in layout:
+            if sparse and kind == EXTENT_EXPERT:
+                writer.leave_hole(name)
+                continue
+            for tname, cls, codec, shape in tensors:
+                writer.write_tensor(tname, get_codec(codec).encode(_values(rng, tname, shape, cfg)))
+                progress("tensor", name=tname, nbytes=writer.tensors[tname].nbytes)
+        path = writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    progress("done")
+    return path

@@ -1,0 +1,156 @@
+"""The streaming engine: output is the same under any feasible budget, in either I/O mode, with or
+without prefetch; peak RSS (the kernel's VmHWM via getrusage) stays within --memory-budget when the
+routed experts are 4x the expert cache; impossible budgets, I/O errors and changed files fail
+clearly; telemetry traces plot."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kimistream.convert.plan import PrecisionPlan
+from kimistream.convert.synthetic import write_synthetic
+from kimistream.runtime.generate import generate
+from kimistream.runtime.model import Model
+from kimistream.runtime.pager import ExpertReadError
+from kimistream.runtime.sampler import Sampler
+from kimistream.runtime.weights import ModelWeights
+
+DATA = Path(__file__).parent / "data"
+GEOMETRY = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 512,
+            "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 768, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "kv_lora_rank": 32, "q_lora_rank": 64, "qk_rope_head_dim": 16,
+            "v_head_dim": 32, "qk_nope_head_dim": 32, "n_routed_experts": 32, "num_experts_per_tok": 2,
+            "n_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
+            "max_position_embeddings": 1024}
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    d = tmp_path_factory.mktemp("syn")
+    (d / "config.json").write_text(json.dumps(GEOMETRY))
+    return write_synthetic(d / "config.json", d / "syn.kst", PrecisionPlan.from_preset("f32"), seed=1)
+
+
+def kimi_run(*args):
+    return subprocess.run([sys.executable, "-m", "kimistream.runtime.cli", *map(str, args)],
+                          capture_output=True, text=True, timeout=300)
+
+
+PROMPT = list(range(3, 60, 2))
+
+
+def _run(path, **kw):
+    prefetch = kw.pop("prefetch", "off")
+    w = ModelWeights(path, **kw)
+    w.load_resident()
+    m = Model(w, 128, prefetch=prefetch)
+    logits = m.prefill(PROMPT, 7, all_logits=True)
+    m.reset()
+    tokens = list(generate(m, PROMPT, 12, Sampler(0.0), 5))
+    stats = w.pager.stats
+    w.close()
+    return logits, tokens, stats
+
+
+def test_same_output_under_any_budget_mode_and_prefetch(synthetic):
+    ref_logits, ref_tokens, _ = _run(synthetic)
+    expert = max(e.nbytes for e in ModelWeights(synthetic).file.extents if e.kind == "expert")
+    seen_evictions = False
+    for io in ("mmap", "pread"):
+        for cache in (2, 5, 40):
+            for prefetch in ("off", "next-layer"):
+                for policy in ("lru", "lfru"):
+                    logits, tokens, stats = _run(synthetic, io=io, cache_bytes=cache * expert, policy=policy,
+                                                 prefetch=prefetch)
+                    case = (io, cache, prefetch, policy)
+                    np.testing.assert_array_equal(logits, ref_logits, err_msg=str(case))
+                    assert tokens == ref_tokens, case
+                    seen_evictions |= stats.evictions > 0
+                    if prefetch == "next-layer":
+                        assert stats.routed_checked > 0 and stats.prefetched > 0, case
+    assert seen_evictions
+
+
+def test_direct_io_matches(synthetic):
+    ref_logits, ref_tokens, _ = _run(synthetic)
+    try:
+        logits, tokens, _ = _run(synthetic, io="pread", cache_bytes=3 << 20, direct=True)
+    except ExpertReadError as e:       # a filesystem without O_DIRECT (tmpfs)
+        pytest.skip(str(e))
+    np.testing.assert_array_equal(logits, ref_logits)
+
+
+@pytest.mark.parametrize("io", ["mmap", "pread"])
+def test_peak_rss_within_budget_when_experts_are_4x_the_cache(synthetic, io):
+    plan = json.loads(kimi_run("--weights", synthetic, "--dry-run", "--json", "--memory-budget", "10G",
+                               "--max-context", 256, "--prefill-batch-size", 8, "--quiet").stdout)["memory_plan"]
+    expert, total = plan["expert_bytes"], plan["total_experts"]
+    cache = total // 6
+    # Baseline RSS is measured at start-up by the run itself; leave a margin for its variation.
+    budget = plan["baseline"] + plan["resident"] + plan["metadata"] + plan["kv_cache"] + plan["activations"] \
+        + cache * expert + (8 << 20)
+    prompt = "".join(chr(33 + (i * 7) % 90) for i in range(120))
+    proc = kimi_run("--weights", synthetic, "--prompt", prompt, "--max-tokens", 24, "--json", "--io", io,
+                    "--memory-budget", budget, "--max-context", 256, "--prefill-batch-size", 8)
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(proc.stdout)
+    st = rep["stats"]
+    assert total * expert >= 4 * st["expert_cache_experts"] * expert
+    assert st["experts_touched"] > st["expert_cache_experts"]       # the cache really had to evict
+    assert st["evictions"] > 0
+    assert st["peak_rss_bytes"] <= budget, (st["peak_rss_bytes"], budget, proc.stderr)
+
+
+def test_impossible_budget_refused_before_loading(synthetic):
+    proc = kimi_run("--weights", synthetic, "--prompt", "hi", "--memory-budget", "20M")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    err = proc.stderr.strip().splitlines()[-1]
+    assert "cannot hold the minimum" in err and "raise --memory-budget to at least" in err
+    proc = kimi_run("--weights", synthetic, "--prompt", "hi", "--memory-budget", "75M", "--max-context", 100000)
+    err = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and "lower --max-context from 100000 to" in err
+
+
+def test_pread_io_error_is_clear(synthetic, tmp_path):
+    copy = tmp_path / "c.kst"
+    copy.write_bytes(synthetic.read_bytes())
+    w = ModelWeights(copy, io="pread", cache_bytes=4 << 20)
+    w.load_resident()
+    m = Model(w, 64)
+    first_expert = min(e.offset for e in w.file.extents if e.kind == "expert")
+    os.truncate(copy, first_expert + 1000)                  # the file shrinks under the running model
+    with pytest.raises(ExpertReadError, match=r"c\.kst: .*expert"):
+        for _ in range(8):
+            m.forward(PROMPT[:8])
+    w.close()
+
+
+def test_trace_and_plot(synthetic, tmp_path):
+    trace, png = tmp_path / "t.jsonl", tmp_path / "t.png"
+    proc = kimi_run("--weights", synthetic, "--prompt", "abcdefghij", "--max-tokens", 6, "--trace", trace,
+                    "--prefill-batch-size", 4, "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    recs = [json.loads(l) for l in trace.read_text().splitlines()]
+    assert [r["phase"] for r in recs] == ["prefill"] * 3 + ["decode"] * 5
+    for r in recs:
+        assert r["rss_bytes"] >= r["rss_anon_bytes"] > 0 and r["wall_s"] >= r["compute_s"] >= 0
+    proc = kimi_run("--plot-trace", trace, "-o", png)
+    assert proc.returncode == 0, proc.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plan_for_kimi_k2_config():
+    proc = kimi_run("--plan-config", DATA / "kimi-k2-instruct-config.json", "--quant", "q2",
+                    "--memory-budget", "8.24G", "--max-context", 4096, "--json")
+    rep = json.loads(proc.stdout)
+    plan = rep["memory_plan"]
+    assert rep["file_bytes"] > 250e9                       # ~1 T parameters at ~2 bits
+    assert plan["total_experts"] == 60 * 384
+    assert plan["kv_cache"] == 4 * 4096 * 61 * 576
+    assert "memory plan for a budget of 7.67 GiB" in proc.stderr
+    assert ("verdict: fits" in proc.stderr) == (proc.returncode == 0)
