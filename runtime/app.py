@@ -6,18 +6,19 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from kimistream.formats.codecs import get_codec
+from kimistream.formats.config import ModelConfig
 from kimistream.formats.constants import EXTENT_EXPERT, EXTENT_RESIDENT
 from kimistream.formats.weightfile import WeightFile, WeightFileError
 
 from . import budget as B
 from .bundled import BundledModelError, default_weights
 from .generate import GenerationStats, generate
-from .model import ContextFull, Model
+from .model import ContextFull, Model, resident_copies_bytes
 from .pager import ExpertReadError
 from .sampler import Sampler
 from .telemetry import Telemetry, plot_trace, vm_hwm
@@ -72,8 +73,6 @@ class _TextStream:
 def plan_for_file(wf: WeightFile, args, baseline: int, max_ctx: int | None = None,
                   chunk: int | None = None) -> B.MemoryPlan:
     """The memory plan from a weight file's header and the flags."""
-    from .model import resident_copies_bytes
-    from kimistream.formats.config import ModelConfig
     cfg = ModelConfig.from_dict(wf.header["config"])
     experts = [e for e in wf.extents if e.kind == EXTENT_EXPERT]
     resident = sum(e.nbytes for e in wf.extents if e.kind == EXTENT_RESIDENT)
@@ -143,6 +142,8 @@ def run(args) -> int:
         if args.plan_config:
             from .planconfig import plan_config
             return plan_config(args, log)
+        if args.perplexity or args.calibration:
+            return _quality(args, log)
         return _generate(args, log)
     except (RunError, WeightFileError, BundledModelError, TokenizerError, ExpertReadError, ContextFull,
             ValueError, OSError) as e:
@@ -156,65 +157,84 @@ def _warm_up() -> None:
     a @ a
 
 
-def _generate(args, log) -> int:
-    _warm_up()
-    baseline = B.current_rss() + B.RUNTIME_SLACK
-    if args.prompt is None and not args.dry_run:
-        raise RunError("--prompt is required")
-    if args.max_tokens < 0:
-        raise RunError("--max-tokens must be >= 0")
+@dataclass
+class Session:
+    path: Path
+    cfg: object
+    plan: B.MemoryPlan
+    weights: ModelWeights
+    model: Model
+    tok: Tokenizer
+    resident: int
+
+
+def open_session(args, log, weights_path=None, describe: bool = True) -> Session | None:
+    """Plan memory for a weight file under the flags, refuse if it cannot fit, then open it (None
+    with --dry-run). Everything a run needs is checked before the first weight is touched."""
     if args.prefill_batch_size < 1:
         raise RunError("--prefill-batch-size must be >= 1")
     if args.direct and args.io != "pread":
         raise RunError("--direct needs --io pread")
-    sampler = Sampler(args.temperature, args.top_p, args.seed)
-    path = Path(args.weights) if args.weights else default_weights(log)
-    if args.memory_budget:
-        args.budget = B.parse_size(args.memory_budget)
-    else:
-        args.budget = int(B.DEFAULT_FRACTION * B.mem_available())
-        log(f"no --memory-budget: using {int(B.DEFAULT_FRACTION * 100)}% of available memory")
-
+    _warm_up()
+    baseline = B.current_rss() + B.RUNTIME_SLACK
+    path = Path(weights_path or args.weights) if (weights_path or args.weights) else default_weights(log)
+    if not hasattr(args, "budget"):
+        if args.memory_budget:
+            args.budget = B.parse_size(args.memory_budget)
+        else:
+            args.budget = int(B.DEFAULT_FRACTION * B.mem_available())
+            log(f"no --memory-budget: using {int(B.DEFAULT_FRACTION * 100)}% of available memory")
     with WeightFile(path) as wf:
-        from kimistream.formats.config import ModelConfig
         cfg = ModelConfig.from_dict(wf.header["config"])
         args.max_ctx = args.max_context or min(4096, cfg.max_position_embeddings)
         if args.max_ctx < 1:
             raise RunError("--max-context must be >= 1")
         plan = plan_for_file(wf, args, baseline)
-        describe_plan(plan, log)
+        if describe:
+            describe_plan(plan, log)
         if args.dry_run and args.json:
             print(json.dumps({"memory_plan": plan.to_json()}))
         refuse_if_unfit(plan, lambda c, b: plan_for_file(wf, args, baseline, c, b), args)
     if args.dry_run:
-        return 0
-
+        return None
     weights = ModelWeights(path, io=args.io, cache_bytes=plan.cache_experts * plan.expert_bytes,
                            policy=args.cache_policy, direct=args.direct)
-    header = weights.header
-    tok_meta = header.get("tokenizer") or {}
+    tok_meta = weights.header.get("tokenizer") or {}
     try:
         tok = Tokenizer(tok_meta.get("kind", ""), {n: weights.file.blob(n) for n in tok_meta.get("files", [])})
     except KeyError as e:
         raise RunError(f"{path}: tokenizer file {e} missing from the weight file") from None
+    resident = weights.load_resident()
+    model = Model(weights, args.max_ctx, prefetch=args.prefetch)
+    codecs = sorted({t.codec for t in weights.file.tensors.values()})
+    plan_classes = weights.header.get("plan", {}).get("classes", {})
+    log(f"{path.name}: {cfg.num_hidden_layers} layers ({len(cfg.moe_layers)} MoE), "
+        f"{cfg.n_routed_experts} routed experts top-{cfg.num_experts_per_tok}, "
+        f"{cfg.n_shared_experts} shared, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
+    log(f"codecs: {', '.join(codecs)}; plan: " + ", ".join(f"{k}={v}" for k, v in plan_classes.items()))
+    log(f"tokenizer: {tok.kind}, {tok.vocab_size} tokens")
+    log(f"resident {B.fmt(resident)}; expert cache {plan.cache_experts} experts ({args.io}, {args.cache_policy}, "
+        f"prefetch {args.prefetch})")
+    log("mmap weight file: OK")
+    return Session(path, cfg, plan, weights, model, tok, resident)
+
+
+def _generate(args, log) -> int:
+    if args.prompt is None and not args.dry_run:
+        raise RunError("--prompt is required (or --perplexity FILE, --calibration FILE)")
+    if args.max_tokens < 0:
+        raise RunError("--max-tokens must be >= 0")
+    sampler = Sampler(args.temperature, args.top_p, args.seed)
+    s = open_session(args, log)
+    if s is None:
+        return 0
+    path, cfg, plan, weights, model, tok, resident = (s.path, s.cfg, s.plan, s.weights, s.model, s.tok, s.resident)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.chat:
         prompt_ids = tok.encode(tok.render_chat([{"role": "user", "content": prompt}]), add_special_tokens=False)
     else:
         prompt_ids = tok.encode(prompt)
-
-    resident = weights.load_resident()
-    model = Model(weights, args.max_ctx, prefetch=args.prefetch)
-    codecs = sorted({t.codec for t in weights.file.tensors.values()})
-    plan_classes = header.get("plan", {}).get("classes", {})
-    log(f"{path.name}: {cfg.num_hidden_layers} layers ({len(cfg.moe_layers)} MoE), "
-        f"{cfg.n_routed_experts} routed experts top-{cfg.num_experts_per_tok}, "
-        f"{cfg.n_shared_experts} shared, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
-    log(f"codecs: {', '.join(codecs)}; plan: " + ", ".join(f"{k}={v}" for k, v in plan_classes.items()))
-    log(f"tokenizer: {tok.kind}, {tok.vocab_size} tokens; prompt {len(prompt_ids)} tokens")
-    log(f"resident {B.fmt(resident)}; expert cache {plan.cache_experts} experts ({args.io}, {args.cache_policy}, "
-        f"prefetch {args.prefetch})")
-    log("mmap weight file: OK")
+    log(f"prompt {len(prompt_ids)} tokens")
 
     stats = GenerationStats()
     dump = None
@@ -271,4 +291,61 @@ def _generate(args, log) -> int:
             f"file-backed {B.fmt(tele['peak_rss_file_bytes'])}) of budget {B.fmt(plan.budget)}; "
             f"major faults {tele['major_faults']}")
     weights.close()
+    return 0
+
+
+# ------------------------------------------------------------------------------------ quality
+
+def _read_text(path: str) -> str:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise RunError(f"{path}: cannot read text ({e})") from None
+    if not text.strip():
+        raise RunError(f"{path}: the file is empty")
+    return text
+
+
+def _quality(args, log) -> int:
+    """--perplexity FILE [--kl-reference REF] and --calibration FILE --imatrix-out PATH."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .quality import collect_importance, evaluate
+    if args.calibration and not args.imatrix_out:
+        raise RunError("--calibration needs --imatrix-out PATH")
+    s = open_session(args, log)
+    if s is None:
+        return 0
+    out = {}
+    if args.calibration:
+        ids = s.tok.encode(_read_text(args.calibration))
+        col = collect_importance(s.model, ids, args.max_ctx, args.prefill_batch_size)
+        col.save(args.imatrix_out, s.weights.header["config"])
+        log(f"importance of {len(col.sums)} weights from {col.tokens} tokens → {args.imatrix_out}")
+        out["imatrix"] = {"path": args.imatrix_out, "tokens": col.tokens, "tensors": len(col.sums)}
+    if args.perplexity:
+        ids = s.tok.encode(_read_text(args.perplexity))
+        ref = None
+        if args.kl_reference:
+            r = open_session(args, log, weights_path=args.kl_reference, describe=False)
+            if r.cfg.vocab_size != s.cfg.vocab_size or r.weights.header["tokenizer"] != s.weights.header["tokenizer"]:
+                raise RunError(f"{args.kl_reference}: the reference has another tokenizer or vocabulary")
+            ref = r.model
+        rep = evaluate(s.model, ids, args.max_ctx, args.prefill_batch_size, ref)
+        out["quality"] = {"text": args.perplexity, "weights": str(s.path), "reference": args.kl_reference,
+                          **rep.to_json()}
+        t = Table(title=f"quality of {s.path.name} on {Path(args.perplexity).name}")
+        for c in ("tokens", "perplexity", "ref. perplexity", "mean KL", "p99 KL", "top-1 agreement"):
+            t.add_column(c, justify="right")
+        na = "—"
+        t.add_row(str(rep.tokens), f"{rep.perplexity:.4f}",
+                  f"{rep.reference_perplexity:.4f}" if rep.reference_perplexity else na,
+                  f"{rep.kl_mean:.5f}" if rep.kl_mean is not None else na,
+                  f"{rep.kl_p99:.5f}" if rep.kl_p99 is not None else na,
+                  f"{rep.top1_agreement:.2%}" if rep.top1_agreement is not None else na)
+        if not args.json:
+            Console().print(t)
+    if args.json:
+        print(json.dumps(out))
     return 0

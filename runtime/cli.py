@@ -38,6 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--plan-config", metavar="CONFIG_JSON",
                    help="plan memory for a Hugging Face config.json alone (with --quant), before any download")
     m.add_argument("--quant", default="q2", help="with --plan-config: the precision preset to plan for (default q2)")
+    q = p.add_argument_group("quality")
+    q.add_argument("--perplexity", metavar="TEXT_FILE", help="perplexity over the file in windows of --max-context")
+    q.add_argument("--kl-reference", metavar="REF_WEIGHTS",
+                   help="with --perplexity: mean / p99 KL(ref || this) and top-1 agreement against REF_WEIGHTS")
+    q.add_argument("--calibration", metavar="TEXT_FILE", help="collect an importance matrix over the file")
+    q.add_argument("--imatrix-out", metavar="PATH", help="with --calibration: where to save it (.npz)")
     t = p.add_argument_group("telemetry")
     t.add_argument("--trace", metavar="FILE.jsonl", help="write one telemetry record per step")
     t.add_argument("--plot-trace", metavar="FILE.jsonl", help="draw a trace (memory over time, I/O per token) and exit")

@@ -114,6 +114,7 @@ class Model:
         if prefetch not in ("off", "next-layer"):
             raise ValueError(f"unknown --prefetch {prefetch!r} (off, next-layer)")
         self.prefetch = prefetch
+        self.observer = None      # observer(tensor_name, inputs): sees every weight's input (calibration)
         self.w = weights
         self.cfg = cfg = weights.config
         if max_context < 1:
@@ -164,17 +165,24 @@ class Model:
         return L
 
     # ------------------------------------------------------------------ blocks
+    def _lin(self, x: np.ndarray, w: Weight) -> np.ndarray:
+        if self.observer is not None:
+            self.observer(w.name, x)
+        return linear(x, w)
+
     def _attention(self, L: dict, h: np.ndarray, start: int) -> np.ndarray:
         cfg, T = self.cfg, h.shape[0]
         nh, nope, rd = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         if cfg.q_lora_rank:
-            q = linear(rms_norm(linear(h, L["q_a"]), L["q_ln"], cfg.rms_norm_eps), L["q_b"])
+            q = self._lin(rms_norm(self._lin(h, L["q_a"]), L["q_ln"], cfg.rms_norm_eps), L["q_b"])
         else:
-            q = linear(h, L["q"])
+            q = self._lin(h, L["q"])
         q = q.reshape(T, nh, cfg.qk_head_dim)
         q_nope, q_rot = q[..., :nope], q[..., nope:]
-        ckv = linear(h, L["kv_a"])
+        ckv = self._lin(h, L["kv_a"])
         latent = rms_norm(ckv[:, :cfg.kv_lora_rank], L["kv_ln"], cfg.rms_norm_eps)
+        if self.observer is not None:
+            self.observer(f"model.layers.{L['index']}.self_attn.kv_b_proj.weight", latent)
         k_rot = ckv[:, cfg.kv_lora_rank:]
 
         pos = np.arange(start, start + T, dtype=np.float32)
@@ -200,11 +208,10 @@ class Model:
         probs /= probs.sum(axis=-1, keepdims=True)
         o_lat = np.matmul(probs, C[:S])                                    # [nh, T, r]
         o = np.matmul(o_lat, L["w_v_t"])                                   # [nh, T, v]
-        return linear(o.transpose(1, 0, 2).reshape(T, nh * cfg.v_head_dim), L["o"])
+        return self._lin(o.transpose(1, 0, 2).reshape(T, nh * cfg.v_head_dim), L["o"])
 
-    @staticmethod
-    def _mlp(x: np.ndarray, gate: Weight, up: Weight, down: Weight) -> np.ndarray:
-        return linear(silu(linear(x, gate)) * linear(x, up), down)
+    def _mlp(self, x: np.ndarray, gate: Weight, up: Weight, down: Weight) -> np.ndarray:
+        return self._lin(silu(self._lin(x, gate)) * self._lin(x, up), down)
 
     def route(self, L: dict, h: np.ndarray):
         """Top-k expert ids [T, k] and weights [T, k] (DeepSeek-V3 noaux_tc routing)."""
@@ -266,7 +273,7 @@ class Model:
         self.cache.length = start + T
         if not all_logits:
             x = x[-1:]
-        return linear(rms_norm(x, self.final_norm, cfg.rms_norm_eps), self.lm_head)
+        return self._lin(rms_norm(x, self.final_norm, cfg.rms_norm_eps), self.lm_head)
 
     def prefill(self, ids, batch: int, all_logits: bool = False) -> np.ndarray:
         """Feed the prompt in chunks of `batch` tokens; logits of every position or of the last."""

@@ -1,0 +1,113 @@
+"""Measuring a model on text: perplexity in windows of --max-context, KL divergence and top-1
+agreement against a reference weight file on the same windows, and collecting an importance matrix
+(per-input-channel mean squared activation of every weight) for calibration-aware quantization."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kimistream.formats.imatrix import save_imatrix
+
+from .model import Model
+
+
+def log_softmax(z: np.ndarray) -> np.ndarray:
+    z = z.astype(np.float64)
+    z = z - z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def windows(ids: list[int], size: int):
+    """Non-overlapping windows of `size` tokens (the last may be shorter; a 1-token tail is dropped)."""
+    for s in range(0, len(ids), size):
+        w = ids[s:s + size]
+        if len(w) >= 2:
+            yield w
+
+
+@dataclass
+class QualityReport:
+    tokens: int
+    windows: int
+    perplexity: float
+    nll: float
+    kl_mean: float | None = None
+    kl_p99: float | None = None
+    top1_agreement: float | None = None
+    reference_perplexity: float | None = None
+
+    def to_json(self) -> dict:
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+
+
+def evaluate(model: Model, ids: list[int], window: int, batch: int, reference: Model | None = None,
+             progress=None) -> QualityReport:
+    nll, ref_nll, n, kls, agree, nwin = 0.0, 0.0, 0, [], 0, 0
+    for w in windows(ids, window):
+        model.reset()
+        lp = log_softmax(model.prefill(w, batch, all_logits=True))[:-1]
+        target = np.asarray(w[1:])
+        nll -= lp[np.arange(len(target)), target].sum()
+        n += len(target)
+        nwin += 1
+        if reference is not None:
+            reference.reset()
+            rlp = log_softmax(reference.prefill(w, batch, all_logits=True))[:-1]
+            ref_nll -= rlp[np.arange(len(target)), target].sum()
+            kls.append((np.exp(rlp) * (rlp - lp)).sum(axis=-1))
+            agree += int((rlp.argmax(-1) == lp.argmax(-1)).sum())
+        if progress:
+            progress(len(w))
+    if n == 0:
+        raise ValueError("the text is too short: need at least 2 tokens")
+    rep = QualityReport(tokens=n, windows=nwin, perplexity=float(np.exp(nll / n)), nll=float(nll / n))
+    if reference is not None:
+        kl = np.concatenate(kls)
+        rep.kl_mean = float(kl.mean())
+        rep.kl_p99 = float(np.percentile(kl, 99))
+        rep.top1_agreement = agree / n
+        rep.reference_perplexity = float(np.exp(ref_nll / n))
+    return rep
+
+
+# ----------------------------------------------------------------------------- importance matrix
+
+class ImportanceCollector:
+    """Sum of squared inputs per input channel, and token counts, for every weight that runs."""
+
+    def __init__(self):
+        self.sums: dict[str, np.ndarray] = {}
+        self.counts: dict[str, int] = {}
+        self.tokens = 0
+
+    def __call__(self, name: str, x: np.ndarray) -> None:
+        x = x.reshape(-1, x.shape[-1]).astype(np.float64)
+        sq = (x * x).sum(axis=0)
+        if name in self.sums:
+            self.sums[name] += sq
+            self.counts[name] += x.shape[0]
+        else:
+            self.sums[name] = sq
+            self.counts[name] = x.shape[0]
+
+    def save(self, path, config: dict) -> None:
+        save_imatrix(path, {n: s / self.counts[n] for n, s in self.sums.items()}, config, self.tokens,
+                     self.counts)
+
+
+def collect_importance(model: Model, ids: list[int], window: int, batch: int, progress=None) -> ImportanceCollector:
+    col = ImportanceCollector()
+    model.observer = col
+    try:
+        for w in windows(ids, window):
+            model.reset()
+            model.prefill(w, batch, all_logits=False)
+            col.tokens += len(w)
+            if progress:
+                progress(len(w))
+    finally:
+        model.observer = None
+    return col

@@ -1,0 +1,104 @@
+"""Quality tools: perplexity equals the reference's (transformers' own loss on the same windows),
+KL of a model against itself is zero, importance matrices match the squared inputs transformers sees,
+and bad calibration input is refused clearly."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kimistream.formats.imatrix import ImatrixError, load_imatrix
+from kimistream.formats.layout import model_shapes
+from kimistream.formats.config import ModelConfig
+from kimistream.formats.weightfile import WeightFile
+
+TEXT = ("def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
+        "The quick brown fox jumps over the lazy dog.\n") * 6
+
+
+def kimi_run(*args):
+    return subprocess.run([sys.executable, "-m", "kimistream.runtime.cli", *map(str, args)],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_perplexity_matches_transformers_loss(tiny_ckpt, tiny_kst, tmp_path):
+    import torch
+    from transformers import AutoTokenizer, DeepseekV3ForCausalLM
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    rep = json.loads(kimi_run("--weights", tiny_kst, "--perplexity", text, "--max-context", 48, "--json",
+                              "--kl-reference", tiny_kst).stdout)["quality"]
+    ids = AutoTokenizer.from_pretrained(tiny_ckpt)(TEXT)["input_ids"]
+    model = DeepseekV3ForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
+    nll, n = 0.0, 0
+    with torch.no_grad():
+        for s in range(0, len(ids), 48):
+            w = ids[s:s + 48]
+            if len(w) < 2:
+                continue
+            loss = model(torch.tensor([w]), labels=torch.tensor([w])).loss.item()
+            nll += loss * (len(w) - 1)
+            n += len(w) - 1
+    assert rep["tokens"] == n
+    assert rep["perplexity"] == pytest.approx(np.exp(nll / n), rel=1e-4)
+    assert rep["kl_mean"] == pytest.approx(0.0, abs=1e-9) and rep["top1_agreement"] == 1.0
+
+
+def test_imatrix_matches_inputs_seen_by_transformers(tiny_ckpt, tiny_kst, tmp_path):
+    import torch
+    from transformers import AutoTokenizer, DeepseekV3ForCausalLM
+    text, out = tmp_path / "cal.txt", tmp_path / "im.npz"
+    text.write_text(TEXT)
+    proc = kimi_run("--weights", tiny_kst, "--calibration", text, "--imatrix-out", out, "--max-context", 64)
+    assert proc.returncode == 0, proc.stderr
+    with WeightFile(tiny_kst) as wf:
+        cfg_dict = wf.header["config"]
+    cfg = ModelConfig.from_dict(cfg_dict)
+    im = load_imatrix(out, cfg_dict, model_shapes(cfg))
+
+    ids = AutoTokenizer.from_pretrained(tiny_ckpt)(TEXT)["input_ids"]
+    model = DeepseekV3ForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
+    seen = {}
+
+    def hook(name):
+        def f(mod, inputs):
+            x = inputs[0].reshape(-1, inputs[0].shape[-1]).double()
+            s, c = seen.get(name, (0, 0))
+            seen[name] = (s + (x * x).sum(0), c + x.shape[0])
+        return f
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and "self_attn" in name or name.endswith("shared_experts.down_proj"):
+            mod.register_forward_pre_hook(hook(name + ".weight"))
+    with torch.no_grad():
+        for s in range(0, len(ids), 64):
+            if len(ids[s:s + 64]) >= 2:
+                model(torch.tensor([ids[s:s + 64]]))
+    checked = 0
+    for name, (s, c) in seen.items():
+        if name in im:
+            np.testing.assert_allclose(im[name], (s / c).numpy(), rtol=1e-3, atol=1e-7)
+            checked += 1
+    assert checked >= 10
+    assert any(".mlp.experts." in n for n in im)          # routed experts get importances too
+
+
+def test_imatrix_of_another_model_is_refused(tiny_kst, tmp_path):
+    text, out = tmp_path / "cal.txt", tmp_path / "im.npz"
+    text.write_text(TEXT)
+    kimi_run("--weights", tiny_kst, "--calibration", text, "--imatrix-out", out, "--max-context", 64)
+    with WeightFile(tiny_kst) as wf:
+        other = dict(wf.header["config"])
+    other["hidden_size"] += 1
+    with pytest.raises(ImatrixError, match="another model"):
+        load_imatrix(out, other, {})
+
+
+def test_empty_calibration_file(tiny_kst, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    proc = kimi_run("--weights", tiny_kst, "--calibration", empty, "--imatrix-out", tmp_path / "x.npz")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1].endswith("empty.txt: the file is empty")
+    assert not (tmp_path / "x.npz").exists()
