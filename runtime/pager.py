@@ -192,6 +192,8 @@ class MmapPager(ExpertPager):
             ent = self._inflight.get(key)
         if ent is not None:
             ent.ready.wait()
+        with self._lock:
+            self._make_room(n)          # before mapping the new pages: RSS never exceeds the cache
         try:
             self.wf.mm.madvise(MADV_POPULATE_READ, off // PAGE * PAGE, n + off % PAGE)
         except OSError as e:
@@ -200,7 +202,6 @@ class MmapPager(ExpertPager):
         self.stats.bytes_read += n
         with self._lock:
             self._inflight.pop(key, None)
-            self._make_room(n)
             ent = _Entry(key, off, n, self._views(key, self._all[off:off + n], off))
             ent.ready.set()
             self._cache[key] = ent

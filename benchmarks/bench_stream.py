@@ -1,0 +1,138 @@
+"""Streaming benchmarks for issue 5, each printing one JSON object (figures go to RESULTS.md):
+
+  cold     cold-cache decode of an I/O-bound synthetic model against the bound
+           bytes_missed_per_token / sequential_read_bandwidth, both measured in this run; prefetch
+           off vs next-layer.
+  big      a sparse synthetic file larger than this machine's RAM, run under a 4 GiB budget:
+           peak RSS (VmHWM) against the budget.
+
+    python benchmarks/bench_stream.py cold [--dir /var/tmp/kimi-bench] [--tokens 16]
+    python benchmarks/bench_stream.py big  [--dir /var/tmp/kimi-bench] [--size-gib 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kimistream.convert.plan import PrecisionPlan
+from kimistream.convert.synthetic import write_synthetic
+
+
+def geometry(hidden: int, inter: int, layers: int, experts: int, topk: int) -> dict:
+    return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 512,
+            "hidden_size": hidden, "intermediate_size": 2 * hidden, "moe_intermediate_size": inter,
+            "num_hidden_layers": layers, "num_attention_heads": 8, "kv_lora_rank": 64, "q_lora_rank": 128,
+            "qk_rope_head_dim": 32, "v_head_dim": 64, "qk_nope_head_dim": 64, "n_routed_experts": experts,
+            "num_experts_per_tok": topk, "n_shared_experts": 1, "first_k_dense_replace": 1,
+            "routed_scaling_factor": 2.5, "max_position_embeddings": 4096}
+
+
+def make(dirpath: Path, name: str, geom: dict, sparse: bool) -> Path:
+    out = dirpath / f"{name}.kst"
+    if out.exists():
+        return out
+    cfg = dirpath / f"{name}.json"
+    cfg.write_text(json.dumps(geom))
+    t = time.perf_counter()
+    write_synthetic(cfg, out, PrecisionPlan.from_preset("f32"), sparse=sparse)
+    print(f"# wrote {out} ({out.stat().st_size / 2**30:.1f} GiB) in {time.perf_counter() - t:.0f} s", file=sys.stderr)
+    return out
+
+
+def evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+
+
+def seq_read_bw(path: Path, nbytes: int, block: int = 8 << 20) -> float:
+    """Cold sequential read bandwidth (bytes/s) over the file's last `nbytes` (the expert region)."""
+    evict(path)
+    size = path.stat().st_size
+    start = max(0, size - nbytes)
+    fd = os.open(path, os.O_RDONLY)
+    t, got = time.perf_counter(), 0
+    while got < nbytes:
+        chunk = os.pread(fd, block, start + got)
+        if not chunk:
+            break
+        got += len(chunk)
+    dt = time.perf_counter() - t
+    os.close(fd)
+    evict(path)
+    return got / dt
+
+
+def kimi_run(path: Path, *args) -> dict:
+    cmd = [sys.executable, "-m", "kimistream.runtime.cli", "--weights", str(path), "--json", "--quiet", *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(proc.stderr)
+    return json.loads(proc.stdout)
+
+
+def cold(args):
+    d = Path(args.dir)
+    d.mkdir(parents=True, exist_ok=True)
+    # Experts of 3 x 1024 x 4096 f32 = 48 MiB: reading one costs far more than computing with it.
+    path = make(d, "cold", geometry(1024, 4096, 5, 16, 2), sparse=False)
+    results = {"model": str(path), "file_bytes": path.stat().st_size}
+    bw = seq_read_bw(path, 2 << 30)
+    results["seq_read_bytes_per_s"] = bw
+    for prefetch in ("off", "next-layer"):
+        evict(path)
+        rep = kimi_run(path, "--prompt", "x", "--max-tokens", args.tokens, "--memory-budget", args.budget,
+                       "--prefetch", prefetch, "--max-context", 256)
+        st = rep["stats"]
+        missed = st["decode_bytes_read_per_token"]
+        bound_s = missed / bw
+        actual_s = 1.0 / st["decode_tokens_per_s"] if st["decode_tokens_per_s"] else float("inf")
+        results[f"prefetch_{prefetch}"] = {
+            "decode_tokens_per_s": st["decode_tokens_per_s"], "bytes_missed_per_token": missed,
+            "bound_tokens_per_s": round(1 / bound_s, 3) if bound_s else None,
+            "fraction_of_bound": round(bound_s / actual_s, 3) if bound_s else None,
+            "hit_rate": st["hit_rate"], "prefetch_recall": st["prefetch_recall"],
+            "io_wait_s_per_token": st["decode_io_wait_s_per_token"],
+            "compute_s_per_token": st["decode_compute_s_per_token"], "peak_rss_bytes": st["peak_rss_bytes"]}
+    off, on = results["prefetch_off"]["decode_tokens_per_s"], results["prefetch_next-layer"]["decode_tokens_per_s"]
+    results["prefetch_speedup"] = round(on / off, 3) if off else None
+    print(json.dumps(results, indent=2))
+
+
+def big(args):
+    d = Path(args.dir)
+    d.mkdir(parents=True, exist_ok=True)
+    # 64 experts x 12 MoE layers x 3 x 1536 x 6144 f32 (108 MiB) ~= size-gib: holes, not bytes on disk.
+    experts = max(8, int(args.size_gib * 2**30 / (12 * 3 * 1536 * 6144 * 4)))
+    path = make(d, f"big-{experts}", geometry(1536, 6144, 13, experts, 2), sparse=True)
+    budget = 4 * 2**30
+    evict(path)
+    rep = kimi_run(path, "--prompt", "hello world", "--max-tokens", args.tokens, "--memory-budget", budget,
+                   "--max-context", 512)
+    st = rep["stats"]
+    print(json.dumps({"model": str(path), "file_bytes": path.stat().st_size, "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+                      "budget_bytes": budget, "peak_rss_bytes": st["peak_rss_bytes"],
+                      "within_budget": st["peak_rss_bytes"] <= budget, "decode_tokens_per_s": st["decode_tokens_per_s"],
+                      "experts_touched": st["experts_touched"], "expert_cache_experts": st["expert_cache_experts"],
+                      "hit_rate": st["hit_rate"], "bytes_read": st["bytes_read"]}, indent=2))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("which", choices=("cold", "big"))
+    ap.add_argument("--dir", default="/var/tmp/kimi-bench")
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--budget", default="600M", help="cold: the memory budget (small, so experts miss)")
+    ap.add_argument("--size-gib", type=float, default=30)
+    args = ap.parse_args()
+    {"cold": cold, "big": big}[args.which](args)
+
+
+if __name__ == "__main__":
+    main()
