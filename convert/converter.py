@@ -85,12 +85,17 @@ def source_record(ckpt: HFCheckpoint) -> dict:
 
 
 def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_ALIGNMENT,
-                       progress=None) -> Summary:
+                       progress=None, delete_source: bool = False, imatrix=None) -> Summary:
     """Convert a local checkpoint directory. `progress(kind, **info)` is called as work advances:
-    ("start", total_bytes=..., tensors=...), ("tensor", name=..., nbytes=...), ("done")."""
+    ("start", total_bytes=..., tensors=..., resumed=...), ("tensor", name=..., nbytes=...),
+    ("shard-done", path=...), ("done").
+
+    An interrupted conversion of the same source and plan resumes from its journal and produces the
+    same bytes. With `delete_source`, each shard is deleted once all of its tensors are written.
+    `imatrix` maps tensor names to per-input-channel importances for the quantizer."""
     progress = progress or (lambda *a, **k: None)
     try:
-        ckpt = HFCheckpoint(src)
+        ckpt = HFCheckpoint(src, allow_missing_shards=delete_source)
     except SourceError as e:
         raise ConversionError(str(e)) from None
     cfg = ckpt.config
@@ -100,11 +105,16 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
         raise ConversionError(f"{ckpt.dir}: checkpoint lacks {len(missing)} tensor(s) the config requires, "
                               f"e.g. {missing[0]}")
     for n, shape in expected.items():
-        if ckpt.shape(n) != shape:
+        if ckpt.shape(n) is not None and ckpt.shape(n) != shape:
             raise ConversionError(f"{ckpt.dir / ckpt.location[n]}: tensor {n} has shape {list(ckpt.shape(n))}, "
                                   f"config.json implies {list(shape)}")
     summary = Summary(output=str(out))
     summary.skipped = sorted(n for n in ckpt.location if n not in expected and not n.endswith("_scale_inv"))
+    if ckpt.missing_shards:
+        names = ", ".join(sorted(ckpt.missing_shards))
+        if not WeightFileWriter(out, alignment).journaled_meta():
+            raise ConversionError(f"{ckpt.dir}: shard(s) {names} missing and no interrupted conversion of {out} "
+                                  f"to resume")
 
     tok_files = ckpt.tokenizer_files()
     if "tokenizer.json" in tok_files:
@@ -125,31 +135,52 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
         "hf_config": ckpt.hf_config,
         "tokenizer": {"kind": tok_kind, "files": sorted(tok_files)},
         "plan": plan.to_json(),
-        "source": source_record(ckpt),
     }
+    previous = writer.journaled_meta()
+    if previous and all(previous.get(k) == v for k, v in meta.items()) and _same_sources(ckpt, previous):
+        meta["source"] = previous["source"]        # shards may have been deleted since: trust the journal
+    else:
+        meta["source"] = source_record(ckpt)
+    if imatrix:
+        meta["imatrix"] = {"tensors": len(imatrix)}
     # Source-shard order: each shard is read front to back once.
-    order = sorted(expected, key=lambda n: (ckpt.shard_names.index(ckpt.location[n]),
-                                            ckpt.shards[ckpt.location[n]].entries[n]["begin"]))
+    order = sorted(expected, key=lambda n: (ckpt.shard_names.index(ckpt.location[n]), ckpt.offset(n)))
     total_bytes = sum(writer.tensors[n].nbytes for n in order)
-    progress("start", total_bytes=total_bytes, tensors=len(order))
-    writer.begin(meta)
+    resumed = writer.begin(meta)
+    progress("start", total_bytes=total_bytes, tensors=len(order), resumed=resumed)
+    left_in_shard = {}
+    for n in order:
+        left_in_shard[ckpt.location[n]] = left_in_shard.get(ckpt.location[n], 0) + 1
     try:
         for n in order:
             t = writer.tensors[n]
+            shard = ckpt.location[n]
+            if writer.is_written(n):
+                progress("tensor", name=n, nbytes=t.nbytes)
+                _tally(summary, t)
+                left_in_shard[shard] -= 1
+                continue
+            if shard in ckpt.missing_shards:
+                raise ConversionError(f"{ckpt.dir / shard}: deleted, but tensor {n} from it is not in the journal "
+                                      f"of {writer.tmp_path} — fetch the shard again")
             try:
                 values = ckpt.read(n)
-                encoded = get_codec(t.codec).encode(values)
+                codec = get_codec(t.codec)
+                imp = imatrix.get(n) if imatrix else None
+                encoded = codec.encode(values, importance=imp) if imp is not None else codec.encode(values)
             except SourceError as e:
                 raise ConversionError(str(e)) from None
             except CodecError as e:
                 raise ConversionError(f"{ckpt.dir / ckpt.location[n]}: tensor {n}: {e}") from None
             writer.write_tensor(n, encoded)
-            st = summary.classes[t.cls]
-            st.tensors += 1
-            st.params += math.prod(t.shape)
-            st.bytes += t.nbytes
+            _tally(summary, t)
             progress("tensor", name=n, nbytes=t.nbytes)
             del values, encoded
+            left_in_shard[shard] -= 1
+            if delete_source and left_in_shard[shard] == 0:
+                ckpt.shards[shard].close()
+                (ckpt.dir / shard).unlink(missing_ok=True)
+                progress("shard-done", path=str(ckpt.dir / shard))
         path = writer.finish()
     except BaseException:
         writer.abort()
@@ -161,5 +192,17 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
     return summary
 
 
-def summary_json(summary: Summary) -> str:
-    return json.dumps(summary.to_json())
+def _tally(summary: Summary, t) -> None:
+    st = summary.classes[t.cls]
+    st.tensors += 1
+    st.params += math.prod(t.shape)
+    st.bytes += t.nbytes
+
+
+def _same_sources(ckpt: HFCheckpoint, previous: dict) -> bool:
+    """The journaled conversion read these same files: every one still present has its recorded size."""
+    for name, rec in previous.get("source", {}).get("files", {}).items():
+        p = ckpt.dir / name
+        if p.exists() and p.stat().st_size != rec.get("size"):
+            return False
+    return True

@@ -24,8 +24,11 @@ class SourceError(ValueError):
 
 
 class HFCheckpoint:
-    def __init__(self, directory):
+    def __init__(self, directory, allow_missing_shards: bool = False):
+        """`allow_missing_shards`: shards named by the index may be gone (deleted by a conversion
+        that is being resumed); their tensors are known by name only (`missing_shards`)."""
         self.dir = Path(directory)
+        self.allow_missing_shards = allow_missing_shards
         if not self.dir.is_dir():
             raise SourceError(f"{self.dir}: not a directory")
         cfg_path = self.dir / "config.json"
@@ -42,6 +45,8 @@ class HFCheckpoint:
         self.shard_names = self._find_shards()
         self.shards: dict[str, SafetensorsFile] = {}
         for name in self.shard_names:
+            if name in self.missing_shards:
+                continue
             try:
                 self.shards[name] = SafetensorsFile(self.dir / name)
             except SafetensorsError as e:
@@ -54,7 +59,9 @@ class HFCheckpoint:
                 self.location[t] = name
         if self.index_map is not None:
             for t, shard in self.index_map.items():
-                if self.location.get(t) != shard:
+                if shard in self.missing_shards:
+                    self.location[t] = shard
+                elif self.location.get(t) != shard:
                     raise SourceError(f"{self.dir / shard}: lacks tensor {t} that {INDEX_FILE} places there")
 
     def _find_shards(self) -> list[str]:
@@ -67,10 +74,12 @@ class HFCheckpoint:
                 raise SourceError(f"{idx}: malformed index ({e})") from None
             names = sorted(set(self.index_map.values()), key=_shard_key)
             missing = [n for n in names if not (self.dir / n).is_file()]
-            if missing:
+            self.missing_shards = set(missing) if self.allow_missing_shards else set()
+            if missing and not self.allow_missing_shards:
                 raise SourceError(f"{self.dir / missing[0]}: shard named in {INDEX_FILE} is missing"
                                   + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
             return names
+        self.missing_shards = set()
         names = sorted((p.name for p in self.dir.glob("*.safetensors")), key=_shard_key)
         if not names:
             raise SourceError(f"{self.dir}: no *.safetensors files and no {INDEX_FILE}")
@@ -79,8 +88,13 @@ class HFCheckpoint:
     def has(self, name: str) -> bool:
         return name in self.location
 
-    def shape(self, name: str) -> tuple:
-        return tuple(self.shards[self.location[name]].entries[name]["shape"])
+    def shape(self, name: str) -> tuple | None:
+        shard = self.location[name]
+        return None if shard in self.missing_shards else tuple(self.shards[shard].entries[name]["shape"])
+
+    def offset(self, name: str) -> int:
+        shard = self.location[name]
+        return 0 if shard in self.missing_shards else self.shards[shard].entries[name]["begin"]
 
     def dtype(self, name: str) -> str:
         return self.shards[self.location[name]].entries[name]["dtype"]

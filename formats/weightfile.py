@@ -8,6 +8,7 @@ treats the header as untrusted input and checks every offset before anything is 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import mmap
 import os
@@ -124,7 +125,22 @@ class WeightFileWriter:
         return json.dumps(header, separators=(",", ":"), sort_keys=False).encode()
 
     # -- filling
-    def begin(self, meta: dict) -> None:
+    @property
+    def journal_path(self) -> Path:
+        return self.tmp_path.with_name(self.tmp_path.name + ".journal")
+
+    def journaled_meta(self) -> dict | None:
+        """The meta of an interrupted write of this file, if its journal survives."""
+        try:
+            with open(self.journal_path) as f:
+                return json.loads(f.readline())["meta"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def begin(self, meta: dict, resume: bool = True) -> int:
+        """Lay out the file and open `NAME.partial`. With `resume`, an interrupted write of the same
+        layout (same header before checksums) continues: its journal says which tensors and extent
+        checksums are done. Returns the number of tensors already written."""
         self.meta = meta
         # Offsets and checksums are fixed-width in the JSON, so a header written with placeholder
         # values has the same length as the final one: lay out extents after a provisional header.
@@ -145,9 +161,14 @@ class WeightFileWriter:
         self._pending = [len(e.tensors) for e in self.extents]
         self._written: set[str] = set()
         self._zero_digests: dict[int, str] = {}
+        fingerprint = hashlib.sha256(self._header_bytes()).hexdigest()
         self.tmp_path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.tmp_path, "w+b")
-        self._file.truncate(self._file_size)
+        resumed = resume and self._resume(fingerprint)
+        if not resumed:
+            self._file = open(self.tmp_path, "w+b")
+            self._file.truncate(self._file_size)
+            self._journal = open(self.journal_path, "w")
+            self._log({"fingerprint": fingerprint, "meta": meta})
         for ext in self.extents:
             if not ext.tensors and ext.name not in self._blobs:
                 ext.checksum = checksum.extent_digest(b"")
@@ -156,6 +177,42 @@ class WeightFileWriter:
             self._file.seek(ext.offset)
             self._file.write(data)
             ext.checksum = checksum.extent_digest(data)
+        return len(self._written)
+
+    def _resume(self, fingerprint: str) -> bool:
+        try:
+            lines = self.journal_path.read_text().splitlines()
+            if json.loads(lines[0]).get("fingerprint") != fingerprint:
+                return False
+            if self.tmp_path.stat().st_size != self._file_size:
+                return False
+        except (OSError, ValueError, IndexError, AttributeError):
+            return False
+        index = {e.name: i for i, e in enumerate(self.extents)}
+        for line in lines[1:]:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                break                      # a torn last line: everything before it holds
+            if "t" in rec and rec["t"] in self.tensors and rec["t"] not in self._written:
+                self._written.add(rec["t"])
+                self._pending[self.tensors[rec["t"]].extent] -= 1
+            elif "e" in rec and rec["e"] in index:
+                self.extents[index[rec["e"]]].checksum = rec["c"]
+        self._file = open(self.tmp_path, "r+b")
+        self._journal = open(self.journal_path, "a")
+        for ext, pending in zip(self.extents, self._pending):
+            # Interrupted between an extent's last tensor and its checksum line: hash it now.
+            if ext.tensors and not pending and ext.checksum == checksum.PLACEHOLDER:
+                self._hash_extent(ext)
+        return True
+
+    def _log(self, rec: dict) -> None:
+        self._journal.write(json.dumps(rec, separators=(",", ":")) + "\n")
+        self._journal.flush()
+
+    def is_written(self, name: str) -> bool:
+        return name in self._written
 
     def write_tensor(self, name: str, encoded) -> None:
         t = self.tensors[name]
@@ -167,9 +224,12 @@ class WeightFileWriter:
             raise CodecError(f"{name}: encoded {buf.nbytes} bytes, layout expects {t.nbytes}")
         self._file.seek(t.offset)
         self._file.write(buf)
+        self._file.flush()
+        self._log({"t": name})
         self._pending[t.extent] -= 1
         if self._pending[t.extent] == 0:
             self._hash_extent(self.extents[t.extent])
+            self._log({"e": self.extents[t.extent].name, "c": self.extents[t.extent].checksum})
 
     def leave_hole(self, extent_name: str) -> None:
         """Leave an extent unwritten: a sparse hole that reads as zeros (synthetic models far larger
@@ -190,6 +250,9 @@ class WeightFileWriter:
                 left -= min(left, len(zeros))
             self._zero_digests[ext.nbytes] = h.hexdigest()
         ext.checksum = self._zero_digests[ext.nbytes]
+        for name in ext.tensors:
+            self._log({"t": name})
+        self._log({"e": ext.name, "c": ext.checksum})
 
     def _hash_extent(self, ext: Extent) -> None:
         self._file.flush()
@@ -218,12 +281,17 @@ class WeightFileWriter:
         self._file.close()
         self._file = None
         os.replace(self.tmp_path, self.path)
+        self._journal.close()
+        self.journal_path.unlink(missing_ok=True)
         return self.path
 
     def abort(self) -> None:
+        """Stop writing; NAME.partial and its journal stay so that a later run resumes."""
         if self._file is not None:
             self._file.close()
             self._file = None
+        if getattr(self, "_journal", None) is not None:
+            self._journal.close()
 
 
 # --------------------------------------------------------------------------------------- reader

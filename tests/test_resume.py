@@ -1,0 +1,107 @@
+"""Interrupted conversions resume where they stopped and finish with a file identical, byte for byte,
+to an uninterrupted conversion — after an exception, after the process is killed outright, and with
+--delete-source removing each shard once it is consumed."""
+
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from kimistream.convert.converter import convert_checkpoint
+from kimistream.convert.plan import PrecisionPlan
+from test_sources import _reshard
+
+PLAN = PrecisionPlan.from_preset("bf16")
+
+
+class Stop(Exception):
+    pass
+
+
+def _stop_after(n):
+    seen = {"n": 0}
+
+    def progress(kind, **info):
+        if kind == "tensor":
+            seen["n"] += 1
+            if seen["n"] == n:
+                raise Stop
+    return progress
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_ckpt, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref") / "ref.kst"
+    convert_checkpoint(tiny_ckpt, out, PLAN)
+    return out.read_bytes()
+
+
+def test_resume_after_exception(tiny_ckpt, reference, tmp_path):
+    out = tmp_path / "m.kst"
+    with pytest.raises(Stop):
+        convert_checkpoint(tiny_ckpt, out, PLAN, progress=_stop_after(30))
+    assert not out.exists() and (tmp_path / "m.kst.partial").exists()
+    events = []
+    convert_checkpoint(tiny_ckpt, out, PLAN, progress=lambda k, **i: events.append((k, i)))
+    assert events[0][1]["resumed"] == 30              # progress is reported after each write
+    assert out.read_bytes() == reference
+    assert not list(tmp_path.glob("*.partial*"))
+
+
+def test_resume_after_kill(tiny_ckpt, reference, tmp_path):
+    out = tmp_path / "m.kst"
+    script = textwrap.dedent(f"""
+        import os
+        from kimistream.convert.converter import convert_checkpoint
+        from kimistream.convert.plan import PrecisionPlan
+        n = 0
+        def progress(kind, **info):
+            global n
+            n += kind == "tensor"
+            if n == 50:
+                os._exit(9)          # no cleanup at all, like SIGKILL or a power cut of the process
+        convert_checkpoint({str(tiny_ckpt)!r}, {str(out)!r}, PrecisionPlan.from_preset("bf16"), progress=progress)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 9, proc.stderr
+    with open(tmp_path / "m.kst.partial.journal", "a") as f:
+        f.write('{"t": "model.layers.1.mlp.exp')        # a torn last line
+    proc = subprocess.run([sys.executable, "-m", "kimistream.convert.cli", str(tiny_ckpt), "-o", str(out),
+                           "--quant", "bf16", "--quiet", "--json"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes() == reference
+
+
+def test_delete_source_resumes_without_consumed_shards(tiny_ckpt, reference, tmp_path):
+    src = _reshard(tiny_ckpt, tmp_path / "src", lambda i, n: f"model-{i:05d}-of-{n:05d}.safetensors", 3)
+    out = tmp_path / "m.kst"
+    deleted = []
+
+    def progress(kind, **info):
+        if kind == "shard-done":
+            deleted.append(info["path"])
+            raise Stop                     # interrupt right after the first shard is consumed
+    with pytest.raises(Stop):
+        convert_checkpoint(src, out, PLAN, progress=progress, delete_source=True)
+    assert len(deleted) == 1 and not (src / "model-00001-of-00003.safetensors").exists()
+    convert_checkpoint(src, out, PLAN, delete_source=True)
+    assert not list(src.glob("*.safetensors"))
+    # Same tensors and values; the source record is the one taken before any shard was deleted.
+    from kimistream.formats.weightfile import WeightFile
+    ref_path = tmp_path / "ref.kst"
+    ref_path.write_bytes(reference)
+    with WeightFile(out) as a, WeightFile(ref_path) as b:
+        assert set(a.tensors) == set(b.tensors)
+        for n in a.tensors:
+            assert bytes(a.raw(n)) == bytes(b.raw(n)), n
+        assert set(a.header["source"]["files"]) >= {"model-00001-of-00003.safetensors"}
+
+
+def test_missing_shard_without_journal_is_an_error(tiny_ckpt, tmp_path):
+    from kimistream.convert.converter import ConversionError
+    src = _reshard(tiny_ckpt, tmp_path / "src", lambda i, n: f"model-{i:05d}-of-{n:05d}.safetensors", 3)
+    (src / "model-00002-of-00003.safetensors").unlink()
+    with pytest.raises(ConversionError, match="no interrupted conversion"):
+        convert_checkpoint(src, tmp_path / "m.kst", PLAN, delete_source=True)
