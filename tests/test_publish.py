@@ -1,0 +1,66 @@
+"""Publishing: a weight file split into zstd chunks with a manifest reassembles to the same bytes;
+a corrupted or missing chunk is named; an interrupted assembly resumes; manifests cannot name paths
+outside the release."""
+
+import json
+
+import pytest
+
+from kimistream.convert.publish import PublishError, assemble, publish
+
+CHUNK = 16 << 20
+
+
+@pytest.fixture
+def big_file(tmp_path):
+    # 40 MiB of low-entropy "weights" (bf16-like: low halves zero) so there are three chunks.
+    import numpy as np
+    a = np.random.default_rng(0).standard_normal(10 << 20).astype(np.float32)
+    a.view(np.uint32)[:] &= 0xFFFF0000
+    p = tmp_path / "m.kst"
+    p.write_bytes(a.tobytes())
+    return p
+
+
+def test_round_trip(big_file, tmp_path):
+    m = publish(big_file, tmp_path / "rel", chunk_bytes=CHUNK)
+    assert len(m["chunks"]) == 3 and m["compression_ratio"] > 1.3
+    out = assemble(tmp_path / "rel", tmp_path / "out.kst")
+    assert out.read_bytes() == big_file.read_bytes()
+    sums = (tmp_path / "rel" / "SHA256SUMS").read_text().splitlines()
+    assert len(sums) == 4
+
+
+def test_corrupt_and_missing_chunks(big_file, tmp_path):
+    publish(big_file, tmp_path / "rel", chunk_bytes=CHUNK)
+    part = tmp_path / "rel" / "m.kst.part0001.zst"
+    data = bytearray(part.read_bytes())
+    data[100] ^= 1
+    part.write_bytes(bytes(data))
+    with pytest.raises(PublishError, match=r"m\.kst\.part0001\.zst: SHA-256 of the compressed chunk"):
+        assemble(tmp_path / "rel", tmp_path / "out.kst")
+    assert not (tmp_path / "out.kst").exists()
+    part.unlink()
+    with pytest.raises(PublishError, match=r"part0001\.zst: chunk missing"):
+        assemble(tmp_path / "rel", tmp_path / "out.kst")
+
+
+def test_assembly_resumes(big_file, tmp_path):
+    publish(big_file, tmp_path / "rel", chunk_bytes=CHUNK)
+    (tmp_path / "rel" / "m.kst.part0002.zst").rename(tmp_path / "held")
+    with pytest.raises(PublishError):
+        assemble(tmp_path / "rel", tmp_path / "out.kst")
+    (tmp_path / "held").rename(tmp_path / "rel" / "m.kst.part0002.zst")
+    written = []
+    assemble(tmp_path / "rel", tmp_path / "out.kst", progress=written.append)
+    assert (tmp_path / "out.kst").read_bytes() == big_file.read_bytes()
+
+
+def test_manifest_cannot_escape(big_file, tmp_path):
+    publish(big_file, tmp_path / "rel", chunk_bytes=CHUNK)
+    mpath = tmp_path / "rel" / "m.kst.release.json"
+    m = json.loads(mpath.read_text())
+    m["chunks"][0]["file"] = "../../etc/passwd"
+    mpath.write_text(json.dumps(m))
+    with pytest.raises(PublishError, match="must not contain directories"):
+        assemble(tmp_path / "rel")
