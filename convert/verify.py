@@ -1,10 +1,12 @@
 """Checking a checkpoint directory or a converted weight file: what is there, what should be, and
-whether the bytes are the ones expected. Produces one row per file (or per extent) with a status."""
+whether the bytes are the ones expected (SHA-256 from a manifest, or the hub's sizes, LFS SHA-256 and
+git blob ids), including the source hashes a weight file records. One row per file (or extent)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,6 +31,7 @@ class Row:
     actual: str
     status: str
     detail: str = ""
+    sha256: str = ""          # the file's SHA-256 when it was computed
 
 
 def exit_code(rows) -> int:
@@ -52,6 +55,19 @@ def read_manifest(path: Path) -> dict[str, str]:
     return out
 
 
+META_RE = re.compile(r"^#\s*([a-z][a-z_-]*):\s*(.*?)\s*$")
+
+
+def read_manifest_meta(path: Path) -> dict[str, str]:
+    """The '# key: value' comment lines of a manifest (kimi-stream writes '# repo:' and '# revision:')."""
+    out = {}
+    for line in Path(path).read_text().splitlines():
+        m = META_RE.match(line)
+        if m:
+            out.setdefault(m.group(1), m.group(2))
+    return out
+
+
 def write_manifest(path: Path, hashes: dict[str, str], comments=()) -> None:
     tmp = Path(str(path) + ".partial")
     lines = [f"# {c}" for c in comments] + [f"{h}  {n}" for n, h in sorted(hashes.items())]
@@ -59,14 +75,18 @@ def write_manifest(path: Path, hashes: dict[str, str], comments=()) -> None:
     tmp.replace(path)
 
 
-def sha256_file(path: Path, on_bytes=None, chunk: int = 8 << 20) -> str:
+def sha256_file(path: Path, on_bytes=None, chunk: int = 8 << 20, git: bool = False):
+    """SHA-256 of a file; with git=True the pair (SHA-256, git blob id), computed in one pass."""
     h = hashlib.sha256()
+    g = hashlib.sha1(b"blob %d\0" % Path(path).stat().st_size) if git else None
     with open(path, "rb") as f:
         while block := f.read(chunk):
             h.update(block)
+            if g is not None:
+                g.update(block)
             if on_bytes:
                 on_bytes(len(block))
-    return h.hexdigest()
+    return (h.hexdigest(), g.hexdigest()) if git else h.hexdigest()
 
 
 def expected_files(directory: Path) -> list[str]:
@@ -84,9 +104,12 @@ def expected_files(directory: Path) -> list[str]:
     return names + [n for n in TOKENIZER_FILES if (directory / n).is_file()]
 
 
-def verify_directory(directory: Path, manifest: dict[str, str] | None, workers: int = 2, on_bytes=None):
-    """Rows for every expected file (and every extra one); hashes computed in parallel."""
+def verify_directory(directory: Path, manifest: dict[str, str] | None, workers: int = 2, on_bytes=None,
+                     sizes: dict[str, int] | None = None, git_blobs: dict[str, str] | None = None):
+    """Rows for every expected file (and every extra one); hashes computed in parallel. `manifest`:
+    expected SHA-256 by name; `sizes` and `git_blobs` (git blob ids): what a hub listing says."""
     directory = Path(directory)
+    sizes, git_blobs = sizes or {}, git_blobs or {}
     names = expected_files(directory)
     idx_ok = True
     if (directory / INDEX_FILE).is_file():
@@ -95,14 +118,19 @@ def verify_directory(directory: Path, manifest: dict[str, str] | None, workers: 
         except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
             idx_ok = False
     manifest = manifest or {}
-    names += [n for n in manifest if n not in names]
+    for extra in (manifest, sizes, git_blobs):
+        names += [n for n in extra if n not in names]
 
     def check(name: str) -> Row:
         p = directory / name
         exp = manifest.get(name, "")
+        blob = git_blobs.get(name, "")
         if not p.is_file():
-            return Row(name, None, exp, "", MISSING, "file not found")
+            return Row(name, None, exp or blob, "", MISSING, "file not found")
         size = p.stat().st_size
+        if name in sizes and size != sizes[name]:
+            kind = "truncated" if size < sizes[name] else "too long"
+            return Row(name, size, exp or blob, "", CORRUPT, f"{kind}: {size:,} bytes, expected {sizes[name]:,}")
         if name == INDEX_FILE and not idx_ok:
             return Row(name, size, exp, "", CORRUPT, "index is not valid JSON with a weight_map")
         if name.endswith(".safetensors"):
@@ -110,12 +138,16 @@ def verify_directory(directory: Path, manifest: dict[str, str] | None, workers: 
                 SafetensorsFile(p).close()
             except SafetensorsError as e:
                 return Row(name, size, exp, "", CORRUPT, str(e).removeprefix(f"{p}: "))
-        actual = sha256_file(p, on_bytes)
-        if not exp:
-            return Row(name, size, "", actual, UNVERIFIABLE, "no expected hash")
-        if actual != exp:
-            return Row(name, size, exp, actual, CORRUPT, "SHA-256 mismatch")
-        return Row(name, size, exp, actual, OK)
+        actual, git = sha256_file(p, on_bytes, git=True)
+        if not exp and not blob:
+            return Row(name, size, "", actual, UNVERIFIABLE, "no expected hash", actual)
+        if exp and actual != exp:
+            return Row(name, size, exp, actual, CORRUPT, "SHA-256 mismatch", actual)
+        if blob and git != blob:
+            return Row(name, size, blob, git, CORRUPT, "git blob id mismatch (hub listing)", actual)
+        if exp:
+            return Row(name, size, exp, actual, OK, "", actual)
+        return Row(name, size, blob, git, OK, "git blob id matches", actual)
 
     with ThreadPoolExecutor(workers) as pool:
         rows = list(pool.map(check, names))
@@ -126,8 +158,11 @@ def verify_directory(directory: Path, manifest: dict[str, str] | None, workers: 
     return rows
 
 
-def verify_weight_file(path: Path, workers: int = 2, on_bytes=None):
-    """Rows: the header, then one per extent whose checksum does not match (or one 'ok' summary)."""
+def verify_weight_file(path: Path, workers: int = 2, on_bytes=None, sources: dict[str, str] | None = None,
+                       sources_from: str = ""):
+    """Rows: the header, then one per extent whose checksum does not match (or one 'ok' summary), then
+    the recorded source files: well-formed, and (given `sources`, expected SHA-256 by name, e.g. from a
+    manifest or a hub listing) the very files expected."""
     try:
         wf = WeightFile(path)
     except WeightFileError as e:
@@ -150,7 +185,35 @@ def verify_weight_file(path: Path, workers: int = 2, on_bytes=None):
     if not bad:
         rows.append(Row(f"{Path(path).name} [{len(results)} extents]", sum(e.nbytes for e in wf.extents),
                         "xxh3_64", "match", OK))
+    rows += _source_rows(Path(path).name, wf.header.get("source"), sources, sources_from)
     wf.close()
+    return rows
+
+
+def _source_rows(fname: str, record, expected: dict[str, str] | None, expected_from: str) -> list[Row]:
+    label = f"{fname} [sources]"
+    files = record.get("files") if isinstance(record, dict) else None
+    if not isinstance(files, dict) or not files or not all(
+            isinstance(v, dict) and isinstance(v.get("sha256"), str) and len(v["sha256"]) == 64
+            and isinstance(v.get("size"), int) for v in files.values()):
+        return [Row(label, None, "", "", UNVERIFIABLE, "no well-formed record of the source files")]
+    if expected is None:
+        return [Row(label, sum(v["size"] for v in files.values()), "", f"{len(files)} files", OK,
+                    f"{len(files)} source files recorded with SHA-256")]
+    rows = []
+    for name, v in sorted(files.items()):
+        exp = expected.get(name)
+        if exp is None:
+            continue
+        if v["sha256"] != exp:
+            rows.append(Row(f"{fname} [source {name}]", v["size"], exp, v["sha256"], CORRUPT,
+                            f"built from a different {name} than {expected_from}"))
+    compared = sum(1 for n in files if n in expected)
+    if not compared:
+        return [Row(label, None, "", "", UNVERIFIABLE, f"no recorded source file is listed in {expected_from}")]
+    if not rows:
+        rows.append(Row(label, sum(v["size"] for v in files.values()), expected_from, "match", OK,
+                        f"{compared} of {len(files)} source files match {expected_from}"))
     return rows
 
 

@@ -1,0 +1,453 @@
+"""Downloading checkpoints against a local server that behaves like the hub (tests/hubserver.py), with
+the real huggingface_hub client and the real commands in subprocesses: Range resume (within a run and
+after the process is killed) proven by the server's log of bytes sent, every kind of bad server,
+manifests, path escapes, kimi-verify on the result, and kimi-convert REPO@REV end to end."""
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import refmodels
+from hubserver import HubServer
+
+REPO = "test-org/tiny-moe"
+SHARDS = ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
+          "model-00003-of-00003.safetensors"]
+FAST = ["--retry-wait", "0.01"]
+
+
+def sha256(b: bytes) -> str:
+    return hashlib.sha256(b).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A real tiny DeepseekV3 checkpoint saved by transformers in 3 shards with an index."""
+    d = tmp_path_factory.mktemp("sharded")
+    model = refmodels.make_checkpoint(d / "single", seed=2)
+    model.save_pretrained(d / "ckpt", max_shard_size="300KB")
+    for n in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(d / "single" / n, d / "ckpt" / n)
+    files = {p.name: p.read_bytes() for p in (d / "ckpt").iterdir()}
+    assert sorted(n for n in files if n.endswith(".safetensors")) == SHARDS
+    assert set(json.loads(files["model.safetensors.index.json"])["weight_map"].values()) == set(SHARDS)
+    return d / "ckpt", files
+
+
+@pytest.fixture
+def hub(ckpt):
+    """The checkpoint published as REPO, plus files a conversion does not need (never to be fetched)."""
+    _, files = ckpt
+    with HubServer() as server:
+        server.files = files
+        server.commit = server.add_repo(REPO, {**files, "README.md": b"# tiny\n", ".gitattributes": b"*.st lfs\n",
+                                               "consolidated.safetensors": b"\0" * 4096,
+                                               "original/notes.txt": b"not needed\n"})
+        yield server
+
+
+@pytest.fixture(autouse=True, scope="module")
+def hermetic_hf(tmp_path_factory):
+    """huggingface_hub in the commands gets its own HF_HOME (no saved token) and no telemetry (which
+    would otherwise fetch an agent registry from the default endpoint)."""
+    global HF_ENV
+    HF_ENV = {"HF_HOME": str(tmp_path_factory.mktemp("hf_home")), "HF_HUB_DISABLE_TELEMETRY": "1"}
+    yield
+
+
+HF_ENV = {}
+
+
+def run(module, *args, env=None, timeout=120):
+    full_env = {**os.environ, **HF_ENV, **(env or {})}
+    return subprocess.run([sys.executable, "-m", f"kimistream.convert.{module}", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def fetch(hub, directory, *extra, spec=REPO, env=None):
+    proc = run("cli", "--download-only", spec, "--dir", directory, "--endpoint", hub.url, *FAST, "--json",
+               *extra, env=env)
+    report = json.loads(proc.stdout)["download"] if proc.returncode == 0 else None
+    return proc, report
+
+
+def verify(*args):
+    proc = run("verify_cli", *args, "--json")
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def error_lines(proc) -> list[str]:
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert all(l.startswith("kimi-convert: error: ") for l in lines), proc.stderr
+    return lines
+
+
+def the_error(proc, path) -> str:
+    """The one error line about `path` ('kimi-convert: error: PATH: problem')."""
+    hits = [l for l in error_lines(proc) if l.startswith(f"kimi-convert: error: {path}: ")]
+    assert len(hits) == 1, proc.stderr
+    return hits[0]
+
+
+def assert_complete(d: Path, files: dict):
+    for name, data in files.items():
+        assert (d / name).read_bytes() == data, name
+    assert not list(d.rglob("*.partial"))
+
+
+# ------------------------------------------------------------------------------------------------ tests
+
+def test_download_pinned_revision_manifest_and_verify(hub, tmp_path):
+    d = tmp_path / "dl"
+    proc, rep = fetch(hub, d)
+    assert proc.returncode == 0, proc.stderr
+    assert rep["source"] == f"{REPO}@{hub.commit}"
+    assert_complete(d, hub.files)
+    # Only what a conversion needs: no README, .gitattributes, unindexed or nested safetensors.
+    assert sorted(p.name for p in d.iterdir()) == sorted([*hub.files, "kimi-stream.sha256"])
+    fetched = {e.name for e in hub.log if "/resolve/" in e.path}
+    assert fetched == set(hub.files)
+    # Pinned: listed once at "main", every file then resolved at the commit the listing returned.
+    assert [e.path for e in hub.log if e.path.startswith("/api/")] == \
+        [f"/api/models/{REPO}/revision/main?blobs=true"]
+    assert all(f"/resolve/{hub.commit}/" in e.path for e in hub.log if "/resolve/" in e.path)
+    man = (d / "kimi-stream.sha256").read_text().splitlines()
+    assert f"# repo: {REPO}" in man and f"# revision: {hub.commit}" in man
+    entries = dict(reversed(l.split("  ", 1)) for l in man if not l.startswith("#"))
+    assert entries == {n: sha256(b) for n, b in hub.files.items()}
+    assert set(rep["checked_against"]) == {"the hub's LFS SHA-256", "git blob ids from the hub listing"}
+
+    code, out = verify(d)                      # the manifest in the directory is used by default
+    assert code == 0, out
+    assert out["expected_from"] == [str(d / "kimi-stream.sha256")]
+    assert {r["status"] for r in out["rows"]} == {"ok"}
+
+    # A second run finds everything in place and transfers nothing.
+    n = len(hub.log)
+    proc, rep = fetch(hub, d)
+    assert proc.returncode == 0 and rep["transferred_bytes"] == 0
+    assert {f["status"] for f in rep["files"]} == {"present"}
+    assert not [e for e in hub.log[n:] if "/resolve/" in e.path or "/cdn/" in e.path]
+
+
+def test_cut_mid_file_resumes_in_the_same_run(hub, tmp_path):
+    name, K = SHARDS[0], 100_000
+    size = len(hub.files[name])
+    hub.fault(name, "cut", times=1, at=K)
+    proc, rep = fetch(hub, tmp_path / "dl", "--jobs", "1")
+    assert proc.returncode == 0, proc.stderr
+    gets = hub.gets(name)
+    assert [(g.range, g.sent) for g in gets] == [(None, K), (f"bytes={K}-", size - K)]
+    f = next(f for f in rep["files"] if f["name"] == name)
+    assert f["attempts"] == 2 and f["transferred"] == size
+    assert f["sha256"] == sha256(hub.files[name])
+    assert_complete(tmp_path / "dl", hub.files)
+
+
+def test_killed_download_resumes_with_range_for_the_remainder_only(hub, tmp_path):
+    d = tmp_path / "dl"
+    name, K = SHARDS[1], 131_072
+    size = len(hub.files[name])
+    hub.fault(name, "stall", times=1, at=K)        # sends K bytes, then hangs until released
+    cmd = [sys.executable, "-m", "kimistream.convert.cli", "--download-only", REPO, "--dir", str(d),
+           "--endpoint", hub.url, "--jobs", "2", *FAST]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **HF_ENV})
+    part = d / (name + ".partial")
+    others = [d / n for n in hub.files if n != name]
+    deadline = time.monotonic() + 30
+    while not (part.is_file() and part.stat().st_size == K and all(p.is_file() for p in others)):
+        assert time.monotonic() < deadline and proc.poll() is None, "download did not reach the stall"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    hub.release()
+    assert not (d / name).exists() and part.stat().st_size == K
+    assert not (d / "kimi-stream.sha256").exists()
+
+    n = len(hub.log)
+    proc2, rep = fetch(hub, d)
+    assert proc2.returncode == 0, proc2.stderr
+    resumed = [g for g in hub.log[n:] if g in hub.gets(name)]
+    assert [(g.range, g.status, g.sent) for g in resumed] == [(f"bytes={K}-", 206, size - K)]
+    f = next(f for f in rep["files"] if f["name"] == name)
+    assert f["resumed_from"] == K and f["transferred"] == size - K
+    assert f["sha256"] == sha256(hub.files[name])
+    # Across both runs no byte of any file crossed the wire twice.
+    for fname, data in hub.files.items():
+        assert hub.bytes_sent(fname) == len(data), fname
+    assert_complete(d, hub.files)
+    assert verify(d)[0] == 0
+
+
+def test_transient_faults_are_retried_in_the_same_run(hub, tmp_path):
+    faults = {SHARDS[0]: ("cut", 50_000), SHARDS[1]: ("wrong", 12_345), SHARDS[2]: ("html", 0),
+              "tokenizer.json": ("short", 100), "config.json": ("error500", 0)}
+    for name, (kind, at) in faults.items():
+        hub.fault(name, kind, times=1, at=at)
+    proc, rep = fetch(hub, tmp_path / "dl")
+    assert proc.returncode == 0, proc.stderr
+    attempts = {f["name"]: f["attempts"] for f in rep["files"]}
+    assert all(attempts[n] == 2 for n in faults), attempts
+    # Wrong bytes: the partial is discarded and the file fetched again from byte 0.
+    assert [g.range for g in hub.gets(SHARDS[1])] == [None, None]
+    # An HTML page never reaches the partial: the second full GET is not a resume.
+    assert [g.range for g in hub.gets(SHARDS[2])] == [None, None]
+    assert_complete(tmp_path / "dl", hub.files)
+    assert verify(tmp_path / "dl")[0] == 0
+
+
+def test_bad_server_leaves_no_file_and_says_which_and_why(hub, tmp_path):
+    d = tmp_path / "dl"
+    for name, kind, at in [(SHARDS[0], "wrong", 777), (SHARDS[1], "short", 1000), (SHARDS[2], "html", 0),
+                           ("generation_config.json", "error500", 0)]:
+        hub.fault(name, kind, times=99, at=at)
+    proc, _ = fetch(hub, d, "--retries", "3")
+    assert proc.returncode == 1
+    assert len(error_lines(proc)) == 4
+    e = the_error(proc, d / SHARDS[0])
+    assert "SHA-256 mismatch" in e and sha256(hub.files[SHARDS[0]]) in e and "LFS" in e
+    assert len(hub.gets(SHARDS[0])) == 2           # a wrong hash costs at most one more full download
+    assert "truncated" in the_error(proc, d / SHARDS[1])
+    assert "HTML page" in the_error(proc, d / SHARDS[2])
+    assert "HTTP 500" in the_error(proc, d / "generation_config.json")
+    for name in (*SHARDS, "generation_config.json"):
+        assert not (d / name).exists(), name
+    assert [p.name for p in d.glob("*.partial")] == ["kimi-stream.sha256.partial"], "no unverifiable bytes kept"
+    assert not (d / "kimi-stream.sha256").exists()
+    assert (d / "config.json").read_bytes() == hub.files["config.json"]
+
+    hub.clear_faults()                             # the fault was transient after all: run again
+    proc, rep = fetch(hub, d)
+    assert proc.returncode == 0, proc.stderr
+    assert {f["name"] for f in rep["files"] if f["status"] == "downloaded"} == {*SHARDS, "generation_config.json"}
+    assert_complete(d, hub.files)
+    assert verify(d)[0] == 0
+
+
+def test_checksums_manifest_must_agree(hub, tmp_path):
+    sums = tmp_path / "checksums"
+    sums.mkdir()
+    man = sums / f"test-org--tiny-moe@{hub.commit}.sha256"
+    good = {n: sha256(b) for n, b in hub.files.items()}
+    bad = {**good, SHARDS[1]: "0" * 64, "config.json": "1" * 64}
+    man.write_text("".join(f"{h}  {n}\n" for n, h in bad.items()))
+    d = tmp_path / "dl"
+    proc, _ = fetch(hub, d, "--checksums", sums)
+    assert proc.returncode == 1
+    e = the_error(proc, d / SHARDS[1])               # an LFS file: caught before any byte is fetched
+    assert f"differs from checksums/{man.name}" in e and "not downloaded" in e
+    assert hub.gets(SHARDS[1]) == []
+    e = the_error(proc, d / "config.json")           # a git file: caught on its content
+    assert "SHA-256 mismatch" in e and "1" * 64 in e and f"checksums/{man.name}" in e
+    assert not (d / SHARDS[1]).exists() and not (d / "config.json").exists()
+
+    man.write_text(f"# repo: {REPO}\n# revision: {hub.commit}\n" + "".join(f"{h}  {n}\n" for n, h in good.items()))
+    proc, rep = fetch(hub, d, "--checksums", sums)
+    assert proc.returncode == 0, proc.stderr
+    assert f"checksums/{man.name}" in rep["checked_against"]
+    code, out = verify(d, "--checksums", sums)
+    assert code == 0 and out["expected_from"] == [str(d / "kimi-stream.sha256"), str(man)]
+
+
+def test_verify_against_the_hub(hub, tmp_path):
+    d = tmp_path / "dl"
+    assert fetch(hub, d)[0].returncode == 0
+    (d / "kimi-stream.sha256").unlink()             # the hub listing alone is enough
+    spec = f"{REPO}@{hub.commit}"
+    man = tmp_path / f"test-org--tiny-moe@{hub.commit}.sha256"     # as checksums/README.md says
+    code, out = verify(d, "--hub", spec, "--endpoint", hub.url, "--write-manifest", man)
+    assert code == 0, out
+    rows = {Path(r["file"]).name: r for r in out["rows"]}
+    assert set(rows) == set(hub.files)
+    assert rows["config.json"]["detail"] == "git blob id matches"
+    assert rows[SHARDS[0]]["expected"] == sha256(hub.files[SHARDS[0]])
+    lines = man.read_text().splitlines()
+    assert lines[:2] == [f"# repo: {REPO}", f"# revision: {hub.commit}"]
+    assert {l.split("  ")[1]: l.split("  ")[0] for l in lines if not l.startswith("#")} == \
+        {n: sha256(b) for n, b in hub.files.items()}
+
+    cfg = bytearray((d / "config.json").read_bytes())
+    cfg[cfg.index(b'"hidden_act"') + 2] ^= 0x20     # still valid JSON, different bytes
+    (d / "config.json").write_bytes(bytes(cfg))
+    shard = bytearray((d / SHARDS[0]).read_bytes())
+    shard[-10] ^= 1
+    (d / SHARDS[0]).write_bytes(bytes(shard))
+    code, out = verify(d, "--hub", spec, "--endpoint", hub.url)
+    rows = {Path(r["file"]).name: r for r in out["rows"]}
+    assert code == 4
+    assert rows["config.json"]["status"] == "corrupt" and "git blob id" in rows["config.json"]["detail"]
+    assert rows[SHARDS[0]]["status"] == "corrupt" and rows[SHARDS[0]]["detail"] == "SHA-256 mismatch"
+
+    (d / SHARDS[1]).write_bytes(hub.files[SHARDS[1]][:-7])
+    (d / SHARDS[2]).unlink()
+    code, out = verify(d, "--hub", spec, "--endpoint", hub.url)
+    rows = {Path(r["file"]).name: r for r in out["rows"]}
+    assert code == 3 and rows[SHARDS[2]]["status"] == "missing"
+    assert rows[SHARDS[1]]["status"] == "corrupt" and rows[SHARDS[1]]["detail"].startswith("truncated")
+
+    proc = run("verify_cli", d, "--hub", f"{REPO}@nope", "--endpoint", hub.url)
+    assert proc.returncode == 2 and "revision not found" in proc.stderr
+
+
+def test_server_paths_cannot_escape(ckpt, tmp_path):
+    from kimistream.convert.fetch import safe_relpath
+    _, files = ckpt
+    d = tmp_path / "dl"
+    d.mkdir()
+    (d / "link").symlink_to(tmp_path)
+    for bad in ("../x", "a/../../x", "/etc/passwd", "C:\\x", "a\\..\\x", "", ".", "a//b", "link/x",
+                "kimi-stream.sha256", "x.safetensors.partial"):
+        with pytest.raises(ValueError):
+            safe_relpath(bad, d)
+    assert safe_relpath("sub/model-1-of-2.safetensors", d) == "sub/model-1-of-2.safetensors"
+
+    absolute = str(tmp_path / "abs.safetensors")
+    index = json.loads(files["model.safetensors.index.json"])
+    names = list(index["weight_map"])
+    index["weight_map"][names[0]] = "../escape.safetensors"
+    index["weight_map"][names[1]] = absolute
+    evil = {**files, "model.safetensors.index.json": json.dumps(index).encode(),
+            "../escape.safetensors": files[SHARDS[0]], absolute: files[SHARDS[0]]}
+    with HubServer() as server:
+        server.add_repo("evil/escape", evil)
+        proc, _ = fetch(server, d, spec="evil/escape")
+        assert proc.returncode == 1
+        where = f"kimi-convert: error: {d}/model.safetensors.index.json: "
+        errs = [l for l in error_lines(proc) if l.startswith(where)]
+        assert len(errs) == 2
+        assert any("'../escape.safetensors'" in e and "escape the target directory" in e for e in errs)
+        assert any(repr(absolute) in e and "absolute path" in e for e in errs)
+        assert not [e for e in server.log if "escape.safetensors" in e.path or "abs.safetensors" in e.path]
+
+        url = server.add_plain("../escape.bin", b"x")
+        lst = tmp_path / "urls.txt"
+        lst.write_text(f"{url} {sha256(b'x')}\n")
+        proc = run("cli", "--download-only", "--urls", lst, "--dir", d, *FAST)
+        assert proc.returncode == 1
+        assert "escape the target directory" in the_error(proc, f"{lst}:1")
+    assert not (tmp_path / "escape.safetensors").exists() and not Path(absolute).exists()
+    assert not (tmp_path / "escape.bin").exists()
+
+
+def test_convert_repo_end_to_end(hub, ckpt, tmp_path):
+    from kimistream.convert.converter import convert_checkpoint
+    from kimistream.convert.plan import PrecisionPlan
+    local_dir, _ = ckpt
+    out = tmp_path / "out" / "model.kst"
+    out.parent.mkdir()
+    proc = run("cli", f"{REPO}@main", "-o", out, "--endpoint", hub.url, "--quant", "f32", "--json", *FAST)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    d = Path(summary["download"]["directory"])
+    assert d == out.parent / f"test-org--tiny-moe@{hub.commit}"          # default: next to the output
+    assert summary["total"]["file_bytes"] == out.stat().st_size
+    code, rep = verify(out)
+    assert code == 0, rep
+    code, rep = verify(out, "--hub", f"{REPO}@{hub.commit}", "--endpoint", hub.url)
+    assert code == 0 and rep["rows"][-1]["detail"].startswith("4 of 8 source files match")
+    other = tmp_path / "other.sha256"                  # a manifest of a different release
+    other.write_text(f"{'3' * 64}  {SHARDS[2]}\n{sha256(hub.files[SHARDS[0]])}  {SHARDS[0]}\n")
+    code, rep = verify(out, "--manifest", other)
+    bad = [r for r in rep["rows"] if r["status"] != "ok"]
+    assert code == 4 and [(r["file"], r["status"]) for r in bad] == [(f"model.kst [source {SHARDS[2]}]", "corrupt")]
+    assert bad[0]["detail"] == f"built from a different {SHARDS[2]} than {other}"
+    # Built from the downloaded files exactly as from the original directory.
+    ref = tmp_path / "ref.kst"
+    convert_checkpoint(local_dir, ref, PrecisionPlan.from_preset("f32"))
+    assert out.read_bytes() == ref.read_bytes()
+
+
+def test_hf_endpoint_token_and_bad_revision(ckpt, tmp_path):
+    _, files = ckpt
+    env = {"HF_TOKEN": ""}
+    with HubServer() as server:
+        server.add_repo("private-org/tiny", files, token="hf_secret")
+        env["HF_ENDPOINT"] = server.url                # no --endpoint: the variable picks the mirror
+        args = ["--download-only", "private-org/tiny", "--dir", tmp_path / "dl", *FAST]
+        proc = run("cli", *args, env=env)
+        assert proc.returncode == 1
+        (line,) = error_lines(proc)
+        assert "private-org/tiny: repository not found" in line and "HF_TOKEN" in line
+        n = len(server.log)
+        proc = run("cli", *args, env={**env, "HF_TOKEN": "hf_secret"})
+        assert proc.returncode == 0, proc.stderr
+        hub_calls = [e for e in server.log[n:] if e.path.startswith("/api/") or "/resolve/" in e.path]
+        assert len(hub_calls) > len(files) and all(e.auth for e in hub_calls)
+        cdn_calls = [e for e in server.log[n:] if e.path.startswith("/cdn/")]
+        assert cdn_calls and not any(e.auth for e in cdn_calls)        # the token stays with the hub
+        assert_complete(tmp_path / "dl", files)
+        proc = run("cli", *args[:1], "private-org/tiny@v9", *args[2:], env={**env, "HF_TOKEN": "hf_secret"})
+        (line,) = error_lines(proc)
+        assert "private-org/tiny@v9: revision not found" in line
+
+
+def test_paths_info_fallback(ckpt, tmp_path):
+    """A mirror whose model-info ignores ?blobs=True: sizes and LFS hashes come from paths-info."""
+    _, files = ckpt
+    with HubServer(omit_blobs=True) as server:
+        commit = server.add_repo(REPO, files)
+        proc, rep = fetch(server, tmp_path / "dl")
+        assert proc.returncode == 0, proc.stderr
+        assert [e.path for e in server.log if e.method == "POST"] == [f"/api/models/{REPO}/paths-info/{commit}"]
+        assert "the hub's LFS SHA-256" in rep["checked_against"]
+    assert_complete(tmp_path / "dl", files)
+
+
+def test_url_list_download_and_convert(ckpt, tmp_path):
+    _, files = ckpt
+    d = tmp_path / "dl"
+    with HubServer() as server:
+        urls = {n: server.add_plain(n, b) for n, b in files.items()}
+        lst = tmp_path / "urls.txt"
+        lst.write_text("# a mirror\n" + "".join(f"{urls[n]} {sha256(b)}\n" for n, b in files.items()))
+        server.fault(SHARDS[2], "cut", times=1, at=70_000)
+        out = tmp_path / "m.kst"
+        proc = run("cli", "--urls", lst, "--dir", d, "-o", out, "--json", "--quant", "f32", *FAST,
+                   env={"HF_TOKEN": "hf_never_sent"})
+        assert proc.returncode == 0, proc.stderr
+        assert [g.range for g in server.gets(SHARDS[2])] == [None, "bytes=70000-"]
+        assert not [e for e in server.log if e.auth]         # the hub token stays with the hub
+        assert verify(d)[0] == 0 and verify(out)[0] == 0
+        assert f"# urls: {lst}" in (d / "kimi-stream.sha256").read_text()
+
+        bad = tmp_path / "bad.txt"
+        bad.write_text(f"{urls[SHARDS[0]]}\n{urls['config.json']} {'2' * 64}\nftp://x/y\n")
+        proc = run("cli", "--download-only", "--urls", bad, "--dir", tmp_path / "dl2", *FAST, "--retries", "1")
+        assert proc.returncode == 1
+        assert "no expected SHA-256" in the_error(proc, tmp_path / "dl2" / SHARDS[0])
+        assert "SHA-256 mismatch" in the_error(proc, tmp_path / "dl2" / "config.json")
+        assert "not an http(s) URL" in the_error(proc, f"{bad}:3")
+        assert not (tmp_path / "dl2" / "config.json").exists()
+
+
+def test_server_is_a_hub_to_huggingface_hub(hub, tmp_path, monkeypatch):
+    """The server's fidelity, checked with the official client in-process: listing, paths-info, the
+    HEAD metadata call (X-Linked-Etag, X-Repo-Commit, size) and a plain hf_hub_download."""
+    from huggingface_hub import HfApi, constants, get_hf_file_metadata, hf_hub_download, hf_hub_url
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_TELEMETRY", True)
+    api = HfApi(endpoint=hub.url, token=False)
+    info = api.model_info(REPO, revision="main", files_metadata=True)
+    assert info.sha == hub.commit
+    sib = {s.rfilename: s for s in info.siblings}
+    data = hub.files[SHARDS[0]]
+    assert sib[SHARDS[0]].lfs.sha256 == sha256(data) and sib[SHARDS[0]].size == len(data)
+    assert sib["config.json"].lfs is None
+    assert sib["config.json"].blob_id == hashlib.sha1(b"blob %d\0" % len(hub.files["config.json"])
+                                                      + hub.files["config.json"]).hexdigest()
+    (pi,) = api.get_paths_info(REPO, [SHARDS[0]], revision=hub.commit)
+    assert pi.lfs.sha256 == sha256(data)
+    meta = get_hf_file_metadata(hf_hub_url(REPO, SHARDS[0], revision="main", endpoint=hub.url), token=False)
+    assert (meta.etag, meta.commit_hash, meta.size) == (sha256(data), hub.commit, len(data))
+    assert any(e.method == "HEAD" and e.status == 302 for e in hub.log)
+    path = hf_hub_download(REPO, SHARDS[0], revision=hub.commit, cache_dir=tmp_path, endpoint=hub.url,
+                           token=False)
+    assert Path(path).read_bytes() == data
