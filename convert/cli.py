@@ -50,6 +50,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="codec for tensors whose name matches REGEX (repeatable, first match wins)")
     p.add_argument("--alignment", type=int, default=DEFAULT_ALIGNMENT,
                    help=f"extent alignment in bytes, power of two 4096..{MAX_ALIGNMENT} (default 4096)")
+    c = p.add_argument_group("conversion")
+    c.add_argument("--delete-source", action="store_true",
+                   help="delete each source shard once all its tensors are written (disk stays near the output size)")
+    c.add_argument("--calibration", type=Path, metavar="TEXT_FILE",
+                   help="measure activation importance on this text (via an f32 conversion and kimi-run) and fit "
+                        "quantization to it; the importance matrix is kept as OUT.imatrix.npz")
+    c.add_argument("--imatrix", type=Path, metavar="PATH", help="reuse a saved importance matrix")
+    c.add_argument("--synthetic", type=Path, metavar="CONFIG_JSON",
+                   help="write a random-weight file of this config's geometry instead of converting")
+    c.add_argument("--sparse", action="store_true", help="with --synthetic: leave routed experts as holes")
+    c.add_argument("--seed", type=int, default=0, help="with --synthetic: random seed")
+    r = p.add_argument_group("releases")
+    r.add_argument("--publish", type=Path, metavar="DIR",
+                   help="also split the weight file into zstd chunks with a manifest in DIR (SOURCE may be a .kst)")
+    r.add_argument("--chunk-size", default="2GiB", help="with --publish: raw bytes per chunk (default 2GiB)")
+    r.add_argument("--assemble", type=Path, metavar="RELEASE_DIR",
+                   help="rebuild a weight file from a downloaded release (chunks + *.release.json) into -o")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -105,9 +122,115 @@ def _download(args, err: Console, out: Path | None):
                       130)
 
 
+def _bytes_progress(err: Console, label: str, quiet: bool):
+    return Progress(TextColumn(f"[bold]{label}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                    TimeRemainingColumn(), TextColumn("{task.fields[tensor]}"), console=err, disable=quiet)
+
+
+def _converting(args, err: Console, out: Path, plan, imatrix=None):
+    """Run the converter with a progress bar; returns the summary."""
+    progress = _bytes_progress(err, "converting", args.quiet)
+    task = None
+
+    def on_progress(kind, **info):
+        nonlocal task
+        if kind == "start":
+            task = progress.add_task("convert", total=info["total_bytes"], tensor="")
+            if info.get("resumed"):
+                progress.console.print(f"resuming {out}: {info['resumed']} of {info['tensors']} tensors already written")
+        elif kind == "tensor":
+            progress.update(task, advance=info["nbytes"], tensor=info["name"][-48:])
+        elif kind == "shard-done":
+            progress.console.print(f"consumed and deleted {info['path']}")
+
+    with progress:
+        return convert_checkpoint(args.source, out, plan, args.alignment, on_progress,
+                                  delete_source=args.delete_source, imatrix=imatrix)
+
+
+def _calibrate(args, err: Console, out: Path) -> Path:
+    """Importance matrix for --calibration: convert to f32 beside the output, run kimi-run over the text."""
+    import subprocess
+    f32 = out.with_name(out.name + ".calib-f32.kst")
+    im = out.with_name(out.name + ".imatrix.npz")
+    err.print(f"calibration: converting {args.source} to f32 for measurement ({f32})")
+    _converting(args, err, f32, PrecisionPlan.from_preset("f32"))
+    err.print(f"calibration: running the f32 model over {args.calibration}")
+    proc = subprocess.run([sys.executable, "-m", "kimistream.runtime.cli", "--weights", str(f32), "--calibration",
+                           str(args.calibration), "--imatrix-out", str(im), "--quiet"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    f32.unlink(missing_ok=True)
+    if proc.returncode != 0:
+        raise ConversionError(proc.stderr.strip().splitlines()[-1].removeprefix("kimi-run: error: ")
+                              if proc.stderr.strip() else "calibration run failed")
+    return im
+
+
+def _load_imatrix(path: Path, source: str):
+    from kimistream.formats.imatrix import load_imatrix
+    from kimistream.formats.layout import model_shapes
+
+    from .source import HFCheckpoint
+    ckpt = HFCheckpoint(source, allow_missing_shards=True)
+    return load_imatrix(path, ckpt.config.to_dict(), model_shapes(ckpt.config))
+
+
+def _publish(args, err: Console, path: Path) -> dict:
+    from kimistream.runtime.budget import parse_size
+
+    from .publish import publish
+    progress = _bytes_progress(err, "publishing", args.quiet)
+    with progress:
+        task = progress.add_task("publish", total=path.stat().st_size, tensor=str(args.publish))
+        m = publish(path, args.publish, parse_size(args.chunk_size), progress=lambda n: progress.update(task, advance=n))
+    err.print(f"published {path} as {len(m['chunks'])} chunk(s) in {args.publish}, "
+              f"compression ratio {m['compression_ratio']:.3f}")
+    return m
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     err = Console(stderr=True)
+    try:
+        return _main(args, err)
+    except (ConversionError, ValueError, OSError) as e:
+        return _error(e)
+    except KeyboardInterrupt:
+        return _error(f"interrupted; partial output kept as *.partial, run the same command to resume", 130)
+
+
+def _main(args, err: Console) -> int:
+    out = Path(args.output) if args.output else None
+    if args.assemble:
+        from .publish import assemble
+        if out is None:
+            return _error("--assemble needs -o OUT", 2)
+        path = assemble(args.assemble, out)
+        err.print(f"assembled {path} from {args.assemble} (every chunk's SHA-256 checked)")
+        return 0
+    if args.publish and args.source and Path(args.source).is_file():
+        m = _publish(args, err, Path(args.source))
+        if args.json:
+            sys.stdout.write(json.dumps({"release": m}) + "\n")
+        return 0
+    if args.synthetic:
+        from .synthetic import write_synthetic
+        if out is None:
+            return _error("--synthetic needs -o OUT", 2)
+        plan = PrecisionPlan.from_preset(args.quant, args.override)
+        progress = _bytes_progress(err, "writing synthetic", args.quiet)
+        task = None
+
+        def on_progress(kind, **info):
+            nonlocal task
+            if kind == "start":
+                task = progress.add_task("synthetic", total=info["total_bytes"], tensor="")
+            elif kind == "tensor":
+                progress.update(task, advance=info["nbytes"], tensor=info["name"][-48:])
+        with progress:
+            path = write_synthetic(args.synthetic, out, plan, sparse=args.sparse, seed=args.seed, progress=on_progress)
+        err.print(f"wrote {path} ({path.stat().st_size:,} bytes{', experts sparse' if args.sparse else ''})")
+        return 0
     remote = args.urls is not None or (args.source is not None and not Path(args.source).is_dir()
                                        and H.is_repo_spec(args.source))
     if args.source is None and args.urls is None:
@@ -122,16 +245,23 @@ def main(argv=None) -> int:
         return _error("-o/--output is required (or use --download-only)", 2)
     if args.jobs < 1 or args.retries < 1 or args.retry_wait < 0:
         return _error("--jobs and --retries must be at least 1, --retry-wait not negative", 2)
+    if args.calibration and args.imatrix:
+        return _error("give --calibration or --imatrix, not both", 2)
     try:
         plan = PrecisionPlan.from_preset(args.quant, args.override)
     except ValueError as e:
         return _error(e, 2)
-    out = Path(args.output) if args.output else None
     report = None
     if remote:
         report = _download(args, err, out)
         if isinstance(report, int):
             return report
+        releases = list(Path(report.directory).glob("*.release.json"))
+        if releases and not args.download_only:
+            from .publish import assemble
+            path = assemble(report.directory, out)
+            err.print(f"assembled {path} from the downloaded release (every chunk's SHA-256 checked)")
+            return 0
         if args.download_only:
             if args.json:
                 sys.stdout.write(json.dumps({"download": report.to_json()}) + "\n")
@@ -141,29 +271,18 @@ def main(argv=None) -> int:
         if not args.json:
             err.print(report.describe(), highlight=False, soft_wrap=True, markup=False)
         args.source = str(report.directory)
-    progress = Progress(TextColumn("[bold]converting"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                        TimeRemainingColumn(), TextColumn("{task.fields[tensor]}"), console=err,
-                        disable=args.quiet)
-    task = None
-
-    def on_progress(kind, **info):
-        nonlocal task
-        if kind == "start":
-            task = progress.add_task("convert", total=info["total_bytes"], tensor="")
-        elif kind == "tensor":
-            progress.update(task, advance=info["nbytes"], tensor=info["name"][-48:])
-
-    try:
-        with progress:
-            summary = convert_checkpoint(args.source, out, plan, args.alignment, on_progress)
-    except (ConversionError, ValueError, OSError) as e:
-        return _error(e)
-    except KeyboardInterrupt:
-        return _error(f"interrupted; nothing written to {out}", 130)
+    imatrix = None
+    if args.calibration:
+        imatrix = _load_imatrix(_calibrate(args, err, out), args.source)
+    elif args.imatrix:
+        imatrix = _load_imatrix(args.imatrix, args.source)
+    summary = _converting(args, err, out, plan, imatrix)
+    data = summary.to_json()
+    if report is not None:
+        data["download"] = report.to_json()
+    if args.publish:
+        data["release"] = _publish(args, err, out)
     if args.json:
-        data = summary.to_json()
-        if report is not None:
-            data["download"] = report.to_json()
         sys.stdout.write(json.dumps(data) + "\n")
     else:
         print_summary(Console(), summary)

@@ -166,8 +166,7 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
             try:
                 values = ckpt.read(n)
                 codec = get_codec(t.codec)
-                imp = imatrix.get(n) if imatrix else None
-                encoded = codec.encode(values, importance=imp) if imp is not None else codec.encode(values)
+                encoded = codec.encode(values, importance=imatrix.get(n) if imatrix else None)
             except SourceError as e:
                 raise ConversionError(str(e)) from None
             except CodecError as e:

@@ -31,8 +31,9 @@ class Codec:
         except CodecError:
             return False
 
-    def encode(self, values: np.ndarray) -> np.ndarray:
-        """Encode float values into a uint8 array of exactly nbytes(values.shape)."""
+    def encode(self, values: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
+        """Encode float values into a uint8 array of exactly nbytes(values.shape). `importance`
+        (per input channel) weights the fitting error of codecs that fit anything; others ignore it."""
         raise NotImplementedError
 
     def decode(self, buf, shape) -> np.ndarray:
@@ -63,7 +64,7 @@ class _Float(Codec):
     def nbytes(self, shape) -> int:
         return math.prod(shape) * self.dtype.itemsize
 
-    def encode(self, values):
+    def encode(self, values, importance=None):
         values = np.asarray(values, dtype=np.float32)
         _check_finite(values)
         with np.errstate(over="ignore"):
@@ -90,7 +91,7 @@ class _BFloat16(Codec):
     def nbytes(self, shape) -> int:
         return math.prod(shape) * 2
 
-    def encode(self, values):
+    def encode(self, values, importance=None):
         values = np.ascontiguousarray(values, dtype=np.float32)
         _check_finite(values)
         bits = values.view(np.uint32).astype(np.uint64)

@@ -64,3 +64,29 @@ def test_manifest_cannot_escape(big_file, tmp_path):
     mpath.write_text(json.dumps(m))
     with pytest.raises(PublishError, match="must not contain directories"):
         assemble(tmp_path / "rel")
+
+
+def _convert(*args):
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-m", "kimistream.convert.cli", *map(str, args)],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_synthetic_sparse_publish_assemble(tmp_path):
+    cfg = {"architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 300, "hidden_size": 64,
+           "intermediate_size": 128, "moe_intermediate_size": 2048, "num_hidden_layers": 3, "num_attention_heads": 2,
+           "kv_lora_rank": 32, "q_lora_rank": None, "qk_rope_head_dim": 16, "v_head_dim": 32, "qk_nope_head_dim": 32,
+           "n_routed_experts": 32, "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1}
+    (tmp_path / "c.json").write_text(json.dumps(cfg))
+    out = tmp_path / "s.kst"
+    proc = _convert("--synthetic", tmp_path / "c.json", "-o", out, "--sparse", "--quant", "f32", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    st = out.stat()
+    assert st.st_blocks * 512 < st.st_size / 5            # the experts are holes on disk
+    proc = _convert(out, "--publish", tmp_path / "rel", "--chunk-size", "16MiB", "--quiet", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["release"]["compression_ratio"] > 10      # holes compress
+    proc = _convert("--assemble", tmp_path / "rel", "-o", tmp_path / "back.kst", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "back.kst").read_bytes() == out.read_bytes()

@@ -102,3 +102,20 @@ def test_empty_calibration_file(tiny_kst, tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1].endswith("empty.txt: the file is empty")
     assert not (tmp_path / "x.npz").exists()
+
+
+def test_convert_with_calibration_and_reuse(tiny_ckpt, tmp_path):
+    text = tmp_path / "cal.txt"
+    text.write_text(TEXT)
+    out = tmp_path / "q.kst"
+    conv = [sys.executable, "-m", "kimistream.convert.cli", str(tiny_ckpt), "--quant", "q4", "--quiet", "--json"]
+    proc = subprocess.run(conv + ["-o", str(out), "--calibration", str(text)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    im = tmp_path / "q.kst.imatrix.npz"
+    assert im.exists() and not list(tmp_path.glob("*.calib-f32.kst"))
+    with WeightFile(out) as wf:
+        assert wf.header["imatrix"]["tensors"] > 10
+    again = tmp_path / "again.kst"
+    proc = subprocess.run(conv + ["-o", str(again), "--imatrix", str(im)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert again.read_bytes() == out.read_bytes()             # the same importance gives the same file
