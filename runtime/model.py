@@ -246,6 +246,7 @@ class Model:
         idx, weights = self.route(L, h)
         used = np.unique(idx)
         self.w.pager.note_routed(L["index"], used)
+        self.w.pager.fetch_ahead(L["index"], used)
         if self.prefetch == "next-layer":
             self._predict_next(L, x)
         out = np.zeros_like(h)
