@@ -125,6 +125,7 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
         raise ConversionError(f"{ckpt.dir}: no tokenizer (need tokenizer.json, or tiktoken.model with "
                               f"tokenizer_config.json)")
 
+    plan.for_model(cfg.first_k_dense_replace, cfg.num_hidden_layers)
     writer = WeightFileWriter(out, alignment)
     for name, kind, tensors in plan_extents(cfg, plan.codec_for):
         writer.add_extent(name, kind, tensors)

@@ -63,6 +63,7 @@ def write_synthetic(config_path, out, plan: PrecisionPlan, sparse: bool = False,
                  if (tok_dir / n).is_file()}
     if "tokenizer.json" not in tok_files:
         tok_files = byte_tokenizer(cfg.vocab_size)
+    plan.for_model(cfg.first_k_dense_replace, cfg.num_hidden_layers)
     writer = WeightFileWriter(out)
     layout = plan_extents(cfg, plan.codec_for)
     for name, kind, tensors in layout:

@@ -80,10 +80,13 @@ def plan_for_file(wf: WeightFile, args, baseline: int, max_ctx: int | None = Non
     # The parsed header and tokenizer (a few times their bytes as Python objects), embedding rows in flight.
     metadata = 4 * len(json.dumps(wf.header)) + 8 * sum(e.nbytes for e in wf.extents if e.kind == "blob")
     metadata += 4 * cfg.hidden_size * args.prefill_batch_size
+    # f16/bf16 experts are decoded one projection at a time; block codecs run fused (a 64-row block).
     scratch = 0
     for name, t in wf.tensors.items():
-        if t.cls == "routed_experts" and t.codec != "f32":
+        if t.codec in ("f16", "bf16") and t.cls in ("routed_experts", "shared_experts", "dense_mlp"):
             scratch = max(scratch, 2 * 4 * int(np.prod(t.shape)))
+        elif t.codec not in ("f32", "f16", "bf16") and len(t.shape) == 2:
+            scratch = max(scratch, 4 * 64 * t.shape[1])
     return B.make_plan(cfg, budget=args.budget, baseline=baseline, resident=resident, metadata=metadata,
                        expert_bytes=max((e.nbytes for e in experts), default=0), total_experts=len(experts),
                        max_context=max_ctx or args.max_ctx, chunk=chunk or args.prefill_batch_size,
@@ -150,11 +153,18 @@ def run(args) -> int:
         return _fail(str(e))
 
 
-def _warm_up() -> None:
-    """Load the libraries a run uses and initialise BLAS, so the measured baseline includes them."""
+def _warm_up(codecs=()) -> None:
+    """Load the libraries a run uses, initialise BLAS and load (or compile) the fused kernels the
+    file's codecs need, so the measured baseline includes them."""
     import tokenizers  # noqa: F401
     a = np.ones((8, 8), np.float32)
     a @ a
+    from .weights import has_fused_kernel
+    from kimistream.formats.codecs import get_codec
+    for codec in sorted(c for c in set(codecs) if has_fused_kernel(c)):
+        from . import kernels
+        shape = (1, 256)
+        kernels.linear(np.zeros((1, 256), np.float32), codec, np.zeros(get_codec(codec).nbytes(shape), np.uint8), shape)
 
 
 @dataclass
@@ -175,9 +185,10 @@ def open_session(args, log, weights_path=None, describe: bool = True) -> Session
         raise RunError("--prefill-batch-size must be >= 1")
     if args.direct and args.io != "pread":
         raise RunError("--direct needs --io pread")
-    _warm_up()
-    baseline = B.current_rss() + B.RUNTIME_SLACK
     path = Path(weights_path or args.weights) if (weights_path or args.weights) else default_weights(log)
+    with WeightFile(path) as wf:
+        _warm_up({t.codec for t in wf.tensors.values()})
+    baseline = B.current_rss() + B.RUNTIME_SLACK
     if not hasattr(args, "budget"):
         if args.memory_budget:
             args.budget = B.parse_size(args.memory_budget)

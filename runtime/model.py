@@ -28,7 +28,7 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 
 def linear(x: np.ndarray, w: Weight) -> np.ndarray:
-    return x @ w.dense().T
+    return w.matmul_t(x)
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -87,8 +87,9 @@ def resident_copies_bytes(wf) -> int:
     total = 0
     for name, t in wf.tensors.items():
         n = 4 * math.prod(t.shape)
-        if t.codec != "f32" and (name.endswith(_DECODED_SUFFIXES + ("kv_b_proj.weight",))
-                                 or name == "lm_head.weight"):
+        if name.endswith("kv_b_proj.weight") and t.codec != "f32":
+            total += n          # split per head for the absorbed attention: always a float32 copy
+        elif t.codec in ("f16", "bf16") and (name.endswith(_DECODED_SUFFIXES) or name == "lm_head.weight"):
             total += n
     return total
 

@@ -12,7 +12,7 @@ from kimistream.formats.codecs import get_codec
 from kimistream.formats.config import ConfigError, ModelConfig
 from kimistream.formats.constants import EXTENT_EXPERT, EXTENT_RESIDENT
 from kimistream.formats.layout import plan_extents
-from kimistream.formats.presets import PRESETS, codec_for
+from kimistream.formats.presets import PRESETS, PrecisionPlan
 
 from . import budget as B
 
@@ -26,8 +26,8 @@ def plan_config(args, log) -> int:
         raise RunError(f"{path}: {e}") from None
     if args.quant not in PRESETS:
         raise RunError(f"unknown --quant {args.quant!r} (choose from {', '.join(PRESETS)})")
-    classes = PRESETS[args.quant]
-    layout = plan_extents(cfg, lambda n, c, s: codec_for(classes, n, c, s))
+    precision = PrecisionPlan.from_preset(args.quant).for_model(cfg.first_k_dense_replace, cfg.num_hidden_layers)
+    layout = plan_extents(cfg, precision.codec_for)
     size = {}
     resident = expert = 0
     n_experts = 0
@@ -44,7 +44,9 @@ def plan_config(args, log) -> int:
     copies = 0
     for name, kind, tensors in layout:
         for tname, _, codec, shape in tensors:
-            if codec != "f32" and (tname.endswith(_DECODED_SUFFIXES + ("kv_b_proj.weight",)) or tname == "lm_head.weight"):
+            if tname.endswith("kv_b_proj.weight") and codec != "f32":
+                copies += 4 * math.prod(shape)
+            elif codec in ("f16", "bf16") and (tname.endswith(_DECODED_SUFFIXES) or tname == "lm_head.weight"):
                 copies += 4 * math.prod(shape)
     args.budget = B.parse_size(args.memory_budget) if args.memory_budget else int(B.DEFAULT_FRACTION * B.mem_available())
     args.max_ctx = args.max_context or min(4096, cfg.max_position_embeddings)

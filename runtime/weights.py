@@ -35,12 +35,28 @@ class Weight:
         return get_codec(self.codec).decode(self.raw, self.shape)
 
     def keep_dense(self) -> int:
-        """Decode once and keep (resident non-f32 weights); returns the extra bytes held."""
+        """Decode once and keep, for float codecs without a fused kernel (f32 is a view, costing
+        nothing); block codecs stay packed. Returns the extra bytes held."""
         if self.codec == "f32":
             self._dense = self.dense()
             return 0
+        if has_fused_kernel(self.codec):
+            return 0
         self._dense = np.ascontiguousarray(self.dense())
         return self._dense.nbytes
+
+    def matmul_t(self, x: np.ndarray) -> np.ndarray:
+        """x @ W.T: BLAS on float weights, a fused kernel on packed low-bit ones."""
+        if self._dense is not None:
+            return x @ self._dense.T
+        if has_fused_kernel(self.codec):
+            from . import kernels        # numba: imported only when a file has block codecs
+            return kernels.linear(x, self.codec, self.raw, self.shape)
+        return x @ self.dense().T
+
+
+def has_fused_kernel(codec: str) -> bool:
+    return codec not in ("f32", "f16", "bf16")
 
 
 class ModelWeights:
