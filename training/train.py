@@ -30,11 +30,15 @@ import re
 import sys
 import time
 
-import torch
-import torch.nn.functional as F
-import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
+# With the default (spinning) OpenMP wait policy, two torch threads slow down
+# 3-4x when other processes compete for the two cores; sleeping waits avoid it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402  (must come after the OpenMP setting)
+import torch.nn.functional as F  # noqa: E402
+import transformers  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
+from transformers import AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
 
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"]
 BOS, EOS = SPECIAL_TOKENS[0], SPECIAL_TOKENS[1]
@@ -50,7 +54,9 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-SAMPLE_PROMPTS = {"stdlib": ["def ", "import "], "manpages": ["NAME\n", "The "]}
+# No trailing spaces: byte-level BPE glues a space to the following word, so a
+# prompt ending in a bare space is out of distribution.
+SAMPLE_PROMPTS = {"stdlib": ["def", "import", "class"], "manpages": ["NAME\n", "The"]}
 
 
 def log(msg):
@@ -203,7 +209,7 @@ def encode_stream(tok, texts):
 # --------------------------------------------------------------------------- model
 
 
-def make_config(bos_id, eos_id):
+def make_config(bos_id, eos_id, experts=16, top_k=3):
     return DeepseekV3Config(
         vocab_size=VOCAB_SIZE,
         hidden_size=256,
@@ -211,8 +217,8 @@ def make_config(bos_id, eos_id):
         moe_intermediate_size=192,
         num_hidden_layers=5,
         first_k_dense_replace=1,
-        n_routed_experts=16,
-        num_experts_per_tok=3,
+        n_routed_experts=experts,
+        num_experts_per_tok=top_k,
         n_shared_experts=1,
         n_group=1,
         topk_group=1,
@@ -335,9 +341,10 @@ def train(model, stream, bos_id, args):
                 f"elapsed {(time.time() - start) / 60:5.1f}m  bias [{biases.min():+.3f}, {biases.max():+.3f}]")
             recent = []
     recorder.remove()
+    loadavg = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     final = history[-50:]
     return {"steps": step, "tokens": tokens, "train_seconds": time.time() - start,
-            "final_train_loss": sum(final) / len(final)}
+            "final_train_loss": sum(final) / len(final), "loadavg": loadavg}
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -404,9 +411,9 @@ def write_report(path, args, info):
     text = f"""# {os.path.basename(os.path.normpath(args.out))}
 
 Tiny DeepseekV3-architecture MoE causal LM trained from scratch on CPU by
-`training/train.py`. Weights are bfloat16 (the router bias
-`e_score_correction_bias` is kept in float32, as in the original DeepSeek-V3
-checkpoints).
+`training/train.py`. Weights are bfloat16; the router bias
+`e_score_correction_bias` is rounded to bfloat16 precision but stored as
+float32, the dtype the original DeepSeek-V3 checkpoints use for it.
 
 ## Command
 
@@ -437,12 +444,14 @@ checkpoints).
 - AdamW (betas 0.9/0.95, weight decay {args.weight_decay}), peak lr {args.lr},
   {args.warmup_steps} warmup steps then cosine to 10% over the wall-clock budget, grad clip {args.grad_clip}
 - batch {args.batch_size} x {SEQ_LEN} tokens (+BOS), fp32, {torch.get_num_threads()} threads
+  (`OMP_WAIT_POLICY={os.environ.get("OMP_WAIT_POLICY")}`)
 - router bias: auxiliary-loss-free balancing, after every step
   `bias += {args.bias_update_speed} * sign(mean_load - load)` per MoE layer
 - steps: {info["steps"]}, tokens seen: {info["tokens"] / 1e6:.2f} M
   ({info["tokens"] / info["train_stream_tokens"]:.2f} epochs)
 - training wall time: {info["train_seconds"] / 60:.1f} min (budget {args.minutes} min);
-  whole script: {info["total_seconds"] / 60:.1f} min
+  whole script: {info["total_seconds"] / 60:.1f} min; average {info["tokens"] / info["train_seconds"]:.0f} tokens/s
+  (load average at the end of training: {info["loadavg"]}; the 2 cores may be shared with other jobs)
 - final train loss (mean of last 50 steps): {info["final_train_loss"]:.4f}
 
 ## Held-out evaluation
@@ -483,12 +492,15 @@ def parse_args():
     p.add_argument("--minutes", type=float, required=True, help="wall-clock training budget")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--heldout-out", required=True, help="where to write the held-out text")
+    p.add_argument("--experts", type=int, default=16, help="routed experts per MoE layer (default 16)")
+    p.add_argument("--top-k", type=int, default=3, help="experts per token (default 3)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup-steps", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--bias-update-speed", type=float, default=1e-3)
+    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--log-every", type=int, default=25)
     return p.parse_args()
 
@@ -496,7 +508,7 @@ def parse_args():
 def main():
     args = parse_args()
     t0 = time.time()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     os.makedirs(args.out, exist_ok=True)
     if os.path.dirname(args.heldout_out):
@@ -524,7 +536,7 @@ def main():
     log(f"tokenizer: vocab {tok.get_vocab_size()}, training stream {len(stream) / 1e6:.2f} M tokens "
         f"({info['train_chars'] / len(stream):.2f} chars/token)")
 
-    config = make_config(tok.token_to_id(BOS), tok.token_to_id(EOS))
+    config = make_config(tok.token_to_id(BOS), tok.token_to_id(EOS), args.experts, args.top_k)
     model = DeepseekV3ForCausalLM(config)
     n_params = sum(p.numel() for p in model.parameters())
     expert_params = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
@@ -539,6 +551,9 @@ def main():
         f"{info['train_seconds'] / 60:.1f} min, final train loss {info['final_train_loss']:.4f}")
 
     model.eval()
+    # Every tensor, the router bias included, is rounded to bfloat16; the bias is
+    # then stored as float32, the dtype DeepSeek-V3 / Kimi-K2 checkpoints use for
+    # it (so the bias values are exactly representable in both dtypes).
     model.to(torch.bfloat16)
     for layer in model.model.layers[config.first_k_dense_replace:]:
         gate = layer.mlp.gate
