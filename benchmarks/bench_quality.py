@@ -1,0 +1,94 @@
+"""Quality per bit for issue 3: every low-bit preset against the f32 conversion of each trained
+model, on held-out text, data-free and calibrated; printed as a markdown table.
+
+    python benchmarks/bench_quality.py [--models stdlib-moe manpages-moe] [--chars 30000] [--cal-chars 60000]
+
+Calibration text comes from the models' training split (never the held-out files), built by
+training/train.py's own corpus functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "training"))
+
+PRESETS = ["q2rtn-baseline", "q2", "t1", "q1"]
+
+
+def run(*args) -> str:
+    proc = subprocess.run([sys.executable, "-m", *map(str, args)], capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(map(str, args))}\n{proc.stderr}")
+    return proc.stdout
+
+
+def calibration_text(corpus: str, chars: int) -> str:
+    import train
+    docs = train.build_corpus(corpus)[0]          # the training split only
+    stride = max(1, len(docs) // max(1, chars // 2000))
+    out, n = [], 0
+    for name, text in docs[::stride]:              # spread over the corpus, 2000 characters a file
+        piece = text[:2000]
+        out.append(piece)
+        n += len(piece)
+        if n >= chars:
+            break
+    return "".join(out)[:chars]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", nargs="+", default=["stdlib-moe", "manpages-moe"])
+    ap.add_argument("--chars", type=int, default=30000, help="held-out characters scored")
+    ap.add_argument("--cal-chars", type=int, default=60000, help="calibration characters")
+    ap.add_argument("--context", type=int, default=512)
+    args = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for model in args.models:
+            src = REPO / "models" / model
+            corpus = model.split("-")[0]
+            held = tmp / f"{model}-heldout.txt"
+            held.write_text((REPO / "data" / f"{corpus}-heldout.txt").read_text()[:args.chars])
+            cal = tmp / f"{model}-cal.txt"
+            cal.write_text(calibration_text(corpus, args.cal_chars))
+            ref = tmp / f"{model}-f32.kst"
+            run("kimistream.convert.cli", src, "-o", ref, "--quant", "f32", "--quiet", "--json")
+            im = tmp / f"{model}.imatrix.npz"
+            run("kimistream.runtime.cli", "--weights", ref, "--calibration", cal, "--imatrix-out", im,
+                "--max-context", args.context, "--quiet")
+            for preset in PRESETS:
+                for mode in ("data-free", "calibrated"):
+                    if preset == "q2rtn-baseline" and mode == "calibrated":
+                        continue            # round-to-nearest has nothing to fit
+                    out = tmp / f"{model}-{preset}-{mode}.kst"
+                    extra = ["--imatrix", im] if mode == "calibrated" else []
+                    s = json.loads(run("kimistream.convert.cli", src, "-o", out, "--quant", preset, "--quiet",
+                                       "--json", *extra))
+                    q = json.loads(run("kimistream.runtime.cli", "--weights", out, "--perplexity", held,
+                                       "--kl-reference", ref, "--max-context", args.context, "--json",
+                                       "--quiet"))["quality"]
+                    rows.append({"model": model, "preset": preset, "mode": mode,
+                                 "expert_bpw": s["classes"]["routed_experts"]["bpw"], "file_bpw": s["total"]["bpw"],
+                                 "tokens": q["tokens"], "perplexity": q["perplexity"],
+                                 "f32_perplexity": q["reference_perplexity"], "kl_mean": q["kl_mean"],
+                                 "kl_p99": q["kl_p99"], "top1": q["top1_agreement"]})
+                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    print("| model | preset | fit | routed-expert bpw | file bpw | perplexity (f32) | mean KL | p99 KL | top-1 |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['model']} | {r['preset']} | {r['mode']} | {r['expert_bpw']:.3f} | {r['file_bpw']:.3f} | "
+              f"{r['perplexity']:.3f} ({r['f32_perplexity']:.3f}) | {r['kl_mean']:.5f} | {r['kl_p99']:.4f} | "
+              f"{r['top1']:.2%} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Quantization quality on the bundled trained model, scaled down for CI (a slice of its held-out
+text): every preset keeps its routed-expert bit budget, more bits give lower KL, and calibration
+(an importance matrix from training-split text) lowers KL against the f32 conversion for q2 and t1.
+The full table for both trained models is benchmarks/bench_quality.py's (RESULTS.md)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = REPO / "models" / "stdlib-moe"
+BUDGET = {"q2": 2.5, "t1": 1.85, "q1": 1.35, "q2rtn-baseline": 2.5}
+
+
+def run(*args):
+    proc = subprocess.run([sys.executable, "-m", *map(str, args)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    sys.path.insert(0, str(REPO / "training"))
+    import train
+    d = tmp_path_factory.mktemp("quality")
+    docs = train.build_corpus("stdlib")[0]
+    (d / "cal.txt").write_text("".join(text[:1500] for _, text in docs[::60])[:24000])
+    (d / "held.txt").write_text((REPO / "data" / "stdlib-heldout.txt").read_text()[:12000])
+    run("kimistream.convert.cli", MODEL, "-o", d / "f32.kst", "--quant", "f32", "--quiet", "--json")
+    run("kimistream.runtime.cli", "--weights", d / "f32.kst", "--calibration", d / "cal.txt", "--imatrix-out",
+        d / "im.npz", "--max-context", 512, "--quiet")
+    return d
+
+
+def quality(d, preset, calibrated):
+    out = d / f"{preset}-{calibrated}.kst"
+    extra = ["--imatrix", d / "im.npz"] if calibrated else []
+    summary = json.loads(run("kimistream.convert.cli", MODEL, "-o", out, "--quant", preset, "--quiet", "--json",
+                             *extra))
+    q = json.loads(run("kimistream.runtime.cli", "--weights", out, "--perplexity", d / "held.txt",
+                       "--kl-reference", d / "f32.kst", "--max-context", 512, "--json", "--quiet"))["quality"]
+    return summary["classes"]["routed_experts"]["bpw"], q
+
+
+def test_presets_bits_kl_and_calibration(setup):
+    kl = {}
+    for preset in ("q2rtn-baseline", "q2", "t1", "q1"):
+        bpw, q = quality(setup, preset, calibrated=False)
+        assert bpw <= BUDGET[preset], (preset, bpw)
+        assert q["kl_mean"] > 0 and q["perplexity"] > 1
+        kl[preset] = q["kl_mean"]
+    assert kl["q2"] < kl["t1"] < kl["q1"]
+    for preset in ("q2", "t1"):
+        _, q = quality(setup, preset, calibrated=True)
+        assert q["kl_mean"] < kl[preset], (preset, q["kl_mean"], kl[preset])
