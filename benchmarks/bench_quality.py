@@ -48,7 +48,7 @@ def main():
     ap.add_argument("--models", nargs="+", default=["stdlib-moe", "manpages-moe"])
     ap.add_argument("--chars", type=int, default=30000, help="held-out characters scored")
     ap.add_argument("--cal-chars", type=int, default=60000, help="calibration characters")
-    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--context", type=int, default=256, help="window; the models were trained on 257 tokens")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
