@@ -47,6 +47,39 @@ def _values(rng, name: str, shape, cfg: ModelConfig) -> np.ndarray:
     return (rng.standard_normal(shape, dtype=np.float32) / math.sqrt(fan_in)).astype(np.float32)
 
 
+TILE_ROWS = 64
+
+
+def _encoded(rng, name: str, shape, codec_name: str, cfg: ModelConfig) -> np.ndarray:
+    """Encoded bytes of a random tensor. Large weights repeat a random block of TILE_ROWS rows: every
+    plane of every codec is row-major, so tiling each plane's rows gives a valid encoding of the
+    row-tiled matrix at memory speed (encoding a trillion-parameter geometry would take hours)."""
+    codec = get_codec(codec_name)
+    if len(shape) != 2 or shape[0] <= 4 * TILE_ROWS:
+        return codec.encode(_values(rng, name, shape, cfg))
+    rows, cols = shape
+    block = codec.encode(_values(rng, name, (TILE_ROWS, cols), cfg))
+    per_row_total = codec.nbytes((1, cols))
+    if codec.nbytes((TILE_ROWS, cols)) != TILE_ROWS * per_row_total:
+        return codec.encode(_values(rng, name, shape, cfg))
+    planes = _plane_rows(codec, cols)
+    out, pos = [], 0
+    for per_row in planes:
+        plane = block[pos:pos + TILE_ROWS * per_row].reshape(TILE_ROWS, per_row)
+        out.append(np.resize(plane, (rows, per_row)).reshape(-1))
+        pos += TILE_ROWS * per_row
+    return np.concatenate(out)
+
+
+def _plane_rows(codec, cols: int) -> list[int]:
+    """Bytes per row of each plane, in storage order (one plane for float codecs)."""
+    geometry = getattr(codec, "geometry", None)
+    if geometry is None:
+        return [codec.nbytes((1, cols))]
+    g = geometry((1, cols))
+    return [g.par_row, 2 * g.k, 2 * g.k, g.sub_row, g.code_row]
+
+
 def write_synthetic(config_path, out, plan: PrecisionPlan, sparse: bool = False, seed: int = 0,
                     progress=None) -> Path:
     progress = progress or (lambda *a, **k: None)
@@ -81,7 +114,7 @@ def write_synthetic(config_path, out, plan: PrecisionPlan, sparse: bool = False,
                 writer.leave_hole(name)
                 continue
             for tname, cls, codec, shape in tensors:
-                writer.write_tensor(tname, get_codec(codec).encode(_values(rng, tname, shape, cfg)))
+                writer.write_tensor(tname, _encoded(rng, tname, shape, codec, cfg))
                 progress("tensor", name=tname, nbytes=writer.tensors[tname].nbytes)
         path = writer.finish()
     except BaseException:

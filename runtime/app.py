@@ -87,6 +87,8 @@ def plan_for_file(wf: WeightFile, args, baseline: int, max_ctx: int | None = Non
             scratch = max(scratch, 2 * 4 * int(np.prod(t.shape)))
         elif t.codec not in ("f32", "f16", "bf16") and len(t.shape) == 2:
             scratch = max(scratch, 4 * 64 * t.shape[1])
+        if name.endswith("kv_b_proj.weight") and t.codec != "f32":
+            scratch = max(scratch, 4 * int(np.prod(t.shape)))     # decoded per use
     return B.make_plan(cfg, budget=args.budget, baseline=baseline, resident=resident, metadata=metadata,
                        expert_bytes=max((e.nbytes for e in experts), default=0), total_experts=len(experts),
                        max_context=max_ctx or args.max_ctx, chunk=chunk or args.prefill_batch_size,

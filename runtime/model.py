@@ -82,14 +82,12 @@ _DECODED_SUFFIXES = ("kv_a_proj_with_mqa.weight", "o_proj.weight", "q_a_proj.wei
 
 
 def resident_copies_bytes(wf) -> int:
-    """Bytes of float32 copies the Model makes of resident tensors (for the memory plan): the split
-    kv_b_proj of every layer, and decoded attention projections / lm_head when not stored as f32."""
+    """Bytes of float32 copies the Model keeps of resident tensors (for the memory plan): attention
+    projections and lm_head stored as f16/bf16. Block codecs run fused and keep no copy."""
     total = 0
     for name, t in wf.tensors.items():
         n = 4 * math.prod(t.shape)
-        if name.endswith("kv_b_proj.weight") and t.codec != "f32":
-            total += n          # split per head for the absorbed attention: always a float32 copy
-        elif t.codec in ("f16", "bf16") and (name.endswith(_DECODED_SUFFIXES) or name == "lm_head.weight"):
+        if t.codec in ("f16", "bf16") and (name.endswith(_DECODED_SUFFIXES) or name == "lm_head.weight"):
             total += n
     return total
 
@@ -148,10 +146,12 @@ class Model:
         else:
             L["q"] = w.weight(p + "self_attn.q_proj.weight")
         nh, nope, v, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-        # Strided views, no copies, when kv_b_proj is stored as f32 (a decoded copy otherwise).
-        kv_b = w.weight(p + "self_attn.kv_b_proj.weight").dense().reshape(nh, nope + v, r)
-        L["w_k"] = kv_b[:, :nope, :]                       # [nh, nope, r]
-        L["w_v_t"] = kv_b[:, nope:, :].transpose(0, 2, 1)  # [nh, r, v]
+        # kv_b_proj, split per head: strided views of the mapping when stored as f32; otherwise it
+        # stays packed and is decoded into a transient buffer at each use (a resident float32 copy
+        # of every layer's would take 2 GB for Kimi K2).
+        L["kv_b"] = w.weight(p + "self_attn.kv_b_proj.weight")
+        if L["kv_b"].codec == "f32":
+            L["w_k"], L["w_v_t"] = self._split_kv_b(L["kv_b"].dense())
         if L["moe"]:
             L["router"] = w.vector(p + "mlp.gate.weight")
             L["bias"] = w.vector(p + "mlp.gate.e_score_correction_bias")
@@ -164,6 +164,12 @@ class Model:
             if k in L:
                 self.w.decoded_bytes += L[k].keep_dense()
         return L
+
+    def _split_kv_b(self, kv_b: np.ndarray):
+        cfg = self.cfg
+        nh, nope, v, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        kv_b = kv_b.reshape(nh, nope + v, r)
+        return kv_b[:, :nope, :], kv_b[:, nope:, :].transpose(0, 2, 1)     # [nh, nope, r], [nh, r, v]
 
     # ------------------------------------------------------------------ blocks
     def _lin(self, x: np.ndarray, w: Weight) -> np.ndarray:
@@ -198,7 +204,8 @@ class Model:
         C[start:start + T] = latent
         K[start:start + T] = k_rot
         S = start + T
-        q_lat = np.matmul(q_nope.transpose(1, 0, 2), L["w_k"])            # [nh, T, r]
+        w_k, w_v_t = (L["w_k"], L["w_v_t"]) if "w_k" in L else self._split_kv_b(L["kv_b"].dense())
+        q_lat = np.matmul(q_nope.transpose(1, 0, 2), w_k)                 # [nh, T, r]
         scores = np.matmul(q_lat, C[:S].T) + np.matmul(q_rot.transpose(1, 0, 2), K[:S].T)  # [nh, T, S]
         scores *= self.softmax_scale
         if T > 1:
@@ -208,7 +215,7 @@ class Model:
         probs = np.exp(scores)
         probs /= probs.sum(axis=-1, keepdims=True)
         o_lat = np.matmul(probs, C[:S])                                    # [nh, T, r]
-        o = np.matmul(o_lat, L["w_v_t"])                                   # [nh, T, v]
+        o = np.matmul(o_lat, w_v_t)                                        # [nh, T, v]
         return self._lin(o.transpose(1, 0, 2).reshape(T, nh * cfg.v_head_dim), L["o"])
 
     def _mlp(self, x: np.ndarray, gate: Weight, up: Weight, down: Weight) -> np.ndarray:

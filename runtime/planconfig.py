@@ -44,18 +44,21 @@ def plan_config(args, log) -> int:
     copies = 0
     for name, kind, tensors in layout:
         for tname, _, codec, shape in tensors:
-            if tname.endswith("kv_b_proj.weight") and codec != "f32":
+            if codec in ("f16", "bf16") and (tname.endswith(_DECODED_SUFFIXES) or tname == "lm_head.weight"):
                 copies += 4 * math.prod(shape)
-            elif codec in ("f16", "bf16") and (tname.endswith(_DECODED_SUFFIXES) or tname == "lm_head.weight"):
-                copies += 4 * math.prod(shape)
+    # kv_b_proj is decoded per use when packed: one layer's worth of scratch.
+    scratch = max((4 * math.prod(shape) for _, _, tensors in layout for tname, _, codec, shape in tensors
+                   if tname.endswith("kv_b_proj.weight") and codec != "f32"), default=0)
     args.budget = B.parse_size(args.memory_budget) if args.memory_budget else int(B.DEFAULT_FRACTION * B.mem_available())
     args.max_ctx = args.max_context or min(4096, cfg.max_position_embeddings)
-    baseline = B.current_rss()
+    from .app import _warm_up
+    _warm_up({codec for _, _, tensors in layout for _, _, codec, _ in tensors})   # numba and kernels count too
+    baseline = B.current_rss() + B.RUNTIME_SLACK
     metadata = 4 * cfg.hidden_size * args.prefill_batch_size + 16 * 2 ** 20   # header, tokenizer, rows in flight
     def replan(ctx, chunk):
         return B.make_plan(cfg, budget=args.budget, baseline=baseline, resident=resident + copies,
                            metadata=metadata, expert_bytes=expert, total_experts=n_experts, max_context=ctx,
-                           chunk=chunk, expert_scratch=0, prefetch=args.prefetch != "off")
+                           chunk=chunk, expert_scratch=scratch, prefetch=args.prefetch != "off")
     plan = replan(args.max_ctx, args.prefill_batch_size)
     total = sum(size.values())
     log(f"{path}: {cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts × {len(cfg.moe_layers)} MoE layers, "
