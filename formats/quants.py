@@ -54,6 +54,15 @@ class Geometry:
 
 # ----------------------------------------------------------------------------------------------- packing
 
+def outlier_columns_valid(ocol: np.ndarray, cols: int) -> bool:
+    """Each row's outlier columns are strictly increasing and < cols — or all zero: an all-zero
+    tensor (a sparse hole in a synthetic file) is a valid encoding of zeros."""
+    if (ocol >= cols).any():
+        return False
+    bad = (np.diff(ocol.astype(np.int64), axis=1) <= 0).any(axis=1)
+    return not (bad & ocol.any(axis=1)).any()
+
+
 def chunk_bytes(n: int, per_byte: int) -> int:
     """Bytes used by n codes packed per_byte per byte: full 32-byte chunks, then a shorter tail."""
     full, tail = divmod(n, 32 * per_byte)
@@ -225,7 +234,7 @@ class BlockCodec(Codec):
         if g.rows == 0:
             return np.zeros(shape, np.float32)
         par, ocol, oval, sub, codes = self._planes(raw, g)
-        if g.k and ((ocol >= g.cols).any() or (np.diff(ocol.astype(np.int64), axis=1) <= 0).any()):
+        if g.k and not outlier_columns_valid(ocol, g.cols):
             raise CodecError(f"{self.name}: corrupt data: outlier columns out of range or not increasing")
         dig = self._digits(codes, g.cols)
         rows, cols, S = g.rows, g.cols, self.sub

@@ -15,7 +15,7 @@ import numba
 from numba import njit, parallel_chunksize, prange
 
 from kimistream.formats.codecs import CodecError, get_codec
-from kimistream.formats.quants import K_Q1, K_Q2, K_Q2RTN, K_Q4, K_Q6, K_Q8, K_T1, QUANT_CODECS, BlockCodec
+from kimistream.formats.quants import outlier_columns_valid, K_Q1, K_Q2, K_Q2RTN, K_Q4, K_Q6, K_Q8, K_T1, QUANT_CODECS, BlockCodec
 
 _F16_TO_F32 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 _POW3 = np.array([1, 3, 9, 27, 81], dtype=np.int64)
@@ -438,7 +438,7 @@ def _prepare(codec_name: str, raw, shape):
     k, rows = int(g[G_K]), int(g[G_ROWS])
     if k and rows:
         ocol = raw[g[G_OFFOCOL]:g[G_OFFOCOL] + 2 * rows * k].view("<u2").reshape(rows, k)
-        if int(ocol.max()) >= g[G_COLS] or (k > 1 and (np.diff(ocol.astype(np.int32), axis=1) <= 0).any()):
+        if not outlier_columns_valid(ocol, int(g[G_COLS])):
             raise CodecError(f"{codec_name}: corrupt data: outlier columns out of range or not increasing")
     return codec, g, raw
 
