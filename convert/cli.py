@@ -127,15 +127,15 @@ def _bytes_progress(err: Console, label: str, quiet: bool):
                     TimeRemainingColumn(), TextColumn("{task.fields[tensor]}"), console=err, disable=quiet)
 
 
-def _converting(args, err: Console, out: Path, plan, imatrix=None):
-    """Run the converter with a progress bar; returns the summary."""
-    progress = _bytes_progress(err, "converting", args.quiet)
+def _run_with_progress(err: Console, label: str, quiet: bool, work, out: Path | None = None):
+    """Call work(on_progress) under a rich bar fed by the converter's progress events."""
+    progress = _bytes_progress(err, label, quiet)
     task = None
 
     def on_progress(kind, **info):
         nonlocal task
         if kind == "start":
-            task = progress.add_task("convert", total=info["total_bytes"], tensor="")
+            task = progress.add_task(label, total=info["total_bytes"], tensor="")
             if info.get("resumed"):
                 progress.console.print(f"resuming {out}: {info['resumed']} of {info['tensors']} tensors already written")
         elif kind == "tensor":
@@ -144,8 +144,13 @@ def _converting(args, err: Console, out: Path, plan, imatrix=None):
             progress.console.print(f"consumed and deleted {info['path']}")
 
     with progress:
-        return convert_checkpoint(args.source, out, plan, args.alignment, on_progress,
-                                  delete_source=args.delete_source, imatrix=imatrix)
+        return work(on_progress)
+
+
+def _converting(args, err: Console, out: Path, plan, imatrix=None):
+    """Run the converter with a progress bar; returns the summary."""
+    return _run_with_progress(err, "converting", args.quiet, lambda cb: convert_checkpoint(
+        args.source, out, plan, args.alignment, cb, delete_source=args.delete_source, imatrix=imatrix), out)
 
 
 def _calibrate(args, err: Console, out: Path) -> Path:
@@ -218,17 +223,8 @@ def _main(args, err: Console) -> int:
         if out is None:
             return _error("--synthetic needs -o OUT", 2)
         plan = PrecisionPlan.from_preset(args.quant, args.override)
-        progress = _bytes_progress(err, "writing synthetic", args.quiet)
-        task = None
-
-        def on_progress(kind, **info):
-            nonlocal task
-            if kind == "start":
-                task = progress.add_task("synthetic", total=info["total_bytes"], tensor="")
-            elif kind == "tensor":
-                progress.update(task, advance=info["nbytes"], tensor=info["name"][-48:])
-        with progress:
-            path = write_synthetic(args.synthetic, out, plan, sparse=args.sparse, seed=args.seed, progress=on_progress)
+        path = _run_with_progress(err, "writing synthetic", args.quiet, lambda cb: write_synthetic(
+            args.synthetic, out, plan, sparse=args.sparse, seed=args.seed, progress=cb))
         err.print(f"wrote {path} ({path.stat().st_size:,} bytes{', experts sparse' if args.sparse else ''})")
         return 0
     remote = args.urls is not None or (args.source is not None and not Path(args.source).is_dir()

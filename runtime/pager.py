@@ -164,8 +164,11 @@ class ExpertPager:
         window = ready[: max(1, len(ready) // 2)]
         return min(window, key=lambda k: self._freq.get(k, 0))
 
+    def _needs_room(self, nbytes: int) -> bool:
+        return self.cached_bytes + nbytes > self.capacity
+
     def _make_room(self, nbytes: int) -> None:
-        while self._cache and self.cached_bytes + nbytes > self.capacity:
+        while self._cache and self._needs_room(nbytes):
             k = self._victim()
             if k is None:
                 return
@@ -320,16 +323,8 @@ class PreadPager(ExpertPager):
             self.cached_bytes += n
         return ent
 
-    def _make_room(self, nbytes):
-        # Slots, not bytes, are the unit here: evict until one is free.
-        while self._cache and not self._free:
-            k = self._victim()
-            if k is None:
-                return
-            ent = self._cache.pop(k)
-            self.cached_bytes -= ent.nbytes
-            self.stats.evictions += 1
-            self._release(ent)
+    def _needs_room(self, nbytes):
+        return not self._free          # slots, not bytes, are the unit here
 
     def _start_prefetch(self, key, speculative=True):
         off, n = self.extent(key)
