@@ -292,19 +292,38 @@ def _generate(args, log) -> int:
         print(json.dumps({"prompt_tokens": prompt_ids, "tokens": stream.ids,
                           "text": tok.decode(stream.ids), "stats": report, "memory_plan": plan.to_json()}))
     else:
-        log(f"{stats.prompt_tokens} prompt tokens at {report['prefill_tokens_per_s']:.1f} tok/s, "
-            f"{stats.generated_tokens} generated at {report['decode_tokens_per_s']:.1f} tok/s ({stats.stop_reason})")
-        log(f"experts touched {report['experts_touched']}/{report['experts_total']}; cache hit rate "
-            f"{tele['hit_rate']:.1%}; read {B.fmt(tele['bytes_read'])}"
-            + (f"; prefetch recall {tele['prefetch_recall']:.1%}" if tele["prefetch_recall"] is not None else "")
-            + f"; per decoded token: {B.fmt(tele['decode_bytes_read_per_token'])} read, "
-              f"{tele['decode_compute_s_per_token'] * 1000:.1f} ms compute, "
-              f"{tele['decode_io_wait_s_per_token'] * 1000:.1f} ms I/O wait")
-        log(f"peak RSS {B.fmt(report['peak_rss_bytes'])} (anonymous {B.fmt(tele['peak_rss_anon_bytes'])}, "
-            f"file-backed {B.fmt(tele['peak_rss_file_bytes'])}) of budget {B.fmt(plan.budget)}; "
-            f"major faults {tele['major_faults']}")
+        if not args.quiet:
+            print_summary(stats, report, tele, plan)
     weights.close()
     return 0
+
+
+def print_summary(stats: GenerationStats, report: dict, tele: dict, plan: B.MemoryPlan) -> None:
+    """The closing table on stderr: where time, I/O and memory went."""
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title="kimi-run summary", show_header=False, min_width=60)
+    t.add_column("", style="bold")
+    t.add_column("", justify="right")
+    na = "—"
+    rows = [
+        ("prompt", f"{stats.prompt_tokens} tokens at {report['prefill_tokens_per_s']:.1f} tok/s"),
+        ("generated", f"{stats.generated_tokens} tokens at {report['decode_tokens_per_s']:.1f} tok/s ({stats.stop_reason})"),
+        ("per decoded token: compute", f"{tele['decode_compute_s_per_token'] * 1000:.1f} ms"),
+        ("per decoded token: waiting on I/O", f"{tele['decode_io_wait_s_per_token'] * 1000:.1f} ms"),
+        ("per decoded token: expert bytes read", B.fmt(tele["decode_bytes_read_per_token"])),
+        ("experts touched", f"{report['experts_touched']} of {report['experts_total']}"),
+        ("expert cache", f"{plan.cache_experts} experts, hit rate {tele['hit_rate']:.1%}, {tele['evictions']} evictions"),
+        ("expert bytes read", B.fmt(tele["bytes_read"])),
+        ("prefetch recall / wasted",
+         na if tele["prefetch_recall"] is None else f"{tele['prefetch_recall']:.1%} / {B.fmt(tele['prefetch_wasted_bytes'])}"),
+        ("major faults", str(tele["major_faults"])),
+        ("peak RSS (VmHWM)", f"{B.fmt(report['peak_rss_bytes'])} of {B.fmt(plan.budget)} budget"),
+        ("  anonymous / file-backed", f"{B.fmt(tele['peak_rss_anon_bytes'])} / {B.fmt(tele['peak_rss_file_bytes'])}"),
+    ]
+    for k, v in rows:
+        t.add_row(k, v)
+    Console(stderr=True, width=100).print(t)
 
 
 # ------------------------------------------------------------------------------------ quality
