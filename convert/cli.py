@@ -201,7 +201,7 @@ def main(argv=None) -> int:
     except (ConversionError, ValueError, OSError) as e:
         return _error(e)
     except KeyboardInterrupt:
-        return _error(f"interrupted; partial output kept as *.partial, run the same command to resume", 130)
+        return _error("interrupted; partial output kept as *.partial, run the same command to resume", 130)
 
 
 def _main(args, err: Console) -> int:

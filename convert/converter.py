@@ -6,7 +6,6 @@ by the largest tensor. The output is written to `OUT.partial` and renamed when c
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path

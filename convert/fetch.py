@@ -613,8 +613,8 @@ def _hub_target(snap: H.Snapshot, name: str, directory: Path, extra: dict) -> Ta
     if f.size is None:
         raise FetchError(directory / name, f"the hub gives no size for this file in {snap.spec}")
     if not sha and not f.git_sha1:
-        raise FetchError(directory / name, f"neither the hub nor a manifest gives a hash for this file; "
-                                           f"cannot verify it")
+        raise FetchError(directory / name, "neither the hub nor a manifest gives a hash for this file; "
+                                           "cannot verify it")
     return Target(name, snap.url(name), f.size, sha, label, f.git_sha1, snap.commit, auth=True)
 
 

@@ -241,7 +241,7 @@ def _generate(args, log) -> int:
     s = open_session(args, log)
     if s is None:
         return 0
-    path, cfg, plan, weights, model, tok, resident = (s.path, s.cfg, s.plan, s.weights, s.model, s.tok, s.resident)
+    cfg, plan, weights, model, tok, resident = s.cfg, s.plan, s.weights, s.model, s.tok, s.resident
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.chat:
         prompt_ids = tok.encode(tok.render_chat([{"role": "user", "content": prompt}]), add_special_tokens=False)

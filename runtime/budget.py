@@ -4,7 +4,6 @@ how much — when the budget cannot hold the minimum."""
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import asdict, dataclass
 

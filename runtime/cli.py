@@ -4,7 +4,6 @@ when a token is routed to them; everything else is resident. Logs go to stderr, 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 

@@ -127,7 +127,7 @@ def _row_scales(raw, g, lut, r, As, Bs):
 def _deq_row(raw, g, lut, r, out, As, Bs):
     """Row r dequantized into out (float32 [cols]), bit for bit as the reference decoder: no
     fastmath here, so no fused multiply-add and no reassociation."""
-    cols, kind, bits, p = g[G_COLS], g[G_KIND], g[G_BITS0], g[G_PB0]
+    cols, kind, p = g[G_COLS], g[G_KIND], g[G_PB0]
     _row_scales(raw, g, lut, r, As, Bs)
     base = g[G_OFFCODE] + r * g[G_CODEROW]
     codes = raw[base:base + g[G_CODEROW]]
@@ -231,8 +231,7 @@ def _dequantize(raw, g, lut, r0, out):
 def _row_dot(raw, g, x, xs, As, Bs, acc):
     """Sum over the full-chunk part of row codes: sum_span As[span] * sum(level * x) + Bs[span] * xs[span].
     As, Bs are per 32-weight span; acc is 32 lanes of scratch. Returns (sum, first column not covered)."""
-    cols, kind, p = g[G_COLS], g[G_KIND], g[G_PB0]
-    base = np.uint64(0)
+    cols, kind = g[G_COLS], g[G_KIND]
     for j in range(32):
         acc[j] = 0
     if kind == K_Q6:
@@ -401,8 +400,7 @@ def _tail_dot(codes, g, x, As, Bs, start, lev):
 
 @njit(parallel=True, fastmath=True, cache=True)
 def _matvec(raw, g, lut, x, xs, y):
-    rows, cols, S = g[G_ROWS], g[G_COLS], g[G_S]
-    nsub, per_sub = g[G_NSUB], S // 32
+    rows, cols = g[G_ROWS], g[G_COLS]
     k_out = g[G_K]
     nb = (rows + 7) // 8
     for bi in prange(nb):

@@ -145,7 +145,6 @@ class Model:
             L["q_b"] = w.weight(p + "self_attn.q_b_proj.weight")
         else:
             L["q"] = w.weight(p + "self_attn.q_proj.weight")
-        nh, nope, v, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         # kv_b_proj, split per head: strided views of the mapping when stored as f32; otherwise it
         # stays packed and is decoded into a transient buffer at each use (a resident float32 copy
         # of every layer's would take 2 GB for Kimi K2).
@@ -179,7 +178,7 @@ class Model:
 
     def _attention(self, L: dict, h: np.ndarray, start: int) -> np.ndarray:
         cfg, T = self.cfg, h.shape[0]
-        nh, nope, rd = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        nh, nope = cfg.num_attention_heads, cfg.qk_nope_head_dim
         if cfg.q_lora_rank:
             q = self._lin(rms_norm(self._lin(h, L["q_a"]), L["q_ln"], cfg.rms_norm_eps), L["q_b"])
         else:

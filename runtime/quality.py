@@ -5,7 +5,6 @@ agreement against a reference weight file on the same windows, and collecting an
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 

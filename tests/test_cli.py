@@ -77,7 +77,6 @@ def test_run_json_stream_and_logits(tiny_ckpt, tiny_kst, tmp_path):
 
 def test_chat_uses_template(tiny_kst):
     rep = json.loads(kimi_run("--weights", tiny_kst, "--prompt", "hi", "--chat", "--max-tokens", 2, "--json").stdout)
-    from tokenizers import Tokenizer
     assert rep["prompt_tokens"][0] == 2  # <|im_start|>
 
 

@@ -2,7 +2,6 @@
 to an uninterrupted conversion — after an exception, after the process is killed outright, and with
 --delete-source removing each shard once it is consumed."""
 
-import shutil
 import subprocess
 import sys
 import textwrap

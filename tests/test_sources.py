@@ -8,7 +8,6 @@ import shutil
 import numpy as np
 import pytest
 
-import refmodels
 from kimistream.convert.converter import ConversionError, convert_checkpoint
 from kimistream.convert.plan import PrecisionPlan
 from kimistream.formats.weightfile import WeightFile
@@ -23,7 +22,6 @@ def _state(ckpt):
 
 def _reshard(ckpt, dest, names_fmt, n_shards):
     """Split a single-file checkpoint into n shards named by names_fmt(i, n), with an index."""
-    import torch
     from safetensors.torch import load_file, save_file
     dest.mkdir()
     for f in ckpt.iterdir():
