@@ -92,8 +92,8 @@ def plan_for_file(wf: WeightFile, args, baseline: int, max_ctx: int | None = Non
     return B.make_plan(cfg, budget=args.budget, baseline=baseline, resident=resident, metadata=metadata,
                        expert_bytes=max((e.nbytes for e in experts), default=0), total_experts=len(experts),
                        max_context=max_ctx or args.max_ctx, chunk=chunk or args.prefill_batch_size,
-                       expert_scratch=scratch,
-                       prefetch=args.prefetch != "off")
+                       expert_scratch=scratch, prefetch=args.prefetch != "off",
+                       kv_itemsize=2 if args.kv_dtype == "f16" else 4)
 
 
 def describe_plan(plan: B.MemoryPlan, log) -> None:
@@ -218,7 +218,7 @@ def open_session(args, log, weights_path=None, describe: bool = True) -> Session
     except KeyError as e:
         raise RunError(f"{path}: tokenizer file {e} missing from the weight file") from None
     resident = weights.load_resident()
-    model = Model(weights, args.max_ctx, prefetch=args.prefetch)
+    model = Model(weights, args.max_ctx, prefetch=args.prefetch, kv_dtype=args.kv_dtype)
     codecs = sorted({t.codec for t in weights.file.tensors.values()})
     plan_classes = weights.header.get("plan", {}).get("classes", {})
     log(f"{path.name}: {cfg.num_hidden_layers} layers ({len(cfg.moe_layers)} MoE), "

@@ -46,8 +46,8 @@ def current_rss() -> int:
     return 0
 
 
-def kv_bytes(cfg: ModelConfig, max_context: int) -> int:
-    return 4 * max_context * cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+def kv_bytes(cfg: ModelConfig, max_context: int, itemsize: int = 4) -> int:
+    return itemsize * max_context * cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
 
 
 def activation_bytes(cfg: ModelConfig, chunk: int, max_context: int, expert_scratch: int) -> int:
@@ -59,7 +59,8 @@ def activation_bytes(cfg: ModelConfig, chunk: int, max_context: int, expert_scra
     q = nh * (cfg.qk_head_dim + cfg.kv_lora_rank + cfg.v_head_dim)
     per_token = 4 * (8 * H + 3 * q + 4 * inter + cfg.vocab_size)
     scores = 4 * 3 * nh * chunk * max_context
-    return chunk * per_token + scores + expert_scratch
+    kv_copy = 4 * max_context * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)   # one layer's f16 cache, as f32
+    return chunk * per_token + scores + kv_copy + expert_scratch
 
 
 @dataclass
@@ -104,8 +105,8 @@ class MemoryPlan:
 
 def make_plan(cfg: ModelConfig, *, budget: int, baseline: int, resident: int, metadata: int,
               expert_bytes: int, total_experts: int, max_context: int, chunk: int, expert_scratch: int,
-              prefetch: bool) -> MemoryPlan:
-    kv = kv_bytes(cfg, max_context)
+              prefetch: bool, kv_itemsize: int = 4) -> MemoryPlan:
+    kv = kv_bytes(cfg, max_context, kv_itemsize)
     act = activation_bytes(cfg, min(chunk, max_context), max_context, expert_scratch)
     fixed = baseline + resident + metadata + kv + act
     left = budget - fixed

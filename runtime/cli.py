@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="speculative prefetch of the next layer's experts (default next-layer)")
     m.add_argument("--cache-policy", choices=("lru", "lfru"), default="lru",
                    help="expert cache eviction: lru, or lfru (least frequently routed among the older half)")
+    m.add_argument("--kv-dtype", choices=("f32", "f16"), default="f32",
+                   help="KV cache precision: f32 (exact, default) or f16 (half the memory)")
     m.add_argument("--dry-run", action="store_true", help="print the memory plan and exit")
     m.add_argument("--plan-config", metavar="CONFIG_JSON",
                    help="plan memory for a Hugging Face config.json alone (with --quant), before any download")

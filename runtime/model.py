@@ -94,13 +94,16 @@ def resident_copies_bytes(wf) -> int:
 
 class KVCache:
     """Per layer: the normalised KV latent [max_context, kv_lora_rank] and rotated key part
-    [max_context, qk_rope_head_dim], float32."""
+    [max_context, qk_rope_head_dim], float32 (exact) or float16 (half the memory)."""
 
-    def __init__(self, cfg: ModelConfig, max_context: int):
+    def __init__(self, cfg: ModelConfig, max_context: int, dtype: str = "f32"):
+        if dtype not in ("f32", "f16"):
+            raise ValueError(f"unknown --kv-dtype {dtype!r} (f32, f16)")
         self.max_context = max_context
+        dt = np.float32 if dtype == "f32" else np.float16
         L = cfg.num_hidden_layers
-        self.latent = [np.zeros((max_context, cfg.kv_lora_rank), np.float32) for _ in range(L)]
-        self.k_rot = [np.zeros((max_context, cfg.qk_rope_head_dim), np.float32) for _ in range(L)]
+        self.latent = [np.zeros((max_context, cfg.kv_lora_rank), dt) for _ in range(L)]
+        self.k_rot = [np.zeros((max_context, cfg.qk_rope_head_dim), dt) for _ in range(L)]
         self.length = 0
 
     @staticmethod
@@ -109,7 +112,7 @@ class KVCache:
 
 
 class Model:
-    def __init__(self, weights: ModelWeights, max_context: int, prefetch: str = "off"):
+    def __init__(self, weights: ModelWeights, max_context: int, prefetch: str = "off", kv_dtype: str = "f32"):
         if prefetch not in ("off", "next-layer"):
             raise ValueError(f"unknown --prefetch {prefetch!r} (off, next-layer)")
         self.prefetch = prefetch
@@ -118,7 +121,7 @@ class Model:
         self.cfg = cfg = weights.config
         if max_context < 1:
             raise ValueError("--max-context must be at least 1")
-        self.cache = KVCache(cfg, max_context)
+        self.cache = KVCache(cfg, max_context, kv_dtype)
         self.inv_freq, self.rope_amp = rope_tables(cfg.rope, cfg.qk_rope_head_dim)
         scale = cfg.qk_head_dim ** -0.5
         if cfg.rope.type != "default" and cfg.rope.mscale_all_dim:

@@ -58,7 +58,8 @@ def plan_config(args, log) -> int:
     def replan(ctx, chunk):
         return B.make_plan(cfg, budget=args.budget, baseline=baseline, resident=resident + copies,
                            metadata=metadata, expert_bytes=expert, total_experts=n_experts, max_context=ctx,
-                           chunk=chunk, expert_scratch=scratch, prefetch=args.prefetch != "off")
+                           chunk=chunk, expert_scratch=scratch, prefetch=args.prefetch != "off",
+                           kv_itemsize=2 if args.kv_dtype == "f16" else 4)
     plan = replan(args.max_ctx, args.prefill_batch_size)
     total = sum(size.values())
     log(f"{path}: {cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts × {len(cfg.moe_layers)} MoE layers, "

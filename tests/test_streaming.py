@@ -154,3 +154,15 @@ def test_plan_for_kimi_k2_config():
     assert plan["kv_cache"] == 4 * 4096 * 61 * 576
     assert "memory plan for a budget of 7.67 GiB" in proc.stderr
     assert ("verdict: fits" in proc.stderr) == (proc.returncode == 0)
+
+
+def test_f16_kv_cache_is_close_and_half_the_memory(synthetic):
+    from kimistream.runtime.model import KVCache
+    ref_logits, ref_tokens, _ = _run(synthetic)
+    w = ModelWeights(synthetic)
+    w.load_resident()
+    m = Model(w, 128, kv_dtype="f16")
+    logits = m.prefill(PROMPT, 7, all_logits=True)
+    assert np.abs(logits - ref_logits).max() <= 2e-3 * np.abs(ref_logits).max()
+    assert m.cache.latent[0].nbytes * 2 == KVCache(w.config, 128).latent[0].nbytes
+    w.close()
