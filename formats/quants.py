@@ -483,11 +483,7 @@ def _quant_affine(X, W, a, b, levels, smax, per_blk, nblk):
                 q = np.clip(np.rint((X - B) / _safe(A)), 0, levels)
                 q = np.where(A == 0, 0, q)
                 err = _wsum((A * q + B - X) ** 2, W)
-                if sb is None:
-                    sb = [sc, mc, err]
-                else:
-                    bt = err < sb[2]
-                    sb = [np.where(bt, sc, sb[0]), np.where(bt, mc, sb[1]), np.where(bt, err, sb[2])]
+                sb = _keep_lower(sb, [sc, mc, err])
         berr = _blocks_view(sb[2], per_blk, nblk, 0).sum(-1)
         cand = [d, m, sb[0], sb[1], berr]
         if best is None:
@@ -498,6 +494,14 @@ def _quant_affine(X, W, a, b, levels, smax, per_blk, nblk):
             best = [np.where(bt, d, best[0]), np.where(bt, m, best[1]), np.where(bs, sb[0], best[2]),
                     np.where(bs, sb[1], best[3]), np.where(bt, berr, best[4])]
     return best[0], best[1], best[2], best[3]
+
+
+def _keep_lower(best, cand):
+    """Element-wise, the candidate [values..., err] with the lower error (the first one seen wins ties)."""
+    if best is None:
+        return cand
+    better = cand[-1] < best[-1]
+    return [np.where(better, c, b) for c, b in zip(cand, best)]
 
 
 def _quant_scale(X, W, a, lo, hi, smax, per_blk, nblk):
@@ -515,11 +519,7 @@ def _quant_scale(X, W, a, lo, hi, smax, per_blk, nblk):
             A = (ds * sc)[..., None]
             q = np.clip(np.rint(X / _safe(A)), lo, hi)
             err = _wsum((A * q - X) ** 2, W)
-            if sb is None:
-                sb = [sc, err]
-            else:
-                bt = err < sb[1]
-                sb = [np.where(bt, sc, sb[0]), np.where(bt, err, sb[1])]
+            sb = _keep_lower(sb, [sc, err])
         berr = _blocks_view(sb[1], per_blk, nblk, 0).sum(-1)
         if best is None:
             best = [d, sb[0], berr]
@@ -557,11 +557,7 @@ def _fit_q1(X, W, smax, per_blk, nblk):
         for dsc in (-1, 0, 1):
             sc = np.clip(sc0 + dsc, 0, smax)
             err = _wsum(((ds * sc)[..., None] * s + ms - X) ** 2, W)
-            if sb is None:
-                sb = [sc, err]
-            else:
-                bt = err < sb[1]
-                sb = [np.where(bt, sc, sb[0]), np.where(bt, err, sb[1])]
+            sb = _keep_lower(sb, [sc, err])
         berr = _blocks_view(sb[1], per_blk, nblk, 0).sum(-1)
         if best is None:
             best = [d, sb[0], berr]

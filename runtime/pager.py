@@ -192,6 +192,12 @@ class ExpertPager:
     def _start_prefetch(self, key, speculative: bool = True) -> None:
         raise NotImplementedError
 
+    def _count_prefetch(self, nbytes: int, speculative: bool) -> None:
+        # Reads ahead of a layer's known experts are not guesses: only speculative ones count.
+        if speculative:
+            self.stats.prefetched += 1
+            self.stats.prefetch_bytes += nbytes
+
     def _release(self, ent: _Entry) -> None:
         raise NotImplementedError
 
@@ -232,9 +238,7 @@ class MmapPager(ExpertPager):
         ent = _Entry(key, off, n)
         with self._lock:
             self._inflight[key] = ent
-        if speculative:
-            self.stats.prefetched += 1
-            self.stats.prefetch_bytes += n
+        self._count_prefetch(n, speculative)
 
         def work():
             try:
@@ -335,9 +339,7 @@ class PreadPager(ExpertPager):
                 return
             ent = _Entry(key, off, n, slot=self._take_slot(n))
             self._inflight[key] = ent
-        if speculative:
-            self.stats.prefetched += 1
-            self.stats.prefetch_bytes += n
+        self._count_prefetch(n, speculative)
 
         def work():
             try:
