@@ -72,7 +72,11 @@ def test_same_output_under_any_budget_mode_and_prefetch(synthetic):
                     assert tokens == ref_tokens, case
                     seen_evictions |= stats.evictions > 0
                     if prefetch == "next-layer":
-                        assert stats.routed_checked > 0 and stats.prefetched > 0, case
+                        assert stats.routed_checked > 0, case      # predictions were made and scored
+                        if cache == 40:
+                            # A two-slot pool may rightly refuse every guess (a demand read always
+                            # keeps a slot); a roomy cache must start speculative reads.
+                            assert stats.prefetched > 0, case
     assert seen_evictions
 
 
