@@ -243,11 +243,12 @@ def test_huge_outlier_is_kept_exactly(name):
     x[2, 5] = -1234.0
     dec = c.decode(c.encode(x), x.shape)
     assert dec[1, 777] == 500.0 and dec[2, 5] == -1234.0
-    # the rest of those rows is not wrecked by the outlier
+    # the rest of those rows is not wrecked by the outlier: about as good as an untouched row
+    def rel(r, rest):
+        return np.mean((dec[r, rest] - x[r, rest]) ** 2) / np.mean(x[r, rest] ** 2)
+    clean = rel(0, np.arange(2048))
     for r, col in ((1, 777), (2, 5)):
-        rest = np.delete(np.arange(2048), col)
-        rel = np.mean((dec[r, rest] - x[r, rest]) ** 2) / np.mean(x[r, rest] ** 2)
-        assert rel < 0.7
+        assert rel(r, np.delete(np.arange(2048), col)) < 1.4 * clean
     assert c.geometry(x.shape).k > 0
 
 
@@ -282,6 +283,28 @@ def test_quality_on_heavy_tailed_weight():
     assert mse["q2"] * 2.5 < mse["q2rtn"]        # a clear factor at fewer bits
     assert mse["t1"] <= mse["q2rtn"]
     assert mse["q4"] < mse["q2"] < mse["t1"] < mse["q1"] < np.mean(x ** 2)
+
+
+@pytest.mark.parametrize("name", ["q2", "t1", "q1", "q4", "q6"])
+def test_reconstruction_is_not_shrunk(name):
+    # A plain least-squares fit returns x shrunk by its relative error; the codecs rescale each
+    # super-block so <x, decoded> = <x, x> (to f16 rounding of the block parameters), per block and
+    # under an importance weighting too. (Near-Gaussian weights, as trained ones are: with very heavy
+    # tails q1's fit is so shrunk that the rescale is capped at 2x.)
+    x = heavy((16, 1024), seed=8, df=30.0)
+    imp = np.random.default_rng(9).gamma(0.5, size=1024).astype(np.float32)
+    c = get_codec(name)
+    for w in (None, imp):
+        dec = c.decode(c.encode(x, importance=w), x.shape)
+        wv = np.ones(1024, np.float32) if w is None else w
+        xb, db, wb = (a.reshape(-1, 4, 256) for a in (x, dec, np.broadcast_to(wv, x.shape)))
+        gain = (wb * xb * db).sum(-1) / (wb * xb * xb).sum(-1)
+        # q4/q6 put u8 sub-scales under an f16 scale that is subnormal for weights this small
+        # (~1e-5): the rescaled block scale rounds to ~0.3 %
+        assert np.abs(gain - 1).max() < (5e-3 if name in ("q4", "q6") else 2e-3), (name, gain)
+        # while a least-squares fit of the same codes would be shrunk by the error: check it is
+        err = ((dec - x) ** 2 * wv).sum() / (x ** 2 * wv).sum()
+        assert name in ("q4", "q6") or err > 0.05
 
 
 @pytest.mark.parametrize("name", ["q2", "t1", "q1", "q4"])
