@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure activation importance on this text (via an f32 conversion and kimi-run) and fit "
                         "quantization to it; the importance matrix is kept as OUT.imatrix.npz")
     c.add_argument("--imatrix", type=Path, metavar="PATH", help="reuse a saved importance matrix")
+    c.add_argument("--moment-budget", default="2G", metavar="SIZE",
+                   help="with --calibration: memory for full input second moments, which let the quantizer "
+                        "round with error feedback (GPTQ-style); routed experts first; 0 = off (default 2G)")
     c.add_argument("--synthetic", type=Path, metavar="CONFIG_JSON",
                    help="write a random-weight file of this config's geometry instead of converting")
     c.add_argument("--sparse", action="store_true", help="with --synthetic: leave routed experts as holes")
@@ -162,7 +165,8 @@ def _calibrate(args, err: Console, out: Path) -> Path:
     _converting(args, err, f32, PrecisionPlan.from_preset("f32"))
     err.print(f"calibration: running the f32 model over {args.calibration}")
     proc = subprocess.run([sys.executable, "-m", "kimistream.runtime.cli", "--weights", str(f32), "--calibration",
-                           str(args.calibration), "--imatrix-out", str(im), "--quiet"],
+                           str(args.calibration), "--imatrix-out", str(im), "--moment-budget",
+                           str(args.moment_budget), "--quiet"],
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     f32.unlink(missing_ok=True)
     if proc.returncode != 0:

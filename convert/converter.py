@@ -91,7 +91,7 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
 
     An interrupted conversion of the same source and plan resumes from its journal and produces the
     same bytes. With `delete_source`, each shard is deleted once all of its tensors are written.
-    `imatrix` maps tensor names to per-input-channel importances for the quantizer."""
+    `imatrix` (formats.imatrix.Imatrix) gives the quantizer per-channel importances and second moments."""
     progress = progress or (lambda *a, **k: None)
     try:
         ckpt = HFCheckpoint(src, allow_missing_shards=delete_source)
@@ -142,7 +142,7 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
     else:
         meta["source"] = source_record(ckpt)
     if imatrix:
-        meta["imatrix"] = {"tensors": len(imatrix)}
+        meta["imatrix"] = {"tensors": len(imatrix), "moments": len(imatrix.moments)}
     # Source-shard order: each shard is read front to back once.
     order = sorted(expected, key=lambda n: (ckpt.shard_names.index(ckpt.location[n]), ckpt.offset(n)))
     total_bytes = sum(writer.tensors[n].nbytes for n in order)
@@ -166,7 +166,8 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
             try:
                 values = ckpt.read(n)
                 codec = get_codec(t.codec)
-                encoded = codec.encode(values, importance=imatrix.get(n) if imatrix else None)
+                encoded = codec.encode(values, importance=imatrix.get(n) if imatrix else None,
+                                       moment=imatrix.moment(n) if imatrix else None)
             except SourceError as e:
                 raise ConversionError(str(e)) from None
             except CodecError as e:

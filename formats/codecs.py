@@ -31,9 +31,12 @@ class Codec:
         except CodecError:
             return False
 
-    def encode(self, values: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
+    def encode(self, values: np.ndarray, importance: np.ndarray | None = None,
+               moment: np.ndarray | None = None) -> np.ndarray:
         """Encode float values into a uint8 array of exactly nbytes(values.shape). `importance`
-        (per input channel) weights the fitting error of codecs that fit anything; others ignore it."""
+        (per input channel) weights the fitting error of codecs that fit anything, and `moment`
+        (the inputs' second moment, [cols, cols]) lets them round with error feedback; codecs that
+        fit nothing ignore both."""
         raise NotImplementedError
 
     def decode(self, buf, shape) -> np.ndarray:
@@ -64,7 +67,7 @@ class _Float(Codec):
     def nbytes(self, shape) -> int:
         return math.prod(shape) * self.dtype.itemsize
 
-    def encode(self, values, importance=None):
+    def encode(self, values, importance=None, moment=None):
         values = np.asarray(values, dtype=np.float32)
         _check_finite(values)
         with np.errstate(over="ignore"):
@@ -91,7 +94,7 @@ class _BFloat16(Codec):
     def nbytes(self, shape) -> int:
         return math.prod(shape) * 2
 
-    def encode(self, values, importance=None):
+    def encode(self, values, importance=None, moment=None):
         values = np.ascontiguousarray(values, dtype=np.float32)
         _check_finite(values)
         bits = values.view(np.uint32).astype(np.uint64)

@@ -1,16 +1,27 @@
-"""Importance matrices: per-input-channel mean squared activation of every weight, measured by
-running a model over calibration text. Written by `kimi-run --calibration`, read by
-`kimi-convert --imatrix`. An .npz holding one float32 vector per tensor name plus `__meta__`
-(JSON: the model config's digest, tokens seen, tokens per tensor)."""
+"""Importance matrices: what calibration measured about the inputs of every weight. Written by
+`kimi-run --calibration`, read by `kimi-convert --imatrix`. An .npz holding
+- one float32 vector per tensor name: the per-input-channel mean squared activation (the diagonal);
+- `moment:KEY` float32 [cols, cols] matrices: the full second moment E[x xᵀ] of a weight's inputs, for
+  the weights a size budget allows (see `moment_plan`) — the quantizer then rounds with error
+  feedback (GPTQ-style) instead of channel by channel. A layer's routed experts share one matrix
+  for gate_proj/up_proj (`model.layers.L.mlp.experts.gate_up`): they read the same hidden states;
+- `__meta__` (JSON: the model config's digest, tokens seen, tokens per tensor and per moment)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import zipfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
+
+MOMENT = "moment:"
+DEFAULT_MOMENT_BUDGET = 2 << 30       # bytes of float64 accumulators while collecting
+_EXPERT_IN = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.\d+\.(?:gate_proj|up_proj)\.weight$")
+_EXPERT_DOWN = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.down_proj\.weight$")
 
 
 class ImatrixError(ValueError):
@@ -21,27 +32,82 @@ def config_digest(config: dict) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def save_imatrix(path, vectors: dict[str, np.ndarray], config: dict, tokens: int, counts: dict[str, int]) -> None:
-    meta = {"config_digest": config_digest(config), "tokens": tokens, "counts": counts}
+def moment_key(name: str) -> str:
+    """The second-moment matrix a weight's inputs are described by (shared by a layer's routed
+    experts' gate/up projections)."""
+    m = _EXPERT_IN.match(name)
+    return f"{m.group(1)}.gate_up" if m else name
+
+
+def moment_plan(shapes: dict[str, tuple], budget_bytes: int) -> set[str]:
+    """Which moment keys get a full matrix within `budget_bytes` (float64 accumulators). Priority:
+    routed experts' shared gate/up matrices, then their down projections (the low-bit weights),
+    then everything else, each group in model order; a key that does not fit is skipped."""
+    keys: dict[str, int] = {}
+    for name, shape in shapes.items():
+        if len(shape) == 2 and name.endswith(".weight") and "embed_tokens" not in name:
+            keys.setdefault(moment_key(name), int(shape[1]))
+    def rank(k):
+        return 0 if k.endswith(".gate_up") else 1 if _EXPERT_DOWN.match(k) else 2
+    chosen, used = set(), 0
+    for k in sorted(keys, key=lambda k: (rank(k), _natural(k))):
+        cost = keys[k] ** 2 * 8
+        if used + cost <= budget_bytes:
+            chosen.add(k)
+            used += cost
+    return chosen
+
+
+def _natural(name: str):
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+class Imatrix(Mapping):
+    """Per-channel importance vectors by tensor name (a read-only mapping), plus `moment(name)`."""
+
+    def __init__(self, vectors: dict[str, np.ndarray], moments: dict[str, np.ndarray] | None = None):
+        self.vectors = vectors
+        self.moments = moments or {}
+
+    def __getitem__(self, name):
+        return self.vectors[name]
+
+    def __iter__(self):
+        return iter(self.vectors)
+
+    def __len__(self):
+        return len(self.vectors)
+
+    def moment(self, name: str) -> np.ndarray | None:
+        return self.moments.get(moment_key(name))
+
+
+def save_imatrix(path, vectors: dict[str, np.ndarray], config: dict, tokens: int, counts: dict[str, int],
+                 moments: dict[str, np.ndarray] | None = None, moment_counts: dict[str, int] | None = None) -> None:
+    meta = {"config_digest": config_digest(config), "tokens": tokens, "counts": counts,
+            "moment_counts": moment_counts or {}}
     path = Path(path)
     tmp = path.with_name(path.name + ".partial.npz")
-    np.savez(tmp, __meta__=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
-             **{n: np.asarray(v, dtype=np.float32) for n, v in vectors.items()})
+    arrays = {n: np.asarray(v, dtype=np.float32) for n, v in vectors.items()}
+    arrays.update({MOMENT + k: np.asarray(v, dtype=np.float32) for k, v in (moments or {}).items()})
+    np.savez(tmp, __meta__=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
     tmp.replace(path)
 
 
-def load_imatrix(path, config: dict, shapes: dict[str, tuple]) -> dict[str, np.ndarray]:
-    """Vectors by tensor name, checked against the model they will quantize."""
+def load_imatrix(path, config: dict, shapes: dict[str, tuple]) -> Imatrix:
+    """Vectors and moments by tensor name, checked against the model they will quantize."""
     path = Path(path)
     try:
         with np.load(path) as z:
             meta = json.loads(bytes(z["__meta__"]).decode())
-            vectors = {k: z[k] for k in z.files if k != "__meta__"}
+            arrays = {k: z[k] for k in z.files if k != "__meta__"}
     except (OSError, KeyError, ValueError, zipfile.BadZipFile, json.JSONDecodeError) as e:
         raise ImatrixError(f"{path}: not an importance matrix ({e})") from None
     if meta.get("config_digest") != config_digest(config):
         raise ImatrixError(f"{path}: importance matrix of another model (config digest "
                            f"{meta.get('config_digest')} != {config_digest(config)})")
+    vectors = {k: v for k, v in arrays.items() if not k.startswith(MOMENT)}
+    moments = {k[len(MOMENT):]: v for k, v in arrays.items() if k.startswith(MOMENT)}
     for name, v in vectors.items():
         if name not in shapes:
             raise ImatrixError(f"{path}: tensor {name} is not in this model")
@@ -50,4 +116,13 @@ def load_imatrix(path, config: dict, shapes: dict[str, tuple]) -> dict[str, np.n
                                f"{shapes[name][-1]} input channels")
         if not np.isfinite(v).all() or (v < 0).any():
             raise ImatrixError(f"{path}: {name} has negative or non-finite importances")
-    return vectors
+    cols = {moment_key(n): s[-1] for n, s in shapes.items() if len(s) == 2}
+    for key, m in moments.items():
+        if key not in cols:
+            raise ImatrixError(f"{path}: second moment {key} is not for a weight of this model")
+        if m.shape != (cols[key], cols[key]):
+            raise ImatrixError(f"{path}: second moment {key} has shape {list(m.shape)}, the weight has "
+                               f"{cols[key]} input channels")
+        if not np.isfinite(m).all():
+            raise ImatrixError(f"{path}: second moment {key} has non-finite values")
+    return Imatrix(vectors, moments)

@@ -281,8 +281,13 @@ class BlockCodec(Codec):
         return out.reshape(idx.shape + (g.cols,))
 
     # ----- encode
-    def encode(self, values, importance: np.ndarray | None = None):
-        """`importance` (optional, [in_features], >= 0) weights the squared error of each input channel."""
+    def encode(self, values, importance: np.ndarray | None = None, moment: np.ndarray | None = None):
+        """`importance` (optional, [in_features], >= 0) weights the squared error of each input channel.
+        `moment` (optional, [in_features, in_features]: the inputs' second moment E[x xᵀ]) switches
+        the rounding to error feedback: codes are chosen column by column on the fitted grid and each
+        column's error is pushed onto the columns not yet rounded (GPTQ), so what is minimised is the
+        output error E[(x·(w − v))²] rather than the weight error; without `importance` its diagonal
+        weights the grid fit."""
         x = np.ascontiguousarray(values, dtype=np.float32)
         g = self.geometry(x.shape)
         _check_finite(x)
@@ -291,6 +296,11 @@ class BlockCodec(Codec):
         rows, cols = x.shape
         if rows == 0:
             return np.zeros(0, np.uint8)
+        H = None
+        if moment is not None and self.kind != K_Q2RTN:       # the baseline stays round-to-nearest
+            H = _check_moment(self.name, moment, cols)
+            if importance is None:
+                importance = np.maximum(np.diag(H), 0)
         w = self._importance(importance, cols)
         wt = np.broadcast_to(w, x.shape).copy()
         ocol = np.zeros((rows, 0), np.uint16)
@@ -309,6 +319,8 @@ class BlockCodec(Codec):
         par = np.concatenate([p[0] for p in parts])
         sub = np.concatenate([p[1] for p in parts])
         digits = [np.concatenate([p[2][j] for p in parts]) for j in range(len(parts[0][2]))]
+        if H is not None:
+            par, digits = self._round_with_feedback(x, par, sub, g, H, ocol)
         code_bytes = [pack_fields(d, p, bits) for d, (bits, p) in zip(digits, self.code_planes)]
         out = [par.astype("<f2").reshape(-1).view(np.uint8),
                ocol.astype("<u2").reshape(-1).view(np.uint8),
@@ -318,6 +330,64 @@ class BlockCodec(Codec):
         buf = np.concatenate(out)
         assert buf.size == g.nbytes
         return buf
+
+    # ----- error-feedback rounding (with a second moment)
+    def _affine(self, par, sub, g):
+        """Every codec's value as A·c + B with an integer c in lo..hi: (A, B per sub-block, lo, hi)."""
+        per_blk = self.blk // self.sub
+        s1, s2 = self._sub_params(sub, g.nsub)
+        p0 = _to_subs(par[..., 0], per_blk, g.nsub)
+        p1 = _to_subs(par[..., 1], per_blk, g.nsub) if self.npar == 2 else None
+        zero = np.zeros_like(p0)
+        kind = self.kind
+        if kind == K_Q8:
+            return p0, zero, -127, 127
+        if kind == K_Q6:
+            return p0 * s1, zero, -32, 31
+        if kind in (K_Q4, K_Q2):
+            return p0 * s1, p1 * s2, 0, self.levels
+        if kind == K_T1:
+            return p0 * s1, zero, -1, 1
+        if kind == K_Q1:                        # a·(2b − 1) + m
+            return np.float32(2) * p0 * s1, p1 - p0 * s1, 0, 1
+        raise AssertionError(kind)  # pragma: no cover
+
+    def _digits_of(self, c: np.ndarray) -> list[np.ndarray]:
+        kind = self.kind
+        if kind == K_Q8:
+            return [c.astype(np.int8).view(np.uint8)]
+        if kind == K_Q6:
+            u = (c + 32).astype(np.uint8)
+            return [u & 15, u >> 4]
+        if kind == K_T1:
+            return [(c + 1).astype(np.uint8)]
+        return [c.astype(np.uint8)]
+
+    def _round_with_feedback(self, x, par, sub, g, H, ocol):
+        A, B, lo, hi = self._affine(par, sub, g)
+        A, B = np.repeat(A, self.sub, axis=1), np.repeat(B, self.sub, axis=1)
+        exact = np.zeros(x.shape, bool)
+        if g.k:
+            np.put_along_axis(exact, ocol.astype(np.int64), True, axis=1)
+        c = _gptq(x, A, B, lo, hi, _inverse_factor(H), exact)
+        v = np.where(exact, 0, A * c + B)
+        # The gain correction again, now in the output metric: <w, H w> = <w, H v> per super-block.
+        wo = np.where(exact, x, 0)
+        nb = self.blk
+        rho = np.ones((g.rows, g.nblk), np.float32)
+        for b in range(g.nblk):
+            s = slice(b * nb, min((b + 1) * nb, g.cols))
+            Hb = H[s, s]
+            xb = x[:, s].astype(np.float64)
+            xh = xb @ Hb
+            num = (xh * (xb - wo[:, s])).sum(1)
+            den = (xh * v[:, s]).sum(1)
+            ok = den > 0
+            rho[:, b] = np.where(ok, num / np.where(ok, den, 1), 1)
+        rho = np.clip(rho, np.float32(0.5), np.float32(2))[..., None]
+        scaled = _f16(par * rho)
+        par = np.where(np.isfinite(scaled), scaled, par)
+        return par, [d.reshape(g.rows, g.cols) for d in self._digits_of(c)]
 
     def _importance(self, importance, cols) -> np.ndarray:
         if importance is None:
@@ -389,6 +459,73 @@ class BlockCodec(Codec):
             d, m = _unshrink(X, W, A * (bit * np.float32(2) - 1) + ms, per_blk, g.nblk, d, m)
             return np.stack([d, m], -1), _pack_nibbles(sc.astype(np.uint8), g.sub_row), [bit.reshape(rows, cols)]
         raise AssertionError(kind)  # pragma: no cover
+
+
+GPTQ_DAMP = 0.01          # ridge added to the second moment, as a fraction of its mean diagonal
+GPTQ_BLOCK = 128          # columns per lazy update of the error feedback
+_FACTORS: dict[int, tuple] = {}     # id(moment) -> (moment, factor): a layer's experts share one
+
+
+def _check_moment(name, moment, cols) -> np.ndarray:
+    H = np.asarray(moment)
+    if H.shape != (cols, cols):
+        raise CodecError(f"{name}: second moment has shape {list(H.shape)} for {cols} input channels")
+    if not np.isfinite(H).all():
+        raise CodecError(f"{name}: second moment has non-finite values")
+    return H
+
+
+def _inverse_factor(H: np.ndarray) -> np.ndarray:
+    """Upper Cholesky factor U of (H + damping)⁻¹ (so H⁻¹ = Uᵀ U), cached for the moment object."""
+    hit = _FACTORS.get(id(H))
+    if hit is not None and hit[0] is H:
+        return hit[1]
+    M = np.array(H, dtype=np.float64)
+    M = (M + M.T) / 2
+    diag = np.diag(M).copy()
+    dead = diag <= 0                 # channels calibration never saw: any value is as good
+    M[dead, :] = 0
+    M[:, dead] = 0
+    M[dead, dead] = 1
+    mean = float(diag[~dead].mean()) if (~dead).any() else 1.0
+    damp = GPTQ_DAMP
+    while True:
+        try:
+            inv = np.linalg.inv(M + np.eye(len(M)) * damp * mean)
+            U = np.linalg.cholesky((inv + inv.T) / 2).T
+            break
+        except np.linalg.LinAlgError:
+            damp *= 10
+            if damp > 1e3:
+                raise CodecError("second moment is not positive definite even with damping") from None
+    if len(_FACTORS) >= 2:
+        _FACTORS.pop(next(iter(_FACTORS)))
+    _FACTORS[id(H)] = (H, U)
+    return U
+
+
+def _gptq(x, A, B, lo, hi, U, exact):
+    """Integer codes c [rows, cols] for values A·c + B, chosen column by column; each column's
+    rounding error (scaled by U) is subtracted from the columns to its right. `exact` marks
+    outliers: their value is x itself, so their only error is what earlier columns pushed onto them."""
+    rows, cols = x.shape
+    W = x.astype(np.float64)
+    c = np.zeros((rows, cols), np.float32)
+    for i0 in range(0, cols, GPTQ_BLOCK):
+        i1 = min(i0 + GPTQ_BLOCK, cols)
+        E = np.zeros((rows, i1 - i0))
+        for j in range(i0, i1):
+            w, a, b = W[:, j], A[:, j], B[:, j]
+            cj = np.clip(np.rint((w - b) / np.where(a == 0, 1, a)), lo, hi)
+            cj = np.where(a == 0, 0, cj)
+            v = np.where(exact[:, j], x[:, j], a * cj + b)
+            e = (w - v) / U[j, j]
+            W[:, j + 1:i1] -= np.outer(e, U[j, j + 1:i1])
+            E[:, j - i0] = e
+            c[:, j] = cj
+        if i1 < cols:
+            W[:, i1:] -= E @ U[i0:i1, i1:]
+    return c
 
 
 def _pack_nibbles(v: np.ndarray, nbytes: int) -> np.ndarray:

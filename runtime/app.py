@@ -352,10 +352,16 @@ def _quality(args, log) -> int:
     out = {}
     if args.calibration:
         ids = s.tok.encode(_read_text(args.calibration))
-        col = collect_importance(s.model, ids, args.max_ctx, args.prefill_batch_size)
+        try:
+            moment_budget = B.parse_size(args.moment_budget)
+        except ValueError as e:
+            raise RunError(f"--moment-budget: {e}") from None
+        col = collect_importance(s.model, ids, args.max_ctx, args.prefill_batch_size, moment_budget=moment_budget)
         col.save(args.imatrix_out, s.weights.header["config"])
-        log(f"importance of {len(col.sums)} weights from {col.tokens} tokens → {args.imatrix_out}")
-        out["imatrix"] = {"path": args.imatrix_out, "tokens": col.tokens, "tensors": len(col.sums)}
+        log(f"importance of {len(col.sums)} weights, {len(col.moments)} full second moments, from {col.tokens} "
+            f"tokens → {args.imatrix_out}")
+        out["imatrix"] = {"path": args.imatrix_out, "tokens": col.tokens, "tensors": len(col.sums),
+                          "moments": len(col.moments)}
     if args.perplexity:
         ids = s.tok.encode(_read_text(args.perplexity))
         ref = None

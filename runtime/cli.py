@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --perplexity: mean / p99 KL(ref || this) and top-1 agreement against REF_WEIGHTS")
     q.add_argument("--calibration", metavar="TEXT_FILE", help="collect an importance matrix over the file")
     q.add_argument("--imatrix-out", metavar="PATH", help="with --calibration: where to save it (.npz)")
+    q.add_argument("--moment-budget", default="2G", metavar="SIZE",
+                   help="with --calibration: memory for full input second moments (GPTQ-style rounding in "
+                        "kimi-convert), routed experts first; 0 = per-channel importance only (default 2G)")
     t = p.add_argument_group("telemetry")
     t.add_argument("--trace", metavar="FILE.jsonl", help="write one telemetry record per step")
     t.add_argument("--plot-trace", metavar="FILE.jsonl", help="draw a trace (memory over time, I/O per token) and exit")

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kimistream.formats.imatrix import save_imatrix
+from kimistream.formats.imatrix import DEFAULT_MOMENT_BUDGET, moment_key, moment_plan, save_imatrix
+from kimistream.formats.layout import model_shapes
 
 from .model import Model
 
@@ -75,30 +76,43 @@ def evaluate(model: Model, ids: list[int], window: int, batch: int, reference: M
 # ----------------------------------------------------------------------------- importance matrix
 
 class ImportanceCollector:
-    """Sum of squared inputs per input channel, and token counts, for every weight that runs."""
+    """Sum of squared inputs per input channel and token counts for every weight that runs, and the
+    full sum of x xᵀ for the moment keys chosen in advance (formats.imatrix.moment_plan)."""
 
-    def __init__(self):
+    def __init__(self, moment_keys=frozenset()):
         self.sums: dict[str, np.ndarray] = {}
         self.counts: dict[str, int] = {}
+        self.moment_keys = set(moment_keys)
+        self.moments: dict[str, np.ndarray] = {}
+        self.moment_counts: dict[str, int] = {}
         self.tokens = 0
 
     def __call__(self, name: str, x: np.ndarray) -> None:
         x = x.reshape(-1, x.shape[-1]).astype(np.float64)
-        sq = (x * x).sum(axis=0)
-        if name in self.sums:
-            self.sums[name] += sq
-            self.counts[name] += x.shape[0]
-        else:
-            self.sums[name] = sq
-            self.counts[name] = x.shape[0]
+        _accumulate(self.sums, self.counts, name, (x * x).sum(axis=0), x.shape[0])
+        key = moment_key(name)
+        if key in self.moment_keys and x.shape[0]:
+            _accumulate(self.moments, self.moment_counts, key, x.T @ x, x.shape[0])
 
     def save(self, path, config: dict) -> None:
         save_imatrix(path, {n: s / self.counts[n] for n, s in self.sums.items()}, config, self.tokens,
-                     self.counts)
+                     self.counts, {k: m / self.moment_counts[k] for k, m in self.moments.items()},
+                     self.moment_counts)
 
 
-def collect_importance(model: Model, ids: list[int], window: int, batch: int, progress=None) -> ImportanceCollector:
-    col = ImportanceCollector()
+def _accumulate(sums: dict, counts: dict, key: str, value: np.ndarray, n: int) -> None:
+    if key in sums:
+        sums[key] += value
+        counts[key] += n
+    else:
+        sums[key] = value
+        counts[key] = n
+
+
+def collect_importance(model: Model, ids: list[int], window: int, batch: int, progress=None,
+                       moment_budget: int = DEFAULT_MOMENT_BUDGET) -> ImportanceCollector:
+    shapes = model_shapes(model.cfg)
+    col = ImportanceCollector(moment_plan(shapes, moment_budget))
     model.observer = col
     try:
         for w in windows(ids, window):

@@ -65,8 +65,8 @@ def test_imatrix_matches_inputs_seen_by_transformers(tiny_ckpt, tiny_kst, tmp_pa
     def hook(name):
         def f(mod, inputs):
             x = inputs[0].reshape(-1, inputs[0].shape[-1]).double()
-            s, c = seen.get(name, (0, 0))
-            seen[name] = (s + (x * x).sum(0), c + x.shape[0])
+            s, xx, c = seen.get(name, (0, 0, 0))
+            seen[name] = (s + (x * x).sum(0), xx + x.T @ x, c + x.shape[0])
         return f
     for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.Linear) and "self_attn" in name or name.endswith("shared_experts.down_proj"):
@@ -76,12 +76,47 @@ def test_imatrix_matches_inputs_seen_by_transformers(tiny_ckpt, tiny_kst, tmp_pa
             if len(ids[s:s + 64]) >= 2:
                 model(torch.tensor([ids[s:s + 64]]))
     checked = 0
-    for name, (s, c) in seen.items():
+    for name, (s, xx, c) in seen.items():
         if name in im:
             np.testing.assert_allclose(im[name], (s / c).numpy(), rtol=1e-3, atol=1e-7)
+            # the full second moment too (the default budget holds every matrix of this model)
+            np.testing.assert_allclose(im.moment(name), (xx / c).numpy(), rtol=1e-3, atol=1e-6)
             checked += 1
     assert checked >= 10
     assert any(".mlp.experts." in n for n in im)          # routed experts get importances too
+    # a layer's routed experts share one gate/up moment; each expert has its own down_proj moment
+    assert "model.layers.1.mlp.experts.gate_up" in im.moments
+    assert im.moment("model.layers.1.mlp.experts.0.up_proj.weight") is im.moments["model.layers.1.mlp.experts.gate_up"]
+
+
+def test_moment_plan_puts_routed_experts_first_within_the_budget():
+    from kimistream.formats.imatrix import moment_plan
+    shapes = {"model.layers.0.self_attn.o_proj.weight": (64, 128),
+              "model.layers.1.mlp.experts.0.gate_proj.weight": (32, 64),
+              "model.layers.1.mlp.experts.0.up_proj.weight": (32, 64),
+              "model.layers.1.mlp.experts.0.down_proj.weight": (64, 32),
+              "model.layers.1.mlp.experts.1.down_proj.weight": (64, 32),
+              "model.layers.1.input_layernorm.weight": (64,),
+              "model.embed_tokens.weight": (100, 64)}
+    gate_up = "model.layers.1.mlp.experts.gate_up"
+    downs = {f"model.layers.1.mlp.experts.{e}.down_proj.weight" for e in (0, 1)}
+    assert moment_plan(shapes, 0) == set()
+    assert moment_plan(shapes, 64 * 64 * 8) == {gate_up}
+    assert moment_plan(shapes, 64 * 64 * 8 + 2 * 32 * 32 * 8) == {gate_up} | downs
+    assert moment_plan(shapes, 1 << 30) == {gate_up} | downs | {"model.layers.0.self_attn.o_proj.weight"}
+
+
+def test_moment_budget_zero_keeps_only_the_diagonal(tiny_kst, tmp_path):
+    text, out = tmp_path / "cal.txt", tmp_path / "im.npz"
+    text.write_text(TEXT)
+    proc = kimi_run("--weights", tiny_kst, "--calibration", text, "--imatrix-out", out, "--max-context", 64,
+                    "--moment-budget", "0", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["imatrix"]["moments"] == 0
+    with np.load(out) as z:
+        assert not [k for k in z.files if k.startswith("moment:")]
+    bad = kimi_run("--weights", tiny_kst, "--calibration", text, "--imatrix-out", out, "--moment-budget", "lots")
+    assert bad.returncode != 0 and "--moment-budget" in bad.stderr
 
 
 def test_imatrix_of_another_model_is_refused(tiny_kst, tmp_path):
@@ -119,3 +154,20 @@ def test_convert_with_calibration_and_reuse(tiny_ckpt, tmp_path):
     proc = subprocess.run(conv + ["-o", str(again), "--imatrix", str(im)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert again.read_bytes() == out.read_bytes()             # the same importance gives the same file
+
+
+def test_imatrix_with_a_bad_moment_is_refused(tiny_kst, tmp_path):
+    from kimistream.formats.imatrix import save_imatrix
+    with WeightFile(tiny_kst) as wf:
+        cfg_dict = wf.header["config"]
+    shapes = model_shapes(ModelConfig.from_dict(cfg_dict))
+    name = "model.layers.0.self_attn.o_proj.weight"
+    cols = shapes[name][1]
+    for moment, msg in ((np.eye(cols + 1), "has shape"), (np.full((cols, cols), np.inf), "non-finite")):
+        path = tmp_path / "im.npz"
+        save_imatrix(path, {}, cfg_dict, 10, {}, {name: moment}, {name: 10})
+        with pytest.raises(ImatrixError, match=msg):
+            load_imatrix(path, cfg_dict, shapes)
+    save_imatrix(path, {}, cfg_dict, 10, {}, {"model.layers.0.nope.weight": np.eye(cols)}, {})
+    with pytest.raises(ImatrixError, match="not for a weight of this model"):
+        load_imatrix(path, cfg_dict, shapes)
