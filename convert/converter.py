@@ -142,7 +142,7 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
     else:
         meta["source"] = source_record(ckpt)
     if imatrix:
-        meta["imatrix"] = {"tensors": len(imatrix), "moments": len(imatrix.moments)}
+        meta["imatrix"] = {"tensors": len(imatrix), "moments": len(imatrix.moment_keys)}
     # Source-shard order: each shard is read front to back once.
     order = sorted(expected, key=lambda n: (ckpt.shard_names.index(ckpt.location[n]), ckpt.offset(n)))
     total_bytes = sum(writer.tensors[n].nbytes for n in order)

@@ -13,6 +13,7 @@ import hashlib
 import json
 import re
 import zipfile
+from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -63,11 +64,18 @@ def _natural(name: str):
 
 
 class Imatrix(Mapping):
-    """Per-channel importance vectors by tensor name (a read-only mapping), plus `moment(name)`."""
+    """Per-channel importance vectors by tensor name (a read-only mapping), plus `moment(name)`.
+    Moments are read from the file when asked for (a few are kept: a layer's experts share one),
+    so a conversion holds a few matrices, not all of them."""
 
-    def __init__(self, vectors: dict[str, np.ndarray], moments: dict[str, np.ndarray] | None = None):
+    CACHED = 3
+
+    def __init__(self, vectors: dict[str, np.ndarray], moments: dict[str, np.ndarray] | None = None,
+                 path=None, moment_keys=()):
         self.vectors = vectors
-        self.moments = moments or {}
+        self._cache: OrderedDict[str, np.ndarray] = OrderedDict(moments or {})
+        self.moment_keys = set(moment_keys) | set(self._cache)
+        self.path = path
 
     def __getitem__(self, name):
         return self.vectors[name]
@@ -79,7 +87,16 @@ class Imatrix(Mapping):
         return len(self.vectors)
 
     def moment(self, name: str) -> np.ndarray | None:
-        return self.moments.get(moment_key(name))
+        key = moment_key(name)
+        if key not in self.moment_keys:
+            return None
+        if key not in self._cache:
+            with np.load(self.path) as z:
+                self._cache[key] = z[MOMENT + key]
+            while len(self._cache) > self.CACHED:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(key)
+        return self._cache[key]
 
 
 def save_imatrix(path, vectors: dict[str, np.ndarray], config: dict, tokens: int, counts: dict[str, int],
@@ -100,14 +117,26 @@ def load_imatrix(path, config: dict, shapes: dict[str, tuple]) -> Imatrix:
     try:
         with np.load(path) as z:
             meta = json.loads(bytes(z["__meta__"]).decode())
-            arrays = {k: z[k] for k in z.files if k != "__meta__"}
+            vectors = {k: z[k] for k in z.files if k != "__meta__" and not k.startswith(MOMENT)}
+            keys = [k[len(MOMENT):] for k in z.files if k.startswith(MOMENT)]
+            if meta.get("config_digest") != config_digest(config):
+                raise ImatrixError(f"{path}: importance matrix of another model (config digest "
+                                   f"{meta.get('config_digest')} != {config_digest(config)})")
+            cols = {moment_key(n): s[-1] for n, s in shapes.items() if len(s) == 2}
+            for key in keys:               # checked one at a time, not kept
+                if key not in cols:
+                    raise ImatrixError(f"{path}: second moment {key} is not for a weight of this model")
+                m = z[MOMENT + key]
+                if m.shape != (cols[key], cols[key]):
+                    raise ImatrixError(f"{path}: second moment {key} has shape {list(m.shape)}, the weight "
+                                       f"has {cols[key]} input channels")
+                if not np.isfinite(m).all():
+                    raise ImatrixError(f"{path}: second moment {key} has non-finite values")
+                del m
     except (OSError, KeyError, ValueError, zipfile.BadZipFile, json.JSONDecodeError) as e:
+        if isinstance(e, ImatrixError):
+            raise
         raise ImatrixError(f"{path}: not an importance matrix ({e})") from None
-    if meta.get("config_digest") != config_digest(config):
-        raise ImatrixError(f"{path}: importance matrix of another model (config digest "
-                           f"{meta.get('config_digest')} != {config_digest(config)})")
-    vectors = {k: v for k, v in arrays.items() if not k.startswith(MOMENT)}
-    moments = {k[len(MOMENT):]: v for k, v in arrays.items() if k.startswith(MOMENT)}
     for name, v in vectors.items():
         if name not in shapes:
             raise ImatrixError(f"{path}: tensor {name} is not in this model")
@@ -116,13 +145,4 @@ def load_imatrix(path, config: dict, shapes: dict[str, tuple]) -> Imatrix:
                                f"{shapes[name][-1]} input channels")
         if not np.isfinite(v).all() or (v < 0).any():
             raise ImatrixError(f"{path}: {name} has negative or non-finite importances")
-    cols = {moment_key(n): s[-1] for n, s in shapes.items() if len(s) == 2}
-    for key, m in moments.items():
-        if key not in cols:
-            raise ImatrixError(f"{path}: second moment {key} is not for a weight of this model")
-        if m.shape != (cols[key], cols[key]):
-            raise ImatrixError(f"{path}: second moment {key} has shape {list(m.shape)}, the weight has "
-                               f"{cols[key]} input channels")
-        if not np.isfinite(m).all():
-            raise ImatrixError(f"{path}: second moment {key} has non-finite values")
-    return Imatrix(vectors, moments)
+    return Imatrix(vectors, path=path, moment_keys=keys)

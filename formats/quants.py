@@ -492,7 +492,8 @@ def _inverse_factor(H: np.ndarray) -> np.ndarray:
     while True:
         try:
             inv = np.linalg.inv(M + np.eye(len(M)) * damp * mean)
-            U = np.linalg.cholesky((inv + inv.T) / 2).T
+            U = np.ascontiguousarray(np.linalg.cholesky((inv + inv.T) / 2).T, dtype=np.float32)
+            del inv
             break
         except np.linalg.LinAlgError:
             damp *= 10
@@ -507,25 +508,27 @@ def _inverse_factor(H: np.ndarray) -> np.ndarray:
 def _gptq(x, A, B, lo, hi, U, exact):
     """Integer codes c [rows, cols] for values A·c + B, chosen column by column; each column's
     rounding error (scaled by U) is subtracted from the columns to its right. `exact` marks
-    outliers: their value is x itself, so their only error is what earlier columns pushed onto them."""
+    outliers: their value is x itself, so their only error is what earlier columns pushed onto them.
+    Works on transposed copies so that a column is contiguous."""
     rows, cols = x.shape
-    W = x.astype(np.float64)
-    c = np.zeros((rows, cols), np.float32)
+    Wt = np.ascontiguousarray(x.T)           # float32, as U: the updates are far above its rounding
+    At, Bt, Xt, Et = (np.ascontiguousarray(a.T) for a in (A, B, x, exact))
+    ct = np.zeros((cols, rows), np.float32)
     for i0 in range(0, cols, GPTQ_BLOCK):
         i1 = min(i0 + GPTQ_BLOCK, cols)
-        E = np.zeros((rows, i1 - i0))
+        err = np.zeros((i1 - i0, rows), np.float32)
         for j in range(i0, i1):
-            w, a, b = W[:, j], A[:, j], B[:, j]
+            w, a, b = Wt[j], At[j], Bt[j]
             cj = np.clip(np.rint((w - b) / np.where(a == 0, 1, a)), lo, hi)
-            cj = np.where(a == 0, 0, cj)
-            v = np.where(exact[:, j], x[:, j], a * cj + b)
+            cj[a == 0] = 0
+            v = np.where(Et[j], Xt[j], a * cj + b)
             e = (w - v) / U[j, j]
-            W[:, j + 1:i1] -= np.outer(e, U[j, j + 1:i1])
-            E[:, j - i0] = e
-            c[:, j] = cj
+            Wt[j + 1:i1] -= np.outer(U[j, j + 1:i1], e)
+            err[j - i0] = e
+            ct[j] = cj
         if i1 < cols:
-            W[:, i1:] -= E @ U[i0:i1, i1:]
-    return c
+            Wt[i1:] -= U[i0:i1, i1:].T @ err
+    return np.ascontiguousarray(ct.T)
 
 
 def _pack_nibbles(v: np.ndarray, nbytes: int) -> np.ndarray:

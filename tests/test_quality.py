@@ -85,8 +85,9 @@ def test_imatrix_matches_inputs_seen_by_transformers(tiny_ckpt, tiny_kst, tmp_pa
     assert checked >= 10
     assert any(".mlp.experts." in n for n in im)          # routed experts get importances too
     # a layer's routed experts share one gate/up moment; each expert has its own down_proj moment
-    assert "model.layers.1.mlp.experts.gate_up" in im.moments
-    assert im.moment("model.layers.1.mlp.experts.0.up_proj.weight") is im.moments["model.layers.1.mlp.experts.gate_up"]
+    assert "model.layers.1.mlp.experts.gate_up" in im.moment_keys
+    assert im.moment("model.layers.1.mlp.experts.0.up_proj.weight") is im.moment("model.layers.1.mlp.experts.3.gate_proj.weight")
+    assert im.moment("model.layers.1.mlp.experts.0.down_proj.weight").shape[0] == cfg.moe_intermediate_size
 
 
 def test_moment_plan_puts_routed_experts_first_within_the_budget():
