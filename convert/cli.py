@@ -88,6 +88,9 @@ def print_summary(console: Console, summary) -> None:
               style="bold")
     console.print(t)
     console.print(f"file size {tot['file_bytes']:,} bytes")
+    mem = data["memory"]
+    console.print(f"peak RSS {mem['peak_rss_bytes'] / 2**20:.1f} MiB (largest tensor as float32: "
+                  f"{mem['largest_tensor_f32_bytes'] / 2**20:.1f} MiB)")
     if data["skipped_source_tensors"]:
         console.print(f"[yellow]skipped {len(data['skipped_source_tensors'])} source tensor(s) the runtime does not "
                       f"use, e.g. {data['skipped_source_tensors'][0]}[/]")

@@ -42,6 +42,8 @@ class Summary:
     classes: dict = field(default_factory=lambda: {c: ClassStats() for c in TENSOR_CLASSES})
     skipped: list = field(default_factory=list)
     file_bytes: int = 0
+    largest_tensor_bytes: int = 0       # the largest tensor as float32, what encoding one holds
+    peak_rss_bytes: int = 0             # the process's VmHWM when the file was complete
 
     def to_json(self) -> dict:
         total = ClassStats()
@@ -54,7 +56,20 @@ class Summary:
         return {"output": self.output, "classes": classes,
                 "total": {"tensors": total.tensors, "params": total.params, "bytes": total.bytes,
                           "bpw": round(total.bpw, 4), "file_bytes": self.file_bytes},
-                "skipped_source_tensors": self.skipped}
+                "skipped_source_tensors": self.skipped,
+                "memory": {"peak_rss_bytes": self.peak_rss_bytes, "largest_tensor_f32_bytes": self.largest_tensor_bytes}}
+
+
+def _vm_hwm() -> int:
+    # VmHWM, not getrusage's ru_maxrss, which keeps the parent's peak across fork+exec.
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
@@ -165,6 +180,7 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
                                       f"of {writer.tmp_path} — fetch the shard again")
             try:
                 values = ckpt.read(n)
+                summary.largest_tensor_bytes = max(summary.largest_tensor_bytes, values.size * 4)
                 codec = get_codec(t.codec)
                 encoded = codec.encode(values, importance=imatrix.get(n) if imatrix else None,
                                        moment=imatrix.moment(n) if imatrix else None)
@@ -188,6 +204,7 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
     finally:
         ckpt.close()
     summary.file_bytes = path.stat().st_size
+    summary.peak_rss_bytes = _vm_hwm()
     progress("done")
     return summary
 

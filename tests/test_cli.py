@@ -155,3 +155,19 @@ def test_experts_are_paged_in_only_when_routed(tmp_path):
     embed_page_slack = 2 * 65536
     assert touched <= rss <= resident + touched + embed_page_slack + 4 * 65536
     assert rss < expert_bytes / 3
+
+
+def test_conversion_memory_is_bounded_by_a_tensor_not_the_checkpoint(tiny_ckpt, tmp_path):
+    # ~170 MB of float32 routed experts whose largest tensor is 0.6 MB: the converter's peak RSS
+    # (the kernel's VmHWM, reported in its summary) stays within a few MB of a tiny model's.
+    from refmodels import make_checkpoint
+    big = tmp_path / "big"
+    make_checkpoint(big, hidden_size=384, moe_intermediate_size=384, n_routed_experts=32, num_hidden_layers=4)
+    source_bytes = sum(f.stat().st_size for f in big.glob("*.safetensors"))
+    assert source_bytes > 150e6
+    mem = {}
+    for name, src in (("tiny", tiny_ckpt), ("big", big)):
+        proc = convert(src, "-o", tmp_path / f"{name}.kst", "--quant", "f16", "--json", "--quiet")
+        mem[name] = json.loads(proc.stdout)["memory"]
+    assert mem["big"]["largest_tensor_f32_bytes"] < 2e6
+    assert mem["big"]["peak_rss_bytes"] - mem["tiny"]["peak_rss_bytes"] < 32e6, (mem, source_bytes)
