@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--delete-source", action="store_true",
                    help="delete each source shard once all its tensors are written (disk stays near the output size)")
     c.add_argument("--calibration", type=Path, metavar="TEXT_FILE",
-                   help="measure activation importance on this text (via an f32 conversion and kimi-run) and fit "
+                   help="measure activation importance on this text (via a bf16 conversion and kimi-run) and fit "
                         "quantization to it; the importance matrix is kept as OUT.imatrix.npz")
     c.add_argument("--imatrix", type=Path, metavar="PATH", help="reuse a saved importance matrix")
     c.add_argument("--moment-budget", default="2G", metavar="SIZE",
@@ -160,18 +160,19 @@ def _converting(args, err: Console, out: Path, plan, imatrix=None):
 
 
 def _calibrate(args, err: Console, out: Path) -> Path:
-    """Importance matrix for --calibration: convert to f32 beside the output, run kimi-run over the text."""
+    """Importance matrix for --calibration: convert to bf16 beside the output (exact for bf16 sources,
+    half the disk of f32), run kimi-run over the text, delete the bf16 file."""
     import subprocess
-    f32 = out.with_name(out.name + ".calib-f32.kst")
+    ref = out.with_name(out.name + ".calib-bf16.kst")
     im = out.with_name(out.name + ".imatrix.npz")
-    err.print(f"calibration: converting {args.source} to f32 for measurement ({f32})")
-    _converting(args, err, f32, PrecisionPlan.from_preset("f32"))
-    err.print(f"calibration: running the f32 model over {args.calibration}")
-    proc = subprocess.run([sys.executable, "-m", "kimistream.runtime.cli", "--weights", str(f32), "--calibration",
+    err.print(f"calibration: converting {args.source} to bf16 for measurement ({ref})")
+    _converting(args, err, ref, PrecisionPlan.from_preset("bf16"))
+    err.print(f"calibration: running the bf16 model over {args.calibration}")
+    proc = subprocess.run([sys.executable, "-m", "kimistream.runtime.cli", "--weights", str(ref), "--calibration",
                            str(args.calibration), "--imatrix-out", str(im), "--moment-budget",
                            str(args.moment_budget), "--quiet"],
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    f32.unlink(missing_ok=True)
+    ref.unlink(missing_ok=True)
     if proc.returncode != 0:
         raise ConversionError(proc.stderr.strip().splitlines()[-1].removeprefix("kimi-run: error: ")
                               if proc.stderr.strip() else "calibration run failed")

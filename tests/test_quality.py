@@ -148,13 +148,21 @@ def test_convert_with_calibration_and_reuse(tiny_ckpt, tmp_path):
     proc = subprocess.run(conv + ["-o", str(out), "--calibration", str(text)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     im = tmp_path / "q.kst.imatrix.npz"
-    assert im.exists() and not list(tmp_path.glob("*.calib-f32.kst"))
+    assert im.exists() and not list(tmp_path.glob("*.calib-*.kst"))
     with WeightFile(out) as wf:
-        assert wf.header["imatrix"]["tensors"] > 10
+        assert wf.header["imatrix"]["tensors"] > 10 and wf.header["imatrix"]["moments"] > 10
     again = tmp_path / "again.kst"
     proc = subprocess.run(conv + ["-o", str(again), "--imatrix", str(im)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert again.read_bytes() == out.read_bytes()             # the same importance gives the same file
+    # --moment-budget 0: importance only, a different (round-to-nearest on the fitted grid) encoding
+    diag = tmp_path / "diag.kst"
+    proc = subprocess.run(conv + ["-o", str(diag), "--calibration", str(text), "--moment-budget", "0"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    with WeightFile(diag) as wf:
+        assert wf.header["imatrix"]["moments"] == 0
+    assert diag.read_bytes() != out.read_bytes()
 
 
 def test_imatrix_with_a_bad_moment_is_refused(tiny_kst, tmp_path):
