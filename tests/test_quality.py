@@ -180,3 +180,29 @@ def test_imatrix_with_a_bad_moment_is_refused(tiny_kst, tmp_path):
     save_imatrix(path, {}, cfg_dict, 10, {}, {"model.layers.0.nope.weight": np.eye(cols)}, {})
     with pytest.raises(ImatrixError, match="not for a weight of this model"):
         load_imatrix(path, cfg_dict, shapes)
+
+
+def test_experts_calibration_never_saw_fall_back(tiny_ckpt, tiny_kst, tmp_path):
+    # An expert with no importance and no moment of its own (never routed to): its down_proj is
+    # encoded exactly as without calibration; its gate/up still use the layer's shared moment.
+    text, im = tmp_path / "cal.txt", tmp_path / "im.npz"
+    text.write_text(TEXT)
+    assert kimi_run("--weights", tiny_kst, "--calibration", text, "--imatrix-out", im,
+                    "--max-context", 64).returncode == 0
+    down = "model.layers.1.mlp.experts.5.down_proj.weight"
+    with np.load(im) as z:
+        arrays = {k: z[k] for k in z.files if not k.endswith("experts.5.down_proj.weight")
+                  and not k.endswith("experts.5.gate_proj.weight") and not k.endswith("experts.5.up_proj.weight")}
+    np.savez(im, **arrays)
+    outs = {}
+    for name, extra in (("cal", ["--imatrix", str(im)]), ("free", [])):
+        outs[name] = tmp_path / f"{name}.kst"
+        proc = subprocess.run([sys.executable, "-m", "kimistream.convert.cli", str(tiny_ckpt), "-o", str(outs[name]),
+                               "--quant", "q2", "--quiet", *extra], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+    with WeightFile(outs["cal"]) as a, WeightFile(outs["free"]) as b:
+        assert bytes(a.raw(down)) == bytes(b.raw(down))
+        gate = down.replace("down_proj", "gate_proj")
+        assert bytes(a.raw(gate)) != bytes(b.raw(gate))
+        other = "model.layers.1.mlp.experts.4.down_proj.weight"
+        assert bytes(a.raw(other)) != bytes(b.raw(other))
