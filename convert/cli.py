@@ -168,14 +168,16 @@ def _calibrate(args, err: Console, out: Path) -> Path:
     err.print(f"calibration: converting {args.source} to bf16 for measurement ({ref})")
     _converting(args, err, ref, PrecisionPlan.from_preset("bf16"))
     err.print(f"calibration: running the bf16 model over {args.calibration}")
-    proc = subprocess.run([sys.executable, "-m", "kimistream.runtime.cli", "--weights", str(ref), "--calibration",
-                           str(args.calibration), "--imatrix-out", str(im), "--moment-budget",
-                           str(args.moment_budget), "--quiet"],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # kimi-run draws its own progress bar on our stderr; quiet, its stderr is kept for the error line.
+    cmd = [sys.executable, "-m", "kimistream.runtime.cli", "--weights", str(ref), "--calibration",
+           str(args.calibration), "--imatrix-out", str(im), "--moment-budget", str(args.moment_budget)]
+    proc = subprocess.run(cmd + (["--quiet"] if args.quiet else []), stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE if args.quiet else None, text=True)
     ref.unlink(missing_ok=True)
     if proc.returncode != 0:
-        raise ConversionError(proc.stderr.strip().splitlines()[-1].removeprefix("kimi-run: error: ")
-                              if proc.stderr.strip() else "calibration run failed")
+        lines = (proc.stderr or "").strip().splitlines()
+        raise ConversionError(lines[-1].removeprefix("kimi-run: error: ") if lines
+                              else f"calibration run failed (kimi-run exit {proc.returncode}, its error is above)")
     return im
 
 
@@ -251,6 +253,13 @@ def _main(args, err: Console) -> int:
         return _error("--jobs and --retries must be at least 1, --retry-wait not negative", 2)
     if args.calibration and args.imatrix:
         return _error("give --calibration or --imatrix, not both", 2)
+    if args.calibration:
+        # checked before hours of conversion, not after
+        try:
+            if not Path(args.calibration).read_text(encoding="utf-8").strip():
+                return _error(f"{args.calibration}: the calibration file is empty")
+        except (OSError, UnicodeDecodeError) as e:
+            return _error(f"{args.calibration}: cannot read the calibration text ({e})")
     try:
         plan = PrecisionPlan.from_preset(args.quant, args.override)
     except ValueError as e:

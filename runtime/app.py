@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -338,6 +339,17 @@ def _read_text(path: str) -> str:
     return text
 
 
+@contextmanager
+def _token_progress(label: str, total: int, quiet: bool):
+    """A rich bar on stderr over the text's tokens; yields advance(n)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    with Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+                  TimeRemainingColumn(), console=Console(stderr=True), disable=quiet, transient=True) as bar:
+        task = bar.add_task(label, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
 def _quality(args, log) -> int:
     """--perplexity FILE [--kl-reference REF] and --calibration FILE --imatrix-out PATH."""
     from rich.console import Console
@@ -356,7 +368,9 @@ def _quality(args, log) -> int:
             moment_budget = B.parse_size(args.moment_budget)
         except ValueError as e:
             raise RunError(f"--moment-budget: {e}") from None
-        col = collect_importance(s.model, ids, args.max_ctx, args.prefill_batch_size, moment_budget=moment_budget)
+        with _token_progress("calibrating", len(ids), args.quiet) as advance:
+            col = collect_importance(s.model, ids, args.max_ctx, args.prefill_batch_size, progress=advance,
+                                     moment_budget=moment_budget)
         col.save(args.imatrix_out, s.weights.header["config"])
         log(f"importance of {len(col.sums)} weights, {len(col.moments)} full second moments, from {col.tokens} "
             f"tokens → {args.imatrix_out}")
@@ -370,7 +384,8 @@ def _quality(args, log) -> int:
             if r.cfg.vocab_size != s.cfg.vocab_size or r.weights.header["tokenizer"] != s.weights.header["tokenizer"]:
                 raise RunError(f"{args.kl_reference}: the reference has another tokenizer or vocabulary")
             ref = r.model
-        rep = evaluate(s.model, ids, args.max_ctx, args.prefill_batch_size, ref)
+        with _token_progress("scoring", len(ids), args.quiet) as advance:
+            rep = evaluate(s.model, ids, args.max_ctx, args.prefill_batch_size, ref, progress=advance)
         out["quality"] = {"text": args.perplexity, "weights": str(s.path), "reference": args.kl_reference,
                           **rep.to_json()}
         t = Table(title=f"quality of {s.path.name} on {Path(args.perplexity).name}")

@@ -140,6 +140,19 @@ def test_empty_calibration_file(tiny_kst, tmp_path):
     assert not (tmp_path / "x.npz").exists()
 
 
+def test_convert_refuses_a_bad_calibration_file_before_converting(tiny_ckpt, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    for path, msg in ((empty, "empty.txt: the calibration file is empty"),
+                      (tmp_path / "missing.txt", "missing.txt: cannot read the calibration text")):
+        proc = subprocess.run([sys.executable, "-m", "kimistream.convert.cli", str(tiny_ckpt), "-o",
+                               str(tmp_path / "q.kst"), "--quant", "q2", "--calibration", str(path)],
+                              capture_output=True, text=True)
+        assert proc.returncode == 1
+        assert msg in proc.stderr.strip().splitlines()[-1]
+        assert not list(tmp_path.glob("q.kst*"))            # nothing converted, nothing left behind
+
+
 def test_convert_with_calibration_and_reuse(tiny_ckpt, tmp_path):
     text = tmp_path / "cal.txt"
     text.write_text(TEXT)
