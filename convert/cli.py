@@ -255,6 +255,11 @@ def _main(args, err: Console) -> int:
         return _error("give --calibration or --imatrix, not both", 2)
     if args.calibration:
         # checked before hours of conversion, not after
+        from kimistream.runtime.budget import parse_size
+        try:
+            parse_size(args.moment_budget)
+        except ValueError as e:
+            return _error(f"--moment-budget: {e}", 2)
         try:
             if not Path(args.calibration).read_text(encoding="utf-8").strip():
                 return _error(f"{args.calibration}: the calibration file is empty")

@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kimistream.formats.codecs import CodecError, get_codec
+from kimistream.formats.imatrix import ImatrixError
 from kimistream.formats.constants import DEFAULT_ALIGNMENT, TENSOR_CLASSES
 from kimistream.formats.layout import model_shapes, plan_extents
+from kimistream.formats.quants import clear_factor_cache
 from kimistream.formats.weightfile import WeightFileWriter
 
 from .plan import PrecisionPlan
@@ -157,7 +159,7 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
     else:
         meta["source"] = source_record(ckpt)
     if imatrix:
-        meta["imatrix"] = {"tensors": len(imatrix), "moments": len(imatrix.moment_keys)}
+        meta["imatrix"] = {"tensors": len(imatrix), "moments": len(getattr(imatrix, "moment_keys", ()))}
     # Source-shard order: each shard is read front to back once.
     order = sorted(expected, key=lambda n: (ckpt.shard_names.index(ckpt.location[n]), ckpt.offset(n)))
     total_bytes = sum(writer.tensors[n].nbytes for n in order)
@@ -182,9 +184,9 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
                 values = ckpt.read(n)
                 summary.largest_tensor_bytes = max(summary.largest_tensor_bytes, values.size * 4)
                 codec = get_codec(t.codec)
-                encoded = codec.encode(values, importance=imatrix.get(n) if imatrix else None,
-                                       moment=imatrix.moment(n) if imatrix else None)
-            except SourceError as e:
+                moment = imatrix.moment(n) if hasattr(imatrix, "moment") else None
+                encoded = codec.encode(values, importance=imatrix.get(n) if imatrix else None, moment=moment)
+            except (SourceError, ImatrixError) as e:
                 raise ConversionError(str(e)) from None
             except CodecError as e:
                 raise ConversionError(f"{ckpt.dir / ckpt.location[n]}: tensor {n}: {e}") from None
@@ -203,6 +205,7 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
         raise
     finally:
         ckpt.close()
+        clear_factor_cache()
     summary.file_bytes = path.stat().st_size
     summary.peak_rss_bytes = _vm_hwm()
     progress("done")

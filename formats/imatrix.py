@@ -3,8 +3,8 @@
 - one float32 vector per tensor name: the per-input-channel mean squared activation (the diagonal);
 - `moment:KEY` float32 [cols, cols] matrices: the full second moment E[x xᵀ] of a weight's inputs, for
   the weights a size budget allows (see `moment_plan`) — the quantizer then rounds with error
-  feedback (GPTQ-style) instead of channel by channel. A layer's routed experts share one matrix
-  for gate_proj/up_proj (`model.layers.L.mlp.experts.gate_up`): they read the same hidden states;
+  feedback (GPTQ-style) instead of channel by channel. Weights that read the same input share one
+  (`moment_key`): e.g. a layer's routed experts' gate_proj/up_proj, `model.layers.L.mlp.experts.gate_up`;
 - `__meta__` (JSON: the model config's digest, tokens seen, tokens per tensor and per moment)."""
 
 from __future__ import annotations
@@ -19,9 +19,16 @@ from pathlib import Path
 
 import numpy as np
 
+from .constants import EMBEDDINGS, NORMS, ROUTER, classify
+
 MOMENT = "moment:"
 DEFAULT_MOMENT_BUDGET = 2 << 30       # bytes of float64 accumulators while collecting
-_EXPERT_IN = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.\d+\.(?:gate_proj|up_proj)\.weight$")
+# Weights that read the same input share one moment: (pattern, shared key, the member that records it).
+_SHARED = ((re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.\d+\.(?:gate|up)_proj\.weight$"), "gate_up", "gate_proj"),
+           (re.compile(r"^(model\.layers\.\d+\.mlp\.shared_experts)\.(?:gate|up)_proj\.weight$"), "gate_up", "gate_proj"),
+           (re.compile(r"^(model\.layers\.\d+\.mlp)\.(?:gate|up)_proj\.weight$"), "gate_up", "gate_proj"),
+           (re.compile(r"^(model\.layers\.\d+\.self_attn)\.(?:q_a_proj|q_proj|kv_a_proj_with_mqa)\.weight$"),
+            "input", "kv_a_proj_with_mqa"))
 _EXPERT_DOWN = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.down_proj\.weight$")
 
 
@@ -34,22 +41,36 @@ def config_digest(config: dict) -> str:
 
 
 def moment_key(name: str) -> str:
-    """The second-moment matrix a weight's inputs are described by (shared by a layer's routed
-    experts' gate/up projections)."""
-    m = _EXPERT_IN.match(name)
-    return f"{m.group(1)}.gate_up" if m else name
+    """The second-moment matrix a weight's inputs are described by: weights that read the same
+    input share one (a layer's routed experts' gate/up — they see the same hidden states — a dense
+    or shared MLP's gate/up, attention's input projections)."""
+    for pattern, suffix, _ in _SHARED:
+        m = pattern.match(name)
+        if m:
+            return f"{m.group(1)}.{suffix}"
+    return name
+
+
+def records_moment(name: str) -> bool:
+    """Whether `name`'s inputs are added to its moment (one member of a sharing group records)."""
+    for pattern, _, owner in _SHARED:
+        if pattern.match(name):
+            return f".{owner}." in name
+    return True
 
 
 def moment_plan(shapes: dict[str, tuple], budget_bytes: int) -> set[str]:
-    """Which moment keys get a full matrix within `budget_bytes` (float64 accumulators). Priority:
-    routed experts' shared gate/up matrices, then their down projections (the low-bit weights),
-    then everything else, each group in model order; a key that does not fit is skipped."""
+    """Which moment keys get a full matrix within `budget_bytes` (float64 accumulators). Only weights
+    that get quantized count (not routers, norms, embeddings). Priority: routed experts' shared
+    gate/up matrices, then their down projections (the low-bit weights), then everything else,
+    each group in model order; a key that does not fit is skipped."""
     keys: dict[str, int] = {}
     for name, shape in shapes.items():
-        if len(shape) == 2 and name.endswith(".weight") and "embed_tokens" not in name:
+        if len(shape) == 2 and classify(name) not in (ROUTER, NORMS, EMBEDDINGS):
             keys.setdefault(moment_key(name), int(shape[1]))
+
     def rank(k):
-        return 0 if k.endswith(".gate_up") else 1 if _EXPERT_DOWN.match(k) else 2
+        return 0 if ".mlp.experts.gate_up" in k else 1 if _EXPERT_DOWN.match(k) else 2
     chosen, used = set(), 0
     for k in sorted(keys, key=lambda k: (rank(k), _natural(k))):
         cost = keys[k] ** 2 * 8
@@ -91,8 +112,11 @@ class Imatrix(Mapping):
         if key not in self.moment_keys:
             return None
         if key not in self._cache:
-            with np.load(self.path) as z:
-                self._cache[key] = z[MOMENT + key]
+            try:
+                with np.load(self.path) as z:
+                    self._cache[key] = z[MOMENT + key]
+            except (OSError, KeyError, ValueError, zipfile.BadZipFile) as e:
+                raise ImatrixError(f"{self.path}: cannot read second moment {key} ({e})") from None
             while len(self._cache) > self.CACHED:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(key)
@@ -101,13 +125,19 @@ class Imatrix(Mapping):
 
 def save_imatrix(path, vectors: dict[str, np.ndarray], config: dict, tokens: int, counts: dict[str, int],
                  moments: dict[str, np.ndarray] | None = None, moment_counts: dict[str, int] | None = None) -> None:
+    """Write an importance file (to a temporary name, renamed when complete). Arrays are converted to
+    float32 one at a time, so saving holds one extra matrix, not a copy of them all."""
     meta = {"config_digest": config_digest(config), "tokens": tokens, "counts": counts,
             "moment_counts": moment_counts or {}}
     path = Path(path)
     tmp = path.with_name(path.name + ".partial.npz")
-    arrays = {n: np.asarray(v, dtype=np.float32) for n, v in vectors.items()}
-    arrays.update({MOMENT + k: np.asarray(v, dtype=np.float32) for k, v in (moments or {}).items()})
-    np.savez(tmp, __meta__=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
+    entries = [("__meta__", lambda: np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8))]
+    entries += [(n, lambda v=v: np.asarray(v, dtype=np.float32)) for n, v in vectors.items()]
+    entries += [(MOMENT + k, lambda v=v: np.asarray(v, dtype=np.float32)) for k, v in (moments or {}).items()]
+    with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for name, make in entries:
+            with zf.open(name + ".npy", "w", force_zip64=True) as f:
+                np.lib.format.write_array(f, make(), allow_pickle=False)
     tmp.replace(path)
 
 

@@ -13,6 +13,7 @@ j + 32k of the chunk, so one SIMD register of 32 bytes yields 32 consecutive wei
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -371,22 +372,15 @@ class BlockCodec(Codec):
             np.put_along_axis(exact, ocol.astype(np.int64), True, axis=1)
         c = _gptq(x, A, B, lo, hi, _inverse_factor(H), exact)
         v = np.where(exact, 0, A * c + B)
-        # The gain correction again, now in the output metric: <w, H w> = <w, H v> per super-block.
-        wo = np.where(exact, x, 0)
-        nb = self.blk
-        rho = np.ones((g.rows, g.nblk), np.float32)
-        for b in range(g.nblk):
-            s = slice(b * nb, min((b + 1) * nb, g.cols))
-            Hb = H[s, s]
-            xb = x[:, s].astype(np.float64)
-            xh = xb @ Hb
-            num = (xh * (xb - wo[:, s])).sum(1)
-            den = (xh * v[:, s]).sum(1)
-            ok = den > 0
-            rho[:, b] = np.where(ok, num / np.where(ok, den, 1), 1)
-        rho = np.clip(rho, np.float32(0.5), np.float32(2))[..., None]
-        scaled = _f16(par * rho)
-        par = np.where(np.isfinite(scaled), scaled, par)
+        # The gain correction again, now in the output metric and per row (error feedback moves
+        # error between super-blocks, so only the whole row's gain is meaningful): every block of
+        # the row scaled by rho with wᵀH(w − outliers) = rho·wᵀH v.
+        wh = x.astype(np.float64) @ H
+        num = (wh * (x - np.where(exact, x, 0))).sum(1)
+        den = (wh * v).sum(1)
+        ok = den > 0
+        rho = np.clip(np.where(ok, num / np.where(ok, den, 1), 1), 0.5, 2).astype(np.float32)
+        par = _scale_params(par, rho[:, None, None])
         return par, [d.reshape(g.rows, g.cols) for d in self._digits_of(c)]
 
     def _importance(self, importance, cols) -> np.ndarray:
@@ -463,7 +457,8 @@ class BlockCodec(Codec):
 
 GPTQ_DAMP = 0.01          # ridge added to the second moment, as a fraction of its mean diagonal
 GPTQ_BLOCK = 128          # columns per lazy update of the error feedback
-_FACTORS: dict[int, tuple] = {}     # id(moment) -> (moment, factor): a layer's experts share one
+_FACTORS: OrderedDict = OrderedDict()   # (id, fingerprint) -> (moment, factor), least recent first
+FACTORS_KEPT = 2                          # a layer's shared gate/up factor and the current down_proj's
 
 
 def _check_moment(name, moment, cols) -> np.ndarray:
@@ -477,8 +472,12 @@ def _check_moment(name, moment, cols) -> np.ndarray:
 
 def _inverse_factor(H: np.ndarray) -> np.ndarray:
     """Upper Cholesky factor U of (H + damping)⁻¹ (so H⁻¹ = Uᵀ U), cached for the moment object."""
-    hit = _FACTORS.get(id(H))
+    # The same moment object recurs for every expert of a layer; the fingerprint catches one that
+    # was edited in place since its factor was computed.
+    key = (id(H), H.shape, float(np.sum(H, dtype=np.float64)), float(np.sum(H[::7, ::5], dtype=np.float64)))
+    hit = _FACTORS.get(key)
     if hit is not None and hit[0] is H:
+        _FACTORS.move_to_end(key)
         return hit[1]
     M = np.array(H, dtype=np.float64)
     M = (M + M.T) / 2
@@ -499,10 +498,15 @@ def _inverse_factor(H: np.ndarray) -> np.ndarray:
             damp *= 10
             if damp > 1e3:
                 raise CodecError("second moment is not positive definite even with damping") from None
-    if len(_FACTORS) >= 2:
-        _FACTORS.pop(next(iter(_FACTORS)))
-    _FACTORS[id(H)] = (H, U)
+    _FACTORS[key] = (H, U)
+    while len(_FACTORS) > FACTORS_KEPT:
+        _FACTORS.popitem(last=False)
     return U
+
+
+def clear_factor_cache() -> None:
+    """Drop the cached factors (and the moments they pin): call when a conversion is done."""
+    _FACTORS.clear()
 
 
 def _gptq(x, A, B, lo, hi, U, exact):
@@ -650,11 +654,16 @@ def _unshrink(X, W, V, per_blk, nblk, *params):
     den = _blocks_view(_wsum(X * V, W), per_blk, nblk, 0).sum(-1)
     rho = np.where(den > 0, num / np.where(den > 0, den, 1), 1).astype(np.float32)
     rho = np.clip(rho, np.float32(0.5), np.float32(2))
-    out = []
-    for p in params:
-        scaled = _f16(p * rho)
-        out.append(np.where(np.isfinite(scaled), scaled, p))
-    return out
+    scaled = _scale_params(np.stack(params, -1), rho[..., None])
+    return [scaled[..., i] for i in range(len(params))]
+
+
+def _scale_params(par: np.ndarray, rho: np.ndarray) -> np.ndarray:
+    """par [rows, nblk, npar] times rho (broadcast), rounded to f16; a block where any parameter
+    would overflow f16 keeps all of its parameters (its gain stays consistent)."""
+    scaled = _f16(par * rho)
+    bad = ~np.isfinite(scaled).all(-1, keepdims=True)
+    return np.where(bad, par, scaled)
 
 
 def _keep_lower(best, cand):

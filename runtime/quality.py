@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kimistream.formats.imatrix import DEFAULT_MOMENT_BUDGET, moment_key, moment_plan, save_imatrix
+from kimistream.formats.imatrix import (DEFAULT_MOMENT_BUDGET, moment_key, moment_plan, records_moment,
+                                        save_imatrix)
 from kimistream.formats.layout import model_shapes
 
 from .model import Model
@@ -85,19 +86,23 @@ class ImportanceCollector:
         self.moment_keys = set(moment_keys)
         self.moments: dict[str, np.ndarray] = {}
         self.moment_counts: dict[str, int] = {}
+        self._normalised = False
         self.tokens = 0
 
     def __call__(self, name: str, x: np.ndarray) -> None:
         x = x.reshape(-1, x.shape[-1]).astype(np.float64)
         _accumulate(self.sums, self.counts, name, (x * x).sum(axis=0), x.shape[0])
         key = moment_key(name)
-        if key in self.moment_keys and x.shape[0]:
+        if key in self.moment_keys and x.shape[0] and records_moment(name):
             _accumulate(self.moments, self.moment_counts, key, x.T @ x, x.shape[0])
 
     def save(self, path, config: dict) -> None:
+        if not self._normalised:                  # in place: the accumulators can be gigabytes
+            for k, m in self.moments.items():
+                m /= self.moment_counts[k]
+            self._normalised = True
         save_imatrix(path, {n: s / self.counts[n] for n, s in self.sums.items()}, config, self.tokens,
-                     self.counts, {k: m / self.moment_counts[k] for k, m in self.moments.items()},
-                     self.moment_counts)
+                     self.counts, self.moments, self.moment_counts)
 
 
 def _accumulate(sums: dict, counts: dict, key: str, value: np.ndarray, n: int) -> None:

@@ -98,13 +98,17 @@ def test_moment_plan_puts_routed_experts_first_within_the_budget():
               "model.layers.1.mlp.experts.0.down_proj.weight": (64, 32),
               "model.layers.1.mlp.experts.1.down_proj.weight": (64, 32),
               "model.layers.1.input_layernorm.weight": (64,),
+              "model.layers.1.mlp.gate.weight": (2, 64),              # a router: never quantized
+              "model.layers.2.self_attn.q_a_proj.weight": (16, 64),   # both read the same input
+              "model.layers.2.self_attn.kv_a_proj_with_mqa.weight": (24, 64),
               "model.embed_tokens.weight": (100, 64)}
     gate_up = "model.layers.1.mlp.experts.gate_up"
     downs = {f"model.layers.1.mlp.experts.{e}.down_proj.weight" for e in (0, 1)}
     assert moment_plan(shapes, 0) == set()
     assert moment_plan(shapes, 64 * 64 * 8) == {gate_up}
     assert moment_plan(shapes, 64 * 64 * 8 + 2 * 32 * 32 * 8) == {gate_up} | downs
-    assert moment_plan(shapes, 1 << 30) == {gate_up} | downs | {"model.layers.0.self_attn.o_proj.weight"}
+    assert moment_plan(shapes, 1 << 30) == {gate_up} | downs | {"model.layers.0.self_attn.o_proj.weight",
+                                                                "model.layers.2.self_attn.input"}
 
 
 def test_moment_budget_zero_keeps_only_the_diagonal(tiny_kst, tmp_path):
@@ -151,6 +155,12 @@ def test_convert_refuses_a_bad_calibration_file_before_converting(tiny_ckpt, tmp
         assert proc.returncode == 1
         assert msg in proc.stderr.strip().splitlines()[-1]
         assert not list(tmp_path.glob("q.kst*"))            # nothing converted, nothing left behind
+    text = tmp_path / "cal.txt"
+    text.write_text(TEXT)
+    proc = subprocess.run([sys.executable, "-m", "kimistream.convert.cli", str(tiny_ckpt), "-o",
+                           str(tmp_path / "q.kst"), "--quant", "q2", "--calibration", str(text),
+                           "--moment-budget", "2X"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "--moment-budget" in proc.stderr and not list(tmp_path.glob("q.kst*"))
 
 
 def test_convert_with_calibration_and_reuse(tiny_ckpt, tmp_path):

@@ -351,6 +351,32 @@ def test_error_feedback_lowers_output_error(name):
     np.testing.assert_array_equal(buf.size, c.nbytes(x.shape))
     # deterministic: the same moment gives the same bytes
     np.testing.assert_array_equal(c.encode(x, moment=H), buf)
+    # unit gain per row in the output metric, over both super-blocks of the row (f16 rounding aside)
+    gain = np.einsum("ij,jk,ik->i", x, H, fed) / np.einsum("ij,jk,ik->i", x, H, x)
+    assert np.abs(gain - 1).max() < (6e-3 if name in ("q4", "q6") else 2e-3), gain
+
+
+def test_factor_cache_reuses_the_shared_moment_and_notices_edits(monkeypatch):
+    import kimistream.formats.quants as Q
+    Q.clear_factor_cache()
+    calls = []
+    real = np.linalg.cholesky
+    monkeypatch.setattr(np.linalg, "cholesky", lambda a: calls.append(a.shape) or real(a))
+    c = get_codec("q2")
+    x = heavy((8, 256), seed=12)
+    shared, others = correlated_moment(256, 1), [correlated_moment(256, s) for s in (2, 3, 4)]
+    for h in others:                       # the order of a layer's experts: down, gate, up, down, ...
+        c.encode(x, moment=h)
+        c.encode(x, moment=shared)
+        c.encode(x, moment=shared)
+    assert len(calls) == 4                 # three down_proj moments and the shared one once
+    c.encode(x, moment=shared)
+    shared *= 3                            # edited in place: a new factor, as for a fresh array
+    shared[0, 0] += 1
+    after = c.encode(x, moment=shared)
+    Q.clear_factor_cache()
+    np.testing.assert_array_equal(after, c.encode(x, moment=shared.copy()))
+    assert len(calls) == 6                 # the edit was noticed (5) and the copy factored anew (6)
 
 
 def test_error_feedback_keeps_outliers_exact_and_baseline_round_to_nearest():
