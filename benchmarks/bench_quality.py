@@ -1,7 +1,7 @@
 """Quality per bit for issue 3: every low-bit preset against the f32 conversion of each trained
 model, on held-out text, data-free and calibrated; printed as a markdown table.
 
-    python benchmarks/bench_quality.py [--models stdlib-moe manpages-moe] [--chars 30000] [--cal-chars 60000]
+    python benchmarks/bench_quality.py [--models stdlib-moe manpages-moe] [--chars 30000] [--cal-chars 60000] [--ablation]
 
 Calibration text comes from the models' training split (never the held-out files), built by
 training/train.py's own corpus functions.
@@ -49,6 +49,9 @@ def main():
     ap.add_argument("--chars", type=int, default=30000, help="held-out characters scored")
     ap.add_argument("--cal-chars", type=int, default=60000, help="calibration characters")
     ap.add_argument("--context", type=int, default=256, help="window; the models were trained on 257 tokens")
+    ap.add_argument("--ablation", action="store_true",
+                    help="also: importance-only calibration (--moment-budget 0) for q2 and t1, and q2 on the "
+                         "routed experts alone (everything else f32) data-free / importance only / calibrated")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -65,23 +68,32 @@ def main():
             im = tmp / f"{model}.imatrix.npz"
             run("kimistream.runtime.cli", "--weights", ref, "--calibration", cal, "--imatrix-out", im,
                 "--max-context", args.context, "--quiet")
-            for preset in PRESETS:
-                for mode in ("data-free", "calibrated"):
-                    if preset == "q2rtn-baseline" and mode == "calibrated":
-                        continue            # round-to-nearest has nothing to fit
-                    out = tmp / f"{model}-{preset}-{mode}.kst"
-                    extra = ["--imatrix", im] if mode == "calibrated" else []
-                    s = json.loads(run("kimistream.convert.cli", src, "-o", out, "--quant", preset, "--quiet",
-                                       "--json", *extra))
-                    q = json.loads(run("kimistream.runtime.cli", "--weights", out, "--perplexity", held,
-                                       "--kl-reference", ref, "--max-context", args.context, "--json",
-                                       "--quiet"))["quality"]
-                    rows.append({"model": model, "preset": preset, "mode": mode,
-                                 "expert_bpw": s["classes"]["routed_experts"]["bpw"], "file_bpw": s["total"]["bpw"],
-                                 "tokens": q["tokens"], "perplexity": q["perplexity"],
-                                 "f32_perplexity": q["reference_perplexity"], "kl_mean": q["kl_mean"],
-                                 "kl_p99": q["kl_p99"], "top1": q["top1_agreement"]})
-                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+            jobs = [(p, m, []) for p in PRESETS for m in ("data-free", "calibrated")
+                    if not (p == "q2rtn-baseline" and m == "calibrated")]   # round-to-nearest fits nothing
+            if args.ablation:
+                diag = tmp / f"{model}.imatrix-diag.npz"
+                run("kimistream.runtime.cli", "--weights", ref, "--calibration", cal, "--imatrix-out", diag,
+                    "--max-context", args.context, "--moment-budget", "0", "--quiet")
+                experts_only = ["--override", r"^(?!.*mlp\.experts\.).*=f32"]
+                jobs += [("q2", "importance only", []), ("t1", "importance only", []),
+                         ("q2", "data-free, experts only", experts_only),
+                         ("q2", "importance only, experts only", experts_only),
+                         ("q2", "calibrated, experts only", experts_only)]
+            for preset, mode, over in jobs:
+                out = tmp / f"{model}-{preset}-{len(rows)}.kst"
+                extra = (["--imatrix", im] if mode.startswith("calibrated") else
+                         ["--imatrix", diag] if mode.startswith("importance") else []) + over
+                s = json.loads(run("kimistream.convert.cli", src, "-o", out, "--quant", preset, "--quiet",
+                                   "--json", *extra))
+                q = json.loads(run("kimistream.runtime.cli", "--weights", out, "--perplexity", held,
+                                   "--kl-reference", ref, "--max-context", args.context, "--json",
+                                   "--quiet"))["quality"]
+                rows.append({"model": model, "preset": preset, "mode": mode,
+                             "expert_bpw": s["classes"]["routed_experts"]["bpw"], "file_bpw": s["total"]["bpw"],
+                             "tokens": q["tokens"], "perplexity": q["perplexity"],
+                             "f32_perplexity": q["reference_perplexity"], "kl_mean": q["kl_mean"],
+                             "kl_p99": q["kl_p99"], "top1": q["top1_agreement"]})
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     print("| model | preset | fit | routed-expert bpw | file bpw | perplexity (f32) | mean KL | p99 KL | top-1 |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
