@@ -22,7 +22,7 @@ import numpy as np
 from .constants import EMBEDDINGS, NORMS, ROUTER, classify
 
 MOMENT = "moment:"
-DEFAULT_MOMENT_BUDGET = 2 << 30       # bytes of float64 accumulators while collecting
+DEFAULT_MOMENT_BUDGET = 2 << 30       # bytes of float32 accumulators while collecting
 # Weights that read the same input share one moment: (pattern, shared key, the member that records it).
 _SHARED = ((re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.\d+\.(?:gate|up)_proj\.weight$"), "gate_up", "gate_proj"),
            (re.compile(r"^(model\.layers\.\d+\.mlp\.shared_experts)\.(?:gate|up)_proj\.weight$"), "gate_up", "gate_proj"),
@@ -60,7 +60,7 @@ def records_moment(name: str) -> bool:
 
 
 def moment_plan(shapes: dict[str, tuple], budget_bytes: int) -> set[str]:
-    """Which moment keys get a full matrix within `budget_bytes` (float64 accumulators). Only weights
+    """Which moment keys get a full matrix within `budget_bytes` (float32 accumulators). Only weights
     that get quantized count (not routers, norms, embeddings). Priority: routed experts' shared
     gate/up matrices, then their down projections (the low-bit weights), then everything else,
     each group in model order; a key that does not fit is skipped."""
@@ -73,7 +73,7 @@ def moment_plan(shapes: dict[str, tuple], budget_bytes: int) -> set[str]:
         return 0 if ".mlp.experts.gate_up" in k else 1 if _EXPERT_DOWN.match(k) else 2
     chosen, used = set(), 0
     for k in sorted(keys, key=lambda k: (rank(k), _natural(k))):
-        cost = keys[k] ** 2 * 8
+        cost = keys[k] ** 2 * 4
         if used + cost <= budget_bytes:
             chosen.add(k)
             used += cost

@@ -90,11 +90,15 @@ class ImportanceCollector:
         self.tokens = 0
 
     def __call__(self, name: str, x: np.ndarray) -> None:
-        x = x.reshape(-1, x.shape[-1]).astype(np.float64)
-        _accumulate(self.sums, self.counts, name, (x * x).sum(axis=0), x.shape[0])
+        x = x.reshape(-1, x.shape[-1])
+        x64 = x.astype(np.float64)
+        _accumulate(self.sums, self.counts, name, (x64 * x64).sum(axis=0), x.shape[0])
         key = moment_key(name)
         if key in self.moment_keys and x.shape[0] and records_moment(name):
-            _accumulate(self.moments, self.moment_counts, key, x.T @ x, x.shape[0])
+            # float32 products and sums: half the memory and time of float64, and ~1e-5 relative
+            # error after thousands of batches is far below the 1 % damping the quantizer adds
+            x32 = np.ascontiguousarray(x, dtype=np.float32)
+            _accumulate(self.moments, self.moment_counts, key, x32.T @ x32, x.shape[0])
 
     def save(self, path, config: dict) -> None:
         if not self._normalised:                  # in place: the accumulators can be gigabytes

@@ -105,8 +105,8 @@ def test_moment_plan_puts_routed_experts_first_within_the_budget():
     gate_up = "model.layers.1.mlp.experts.gate_up"
     downs = {f"model.layers.1.mlp.experts.{e}.down_proj.weight" for e in (0, 1)}
     assert moment_plan(shapes, 0) == set()
-    assert moment_plan(shapes, 64 * 64 * 8) == {gate_up}
-    assert moment_plan(shapes, 64 * 64 * 8 + 2 * 32 * 32 * 8) == {gate_up} | downs
+    assert moment_plan(shapes, 64 * 64 * 4) == {gate_up}
+    assert moment_plan(shapes, 64 * 64 * 4 + 2 * 32 * 32 * 4) == {gate_up} | downs
     assert moment_plan(shapes, 1 << 30) == {gate_up} | downs | {"model.layers.0.self_attn.o_proj.weight",
                                                                 "model.layers.2.self_attn.input"}
 
