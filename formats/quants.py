@@ -13,7 +13,9 @@ j + 32k of the chunk, so one SIMD register of 32 bytes yields 32 consecutive wei
 from __future__ import annotations
 
 import math
+import os
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,7 +23,7 @@ import numpy as np
 from .codecs import CODECS, Codec, CodecError, _check_finite
 
 SUPER = 256                 # weights per super-block (f16 parameters)
-FIT_BLOCK = 1 << 16         # weights fitted per numpy pass in the encoder
+FIT_BLOCK = 1 << 18         # weights fitted per numpy pass in the encoder
 F16_MAX = 65504.0
 POW3 = np.array([1, 3, 9, 27, 81], dtype=np.uint16)
 
@@ -303,23 +305,12 @@ class BlockCodec(Codec):
             if importance is None:
                 importance = np.maximum(np.diag(H), 0)
         w = self._importance(importance, cols)
-        wt = np.broadcast_to(w, x.shape).copy()
-        ocol = np.zeros((rows, 0), np.uint16)
-        oval = np.zeros((rows, 0), np.float32)
-        if g.k:
-            score = np.abs(x) * np.sqrt(w)
-            top = np.argpartition(-score, g.k - 1, axis=1)[:, :g.k]
-            top.sort(axis=1)
-            ocol = top.astype(np.uint16)
-            oval = np.take_along_axis(x, top, axis=1)
-            np.put_along_axis(wt, top, 0.0, axis=1)      # excluded from the fit
-        # fit in blocks of rows whose temporaries stay cache-sized (about 2x faster than all at once)
+        # rows in blocks whose temporaries stay cache-sized (about 2x faster than all at once), on
+        # every core: numpy releases the GIL inside each operation
         step = max(1, FIT_BLOCK // cols)
-        parts = [self._fit(x[i:i + step], wt[i:i + step], self.geometry((min(step, rows - i), cols)))
-                 for i in range(0, rows, step)]
-        par = np.concatenate([p[0] for p in parts])
-        sub = np.concatenate([p[1] for p in parts])
-        digits = [np.concatenate([p[2][j] for p in parts]) for j in range(len(parts[0][2]))]
+        parts = list(_fit_pool().map(lambda i: self._encode_rows(x[i:i + step], w, g.k), range(0, rows, step)))
+        ocol, oval, par, sub = (np.concatenate([p[j] for p in parts]) for j in range(4))
+        digits = [np.concatenate([p[4][j] for p in parts]) for j in range(len(parts[0][4]))]
         if H is not None:
             par, digits = self._round_with_feedback(x, par, sub, g, H, ocol)
         code_bytes = [pack_fields(d, p, bits) for d, (bits, p) in zip(digits, self.code_planes)]
@@ -331,6 +322,22 @@ class BlockCodec(Codec):
         buf = np.concatenate(out)
         assert buf.size == g.nbytes
         return buf
+
+    def _encode_rows(self, x, w, k):
+        """Outliers (the k weights of each row with the largest |x|·sqrt(w), excluded from the fit),
+        then the fit: (ocol, oval, par, sub, digit planes) of these rows."""
+        rows, cols = x.shape
+        wt = np.broadcast_to(w, x.shape).copy()
+        ocol = np.zeros((rows, 0), np.uint16)
+        oval = np.zeros((rows, 0), np.float32)
+        if k:
+            top = np.argpartition(-(np.abs(x) * np.sqrt(w)), k - 1, axis=1)[:, :k]
+            top.sort(axis=1)
+            ocol = top.astype(np.uint16)
+            oval = np.take_along_axis(x, top, axis=1)
+            np.put_along_axis(wt, top, 0.0, axis=1)
+        par, sub, digits = self._fit(x, wt, self.geometry((rows, cols)))
+        return ocol, oval, par, sub, digits
 
     # ----- error-feedback rounding (with a second moment)
     def _affine(self, par, sub, g):
@@ -453,6 +460,15 @@ class BlockCodec(Codec):
             d, m = _unshrink(X, W, A * (bit * np.float32(2) - 1) + ms, per_blk, g.nblk, d, m)
             return np.stack([d, m], -1), _pack_nibbles(sc.astype(np.uint8), g.sub_row), [bit.reshape(rows, cols)]
         raise AssertionError(kind)  # pragma: no cover
+
+
+_POOL: list = []
+
+
+def _fit_pool() -> ThreadPoolExecutor:
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="kimi-fit"))
+    return _POOL[0]
 
 
 GPTQ_DAMP = 0.01          # ridge added to the second moment, as a fraction of its mean diagonal
