@@ -165,9 +165,10 @@ def _calibrate(args, err: Console, out: Path) -> Path:
     import subprocess
     ref = out.with_name(out.name + ".calib-bf16.kst")
     im = out.with_name(out.name + ".imatrix.npz")
-    err.print(f"calibration: converting {args.source} to bf16 for measurement ({ref})")
+    say = (lambda m: None) if args.quiet else err.print
+    say(f"calibration: converting {args.source} to bf16 for measurement ({ref})")
     _converting(args, err, ref, PrecisionPlan.from_preset("bf16"))
-    err.print(f"calibration: running the bf16 model over {args.calibration}")
+    say(f"calibration: running the bf16 model over {args.calibration}")
     # kimi-run draws its own progress bar on our stderr; quiet, its stderr is kept for the error line.
     cmd = [sys.executable, "-m", "kimistream.runtime.cli", "--weights", str(ref), "--calibration",
            str(args.calibration), "--imatrix-out", str(im), "--moment-budget", str(args.moment_budget)]
