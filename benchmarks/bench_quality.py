@@ -1,5 +1,6 @@
 """Quality per bit for issue 3: every low-bit preset against the f32 conversion of each trained
-model, on held-out text, data-free and calibrated; printed as a markdown table.
+model, on held-out text: data-free, calibrated on training-split text, and calibrated on text the
+model samples itself (`--calibration self`); printed as a markdown table.
 
     python benchmarks/bench_quality.py [--models stdlib-moe manpages-moe] [--chars 30000] [--cal-chars 60000] [--ablation]
 
@@ -49,6 +50,8 @@ def main():
     ap.add_argument("--chars", type=int, default=30000, help="held-out characters scored")
     ap.add_argument("--cal-chars", type=int, default=60000, help="calibration characters")
     ap.add_argument("--context", type=int, default=256, help="window; the models were trained on 257 tokens")
+    ap.add_argument("--self-tokens", type=int, default=16384,
+                    help="tokens the model samples for --calibration self (default 16384)")
     ap.add_argument("--ablation", action="store_true",
                     help="also: importance-only calibration (--moment-budget 0) for q2 and t1, and q2 on the "
                          "routed experts alone (everything else f32) data-free / importance only / calibrated")
@@ -68,8 +71,11 @@ def main():
             im = tmp / f"{model}.imatrix.npz"
             run("kimistream.runtime.cli", "--weights", ref, "--calibration", cal, "--imatrix-out", im,
                 "--max-context", args.context, "--quiet")
-            jobs = [(p, m, []) for p in PRESETS for m in ("data-free", "calibrated")
-                    if not (p == "q2rtn-baseline" and m == "calibrated")]   # round-to-nearest fits nothing
+            own = tmp / f"{model}.imatrix-self.npz"
+            run("kimistream.runtime.cli", "--weights", ref, "--calibration", "self", "--self-tokens",
+                args.self_tokens, "--imatrix-out", own, "--max-context", args.context, "--quiet")
+            jobs = [(p, m, []) for p in PRESETS for m in ("data-free", "calibrated", "self-calibrated")
+                    if not (p == "q2rtn-baseline" and m != "data-free")]    # round-to-nearest fits nothing
             if args.ablation:
                 diag = tmp / f"{model}.imatrix-diag.npz"
                 run("kimistream.runtime.cli", "--weights", ref, "--calibration", cal, "--imatrix-out", diag,
@@ -82,6 +88,7 @@ def main():
             for preset, mode, over in jobs:
                 out = tmp / f"{model}-{preset}-{len(rows)}.kst"
                 extra = (["--imatrix", im] if mode.startswith("calibrated") else
+                         ["--imatrix", own] if mode.startswith("self") else
                          ["--imatrix", diag] if mode.startswith("importance") else []) + over
                 s = json.loads(run("kimistream.convert.cli", src, "-o", out, "--quant", preset, "--quiet",
                                    "--json", *extra))

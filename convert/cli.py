@@ -15,6 +15,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from kimistream.formats.constants import DEFAULT_ALIGNMENT, MAX_ALIGNMENT
+from kimistream.formats.imatrix import SELF_CALIBRATION
 
 from . import fetch as F
 from . import hub as H
@@ -54,16 +55,20 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--delete-source", action="store_true",
                    help="delete each source shard once all its tensors are written (disk stays near the output size)")
     c.add_argument("--calibration", type=Path, metavar="TEXT_FILE",
-                   help="measure activation importance on this text (via a bf16 conversion and kimi-run) and fit "
+                   help="measure activation importance on this text (via a bf16 conversion and kimi-run; 'self': on "
+                        "text the model samples itself, no data needed) and fit "
                         "quantization to it; the importance matrix is kept as OUT.imatrix.npz")
     c.add_argument("--imatrix", type=Path, metavar="PATH", help="reuse a saved importance matrix")
+    c.add_argument("--self-tokens", type=int, default=16384, metavar="N",
+                   help="with --calibration self: tokens the model samples for its own calibration (default 16384)")
     c.add_argument("--moment-budget", default="2G", metavar="SIZE",
                    help="with --calibration: memory for full input second moments, which let the quantizer "
                         "round with error feedback (GPTQ-style); routed experts first; 0 = off (default 2G)")
     c.add_argument("--synthetic", type=Path, metavar="CONFIG_JSON",
                    help="write a random-weight file of this config's geometry instead of converting")
     c.add_argument("--sparse", action="store_true", help="with --synthetic: leave routed experts as holes")
-    c.add_argument("--seed", type=int, default=0, help="with --synthetic: random seed")
+    c.add_argument("--seed", type=int, default=0,
+                   help="with --synthetic: random seed; with --calibration self: sampling seed (default 0)")
     r = p.add_argument_group("releases")
     r.add_argument("--publish", type=Path, metavar="DIR",
                    help="also split the weight file into zstd chunks with a manifest in DIR (SOURCE may be a .kst)")
@@ -161,20 +166,26 @@ def _converting(args, err: Console, out: Path, plan, imatrix=None):
 
 def _calibrate(args, err: Console, out: Path) -> Path:
     """Importance matrix for --calibration: convert to bf16 beside the output (exact for bf16 sources,
-    half the disk of f32), run kimi-run over the text, delete the bf16 file."""
+    half the disk of f32), run kimi-run over the text (or `self`: text it samples), delete the bf16
+    file whatever happens."""
     import subprocess
     ref = out.with_name(out.name + ".calib-bf16.kst")
     im = out.with_name(out.name + ".imatrix.npz")
     say = (lambda m: None) if args.quiet else err.print
-    say(f"calibration: converting {args.source} to bf16 for measurement ({ref})")
-    _converting(args, err, ref, PrecisionPlan.from_preset("bf16"))
-    say(f"calibration: running the bf16 model over {args.calibration}")
-    # kimi-run draws its own progress bar on our stderr; quiet, its stderr is kept for the error line.
-    cmd = [sys.executable, "-m", "kimistream.runtime.cli", "--weights", str(ref), "--calibration",
-           str(args.calibration), "--imatrix-out", str(im), "--moment-budget", str(args.moment_budget)]
-    proc = subprocess.run(cmd + (["--quiet"] if args.quiet else []), stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE if args.quiet else None, text=True)
-    ref.unlink(missing_ok=True)
+    try:
+        say(f"calibration: converting {args.source} to bf16 for measurement ({ref})")
+        _converting(args, err, ref, PrecisionPlan.from_preset("bf16"))
+        what = (f"{args.self_tokens} tokens it samples itself" if str(args.calibration) == SELF_CALIBRATION
+                else args.calibration)
+        say(f"calibration: running the bf16 model over {what}")
+        # kimi-run draws its own progress bars on our stderr; quiet, its stderr is kept for the error.
+        cmd = [sys.executable, "-m", "kimistream.runtime.cli", "--weights", str(ref), "--calibration",
+               str(args.calibration), "--imatrix-out", str(im), "--moment-budget", str(args.moment_budget),
+               "--self-tokens", str(args.self_tokens), "--seed", str(args.seed)]
+        proc = subprocess.run(cmd + (["--quiet"] if args.quiet else []), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE if args.quiet else None, text=True)
+    finally:
+        ref.unlink(missing_ok=True)
     if proc.returncode != 0:
         lines = (proc.stderr or "").strip().splitlines()
         raise ConversionError(lines[-1].removeprefix("kimi-run: error: ") if lines
@@ -261,8 +272,11 @@ def _main(args, err: Console) -> int:
             parse_size(args.moment_budget)
         except ValueError as e:
             return _error(f"--moment-budget: {e}", 2)
+        if args.self_tokens < 2:
+            return _error("--self-tokens must be at least 2", 2)
         try:
-            if not Path(args.calibration).read_text(encoding="utf-8").strip():
+            text_file = str(args.calibration) != SELF_CALIBRATION
+            if text_file and not Path(args.calibration).read_text(encoding="utf-8").strip():
                 return _error(f"{args.calibration}: the calibration file is empty")
         except (OSError, UnicodeDecodeError) as e:
             return _error(f"{args.calibration}: cannot read the calibration text ({e})")

@@ -5,7 +5,9 @@
   the weights a size budget allows (see `moment_plan`) — the quantizer then rounds with error
   feedback (GPTQ-style) instead of channel by channel. Weights that read the same input share one
   (`moment_key`): e.g. a layer's routed experts' gate_proj/up_proj, `model.layers.L.mlp.experts.gate_up`;
-- `__meta__` (JSON: the model config's digest, tokens seen, tokens per tensor and per moment)."""
+- `__meta__` (JSON: format 2, the model config's digest, tokens seen, tokens per tensor and per
+  moment). A file without a `format` field loads if it holds vectors only (as written before
+  moments existed); with moments it is refused as out of date."""
 
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ import numpy as np
 
 from .constants import EMBEDDINGS, NORMS, ROUTER, classify
 
+SELF_CALIBRATION = "self"     # `--calibration self`: measure on text the model samples itself
+FORMAT = 2            # 1: vectors only (no "format" field); 2: + moments under shared keys
 MOMENT = "moment:"
 DEFAULT_MOMENT_BUDGET = 2 << 30       # bytes of float32 accumulators while collecting
 # Weights that read the same input share one moment: (pattern, shared key, the member that records it).
@@ -127,7 +131,7 @@ def save_imatrix(path, vectors: dict[str, np.ndarray], config: dict, tokens: int
                  moments: dict[str, np.ndarray] | None = None, moment_counts: dict[str, int] | None = None) -> None:
     """Write an importance file (to a temporary name, renamed when complete). Arrays are converted to
     float32 one at a time, so saving holds one extra matrix, not a copy of them all."""
-    meta = {"config_digest": config_digest(config), "tokens": tokens, "counts": counts,
+    meta = {"format": FORMAT, "config_digest": config_digest(config), "tokens": tokens, "counts": counts,
             "moment_counts": moment_counts or {}}
     path = Path(path)
     tmp = path.with_name(path.name + ".partial.npz")
@@ -149,6 +153,13 @@ def load_imatrix(path, config: dict, shapes: dict[str, tuple]) -> Imatrix:
             meta = json.loads(bytes(z["__meta__"]).decode())
             vectors = {k: z[k] for k in z.files if k != "__meta__" and not k.startswith(MOMENT)}
             keys = [k[len(MOMENT):] for k in z.files if k.startswith(MOMENT)]
+            version = meta.get("format", 1)
+            if version > FORMAT:
+                raise ImatrixError(f"{path}: importance file format {version} is newer than this kimi-stream "
+                                   f"reads ({FORMAT}); upgrade")
+            if version < FORMAT and keys:
+                raise ImatrixError(f"{path}: written by an older kimi-stream (format {version}, moments keyed "
+                                   f"differently): run the calibration again")
             if meta.get("config_digest") != config_digest(config):
                 raise ImatrixError(f"{path}: importance matrix of another model (config digest "
                                    f"{meta.get('config_digest')} != {config_digest(config)})")

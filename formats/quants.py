@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -308,7 +309,7 @@ class BlockCodec(Codec):
         # rows in blocks whose temporaries stay cache-sized (about 2x faster than all at once), on
         # every core: numpy releases the GIL inside each operation
         step = max(1, FIT_BLOCK // cols)
-        parts = list(_fit_pool().map(lambda i: self._encode_rows(x[i:i + step], w, g.k), range(0, rows, step)))
+        parts = _map_rows(lambda i: self._encode_rows(x[i:i + step], w, g.k), range(0, rows, step))
         ocol, oval, par, sub = (np.concatenate([p[j] for p in parts]) for j in range(4))
         digits = [np.concatenate([p[4][j] for p in parts]) for j in range(len(parts[0][4]))]
         if H is not None:
@@ -382,9 +383,9 @@ class BlockCodec(Codec):
         # The gain correction again, now in the output metric and per row (error feedback moves
         # error between super-blocks, so only the whole row's gain is meaningful): every block of
         # the row scaled by rho with wᵀH(w − outliers) = rho·wᵀH v.
-        wh = x.astype(np.float64) @ H
-        num = (wh * (x - np.where(exact, x, 0))).sum(1)
-        den = (wh * v).sum(1)
+        wh = x @ np.asarray(H, dtype=np.float32)           # float32 product, float64 sums
+        num = (wh * (x - np.where(exact, x, 0))).sum(1, dtype=np.float64)
+        den = (wh * v).sum(1, dtype=np.float64)
         ok = den > 0
         rho = np.clip(np.where(ok, num / np.where(ok, den, 1), 1), 0.5, 2).astype(np.float32)
         par = _scale_params(par, rho[:, None, None])
@@ -465,10 +466,17 @@ class BlockCodec(Codec):
 _POOL: list = []
 
 
-def _fit_pool() -> ThreadPoolExecutor:
+def _map_rows(fn, starts):
+    """fn over row-block starts, on every core — unless there is one block, or this is already a
+    pool thread (an encode called from inside one would wait on itself)."""
+    if len(starts) < 2 or threading.current_thread().name.startswith("kimi-fit"):
+        return [fn(i) for i in starts]
     if not _POOL:
-        _POOL.append(ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="kimi-fit"))
-    return _POOL[0]
+        _POOL.append(ThreadPoolExecutor(max(1, min(8, len(os.sched_getaffinity(0)))), thread_name_prefix="kimi-fit"))
+    return list(_POOL[0].map(fn, starts))
+
+
+os.register_at_fork(after_in_child=_POOL.clear)       # a forked child has none of the pool's threads
 
 
 GPTQ_DAMP = 0.01          # ridge added to the second moment, as a fraction of its mean diagonal

@@ -355,7 +355,9 @@ def _quality(args, log) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .quality import collect_importance, evaluate
+    from kimistream.formats.imatrix import SELF_CALIBRATION
+
+    from .quality import collect_importance, evaluate, sample_sequences, windows
     if args.calibration and not args.imatrix_out:
         raise RunError("--calibration needs --imatrix-out PATH")
     s = open_session(args, log)
@@ -363,13 +365,20 @@ def _quality(args, log) -> int:
         return 0
     out = {}
     if args.calibration:
-        ids = s.tok.encode(_read_text(args.calibration))
         try:
             moment_budget = B.parse_size(args.moment_budget)
         except ValueError as e:
             raise RunError(f"--moment-budget: {e}") from None
-        with _token_progress("calibrating", len(ids), args.quiet) as advance:
-            col = collect_importance(s.model, ids, args.max_ctx, args.prefill_batch_size, progress=advance,
+        if args.calibration == SELF_CALIBRATION:
+            start = [s.tok.bos_id] if s.tok.bos_id is not None else s.tok.encode("\n", add_special_tokens=False)
+            stop = {i for i in (s.tok.eos_id, *s.cfg.eos_token_ids) if i is not None}
+            with _token_progress("sampling", args.self_tokens, args.quiet) as advance:
+                chunks = sample_sequences(s.model, start, stop, args.self_tokens, args.max_ctx,
+                                          args.prefill_batch_size, args.seed or 0, progress=advance)
+        else:
+            chunks = list(windows(s.tok.encode(_read_text(args.calibration)), args.max_ctx))
+        with _token_progress("calibrating", sum(map(len, chunks)), args.quiet) as advance:
+            col = collect_importance(s.model, chunks, args.prefill_batch_size, progress=advance,
                                      moment_budget=moment_budget)
         col.save(args.imatrix_out, s.weights.header["config"])
         log(f"importance of {len(col.sums)} weights, {len(col.moments)} full second moments, from {col.tokens} "

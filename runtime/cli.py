@@ -43,7 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--perplexity", metavar="TEXT_FILE", help="perplexity over the file in windows of --max-context")
     q.add_argument("--kl-reference", metavar="REF_WEIGHTS",
                    help="with --perplexity: mean / p99 KL(ref || this) and top-1 agreement against REF_WEIGHTS")
-    q.add_argument("--calibration", metavar="TEXT_FILE", help="collect an importance matrix over the file")
+    q.add_argument("--calibration", metavar="TEXT_FILE",
+                   help="collect an importance matrix over the file; 'self': over text the model samples itself "
+                        "(temperature 1 from BOS, --self-tokens, --seed), when there is no calibration text")
+    q.add_argument("--self-tokens", type=int, default=16384, metavar="N",
+                   help="with --calibration self: tokens to sample (default 16384)")
     q.add_argument("--imatrix-out", metavar="PATH", help="with --calibration: where to save it (.npz)")
     q.add_argument("--moment-budget", default="2G", metavar="SIZE",
                    help="with --calibration: memory for full input second moments (GPTQ-style rounding in "

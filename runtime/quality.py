@@ -12,7 +12,9 @@ from kimistream.formats.imatrix import (DEFAULT_MOMENT_BUDGET, moment_key, momen
                                         save_imatrix)
 from kimistream.formats.layout import model_shapes
 
+from .generate import generate
 from .model import Model
+from .sampler import Sampler
 
 
 def log_softmax(z: np.ndarray) -> np.ndarray:
@@ -118,13 +120,13 @@ def _accumulate(sums: dict, counts: dict, key: str, value: np.ndarray, n: int) -
         counts[key] = n
 
 
-def collect_importance(model: Model, ids: list[int], window: int, batch: int, progress=None,
+def collect_importance(model: Model, chunks, batch: int, progress=None,
                        moment_budget: int = DEFAULT_MOMENT_BUDGET) -> ImportanceCollector:
-    shapes = model_shapes(model.cfg)
-    col = ImportanceCollector(moment_plan(shapes, moment_budget))
+    """Importance over token windows, each run from an empty cache (see `windows`)."""
+    col = ImportanceCollector(moment_plan(model_shapes(model.cfg), moment_budget))
     model.observer = col
     try:
-        for w in windows(ids, window):
+        for w in chunks:
             model.reset()
             model.prefill(w, batch, all_logits=False)
             col.tokens += len(w)
@@ -133,3 +135,22 @@ def collect_importance(model: Model, ids: list[int], window: int, batch: int, pr
     finally:
         model.observer = None
     return col
+
+
+def sample_sequences(model: Model, start: list[int], stop_ids, n_tokens: int, window: int, batch: int,
+                     seed: int, progress=None) -> list[list[int]]:
+    """Calibration text for users without any: sequences the model samples itself at temperature 1
+    from `start` (the BOS token), each up to `window` tokens or an end token, `n_tokens` in all."""
+    sampler = Sampler(1.0, 1.0, seed)
+    sequences, total = [], 0
+    while total < n_tokens:
+        model.reset()
+        seq = list(start)
+        room = max(1, min(window, len(start) + n_tokens - total) - len(start))
+        for t in generate(model, start, room, sampler, batch, stop_ids):
+            seq.append(t)
+            if progress:
+                progress(1)
+        sequences.append(seq[:window])
+        total += len(sequences[-1])
+    return sequences

@@ -203,6 +203,13 @@ def test_imatrix_with_a_bad_moment_is_refused(tiny_kst, tmp_path):
     save_imatrix(path, {}, cfg_dict, 10, {}, {"model.layers.0.nope.weight": np.eye(cols)}, {})
     with pytest.raises(ImatrixError, match="not for a weight of this model"):
         load_imatrix(path, cfg_dict, shapes)
+    # a file of the previous format (no "format" field) with moments: written before keys were shared
+    from kimistream.formats.imatrix import config_digest
+    meta = {"config_digest": config_digest(cfg_dict), "tokens": 10, "counts": {}}
+    np.savez(path, __meta__=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
+             **{"moment:" + name: np.eye(cols, dtype=np.float32)})
+    with pytest.raises(ImatrixError, match="older kimi-stream"):
+        load_imatrix(path, cfg_dict, shapes)
 
 
 def test_experts_calibration_never_saw_fall_back(tiny_ckpt, tiny_kst, tmp_path):
@@ -229,3 +236,32 @@ def test_experts_calibration_never_saw_fall_back(tiny_ckpt, tiny_kst, tmp_path):
         assert bytes(a.raw(gate)) != bytes(b.raw(gate))
         other = "model.layers.1.mlp.experts.4.down_proj.weight"
         assert bytes(a.raw(other)) != bytes(b.raw(other))
+
+
+def test_self_calibration_samples_its_own_text(tiny_kst, tmp_path):
+    outs = []
+    for seed in (3, 3, 4):
+        out = tmp_path / f"self{len(outs)}.npz"
+        proc = kimi_run("--weights", tiny_kst, "--calibration", "self", "--self-tokens", 150, "--seed", seed,
+                        "--imatrix-out", out, "--max-context", 64, "--json")
+        assert proc.returncode == 0, proc.stderr
+        rep = json.loads(proc.stdout)["imatrix"]
+        assert 150 <= rep["tokens"] < 150 + 64 and rep["moments"] > 10
+        with np.load(out) as z:
+            outs.append({k: z[k] for k in z.files if k != "__meta__"})
+    same, other = outs[0], outs[2]
+    assert all(np.array_equal(same[k], outs[1][k]) for k in same)           # the seed decides the text
+    assert any(not np.array_equal(same[k], other[k]) for k in same if k in other)
+
+
+def test_convert_with_self_calibration(tiny_ckpt, tmp_path):
+    out = tmp_path / "q.kst"
+    conv = [sys.executable, "-m", "kimistream.convert.cli", str(tiny_ckpt), "-o", str(out), "--quant", "q2",
+            "--calibration", "self", "--self-tokens"]
+    proc = subprocess.run(conv + ["200"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "q.kst.imatrix.npz").exists() and not list(tmp_path.glob("*.calib-*"))
+    with WeightFile(out) as wf:
+        assert wf.header["imatrix"]["moments"] > 10
+    bad = subprocess.run(conv + ["1"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--self-tokens" in bad.stderr

@@ -1,7 +1,8 @@
 """Quantization quality on the bundled trained model, scaled down for CI (a slice of its held-out
 text): every preset keeps its routed-expert bit budget, more bits give lower KL, calibration
 (importance and second moments from training-split text) lowers KL against the f32 conversion for
-q2 and t1, and calibrated q2 / t1 meet the issue's targets against the round-to-nearest baseline.
+q2 and t1, and calibrated q2 / t1 meet the issue's targets against the round-to-nearest baseline —
+with training-split text, and with text the model samples itself (`--calibration self`).
 The full table for both trained models is benchmarks/bench_quality.py's (RESULTS.md)."""
 
 import json
@@ -33,12 +34,14 @@ def setup(tmp_path_factory):
     run("kimistream.convert.cli", MODEL, "-o", d / "f32.kst", "--quant", "f32", "--quiet", "--json")
     run("kimistream.runtime.cli", "--weights", d / "f32.kst", "--calibration", d / "cal.txt", "--imatrix-out",
         d / "im.npz", "--max-context", 256, "--quiet")
+    run("kimistream.runtime.cli", "--weights", d / "f32.kst", "--calibration", "self", "--self-tokens", 8192,
+        "--imatrix-out", d / "self.npz", "--max-context", 256, "--quiet")
     return d
 
 
 def quality(d, preset, calibrated):
     out = d / f"{preset}-{calibrated}.kst"
-    extra = ["--imatrix", d / "im.npz"] if calibrated else []
+    extra = ["--imatrix", d / ("self.npz" if calibrated == "self" else "im.npz")] if calibrated else []
     summary = json.loads(run("kimistream.convert.cli", MODEL, "-o", out, "--quant", preset, "--quiet", "--json",
                              *extra))
     q = json.loads(run("kimistream.runtime.cli", "--weights", out, "--perplexity", d / "held.txt",
@@ -65,4 +68,9 @@ def test_presets_bits_kl_and_calibration(setup):
     assert cal["t1"] <= base["kl_mean"], (cal["t1"], base["kl_mean"])
     # data-free q2 beats round-to-nearest at fewer bits (the gain correction; before it, 1.4x worse)
     assert kl["q2"] < 0.8 * base["kl_mean"], (kl["q2"], base["kl_mean"])
+    # calibrated on text the model sampled itself (no calibration data at all)
+    own = {p: quality(setup, p, calibrated="self")[1]["kl_mean"] for p in ("q2", "t1")}
+    print(json.dumps({"self-calibrated": own}))
+    assert own["q2"] < kl["q2"] and own["t1"] < kl["t1"], (own, kl)
+    assert own["q2"] <= 0.5 * base["kl_mean"] and own["t1"] <= base["kl_mean"], (own, base["kl_mean"])
     print(json.dumps({"data-free": kl, "calibrated": cal, "baseline": base["kl_mean"]}))
