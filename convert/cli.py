@@ -14,13 +14,15 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from kimistream.formats.constants import DEFAULT_ALIGNMENT, MAX_ALIGNMENT
+from kimistream.formats.constants import DEFAULT_ALIGNMENT, MAX_ALIGNMENT, ROUTED_EXPERTS
 from kimistream.formats.imatrix import SELF_CALIBRATION
 
 from . import fetch as F
 from . import hub as H
 from .converter import ConversionError, convert_checkpoint
 from .plan import PRESETS, PrecisionPlan
+
+LOW_BIT = ("q2", "t1", "q1")         # expert codecs whose quality depends on calibration
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -309,6 +311,9 @@ def _main(args, err: Console) -> int:
         imatrix = _load_imatrix(_calibrate(args, err, out), args.source)
     elif args.imatrix:
         imatrix = _load_imatrix(args.imatrix, args.source)
+    elif plan.classes[ROUTED_EXPERTS] in LOW_BIT and not args.quiet:
+        err.print("[yellow]note:[/] no calibration: 1-2-bit experts lose about 1.7x more KL than calibrated ones "
+                  "(benchmarks/RESULTS.md); add --calibration TEXT_FILE, or --calibration self (no data needed)")
     summary = _converting(args, err, out, plan, imatrix)
     data = summary.to_json()
     if report is not None:
