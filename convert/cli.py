@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = p.add_argument_group("conversion")
     c.add_argument("--delete-source", action="store_true",
                    help="delete each source shard once all its tensors are written (disk stays near the output size)")
-    c.add_argument("--calibration", type=Path, metavar="TEXT_FILE",
+    c.add_argument("--calibration", metavar="TEXT_FILE",
                    help="measure activation importance on this text (via a bf16 conversion and kimi-run; 'self': on "
                         "text the model samples itself, no data needed) and fit "
                         "quantization to it; the importance matrix is kept as OUT.imatrix.npz")
@@ -160,10 +160,11 @@ def _run_with_progress(err: Console, label: str, quiet: bool, work, out: Path | 
         return work(on_progress)
 
 
-def _converting(args, err: Console, out: Path, plan, imatrix=None):
+def _converting(args, err: Console, out: Path, plan, imatrix=None, delete_source=None):
     """Run the converter with a progress bar; returns the summary."""
+    delete = args.delete_source if delete_source is None else delete_source
     return _run_with_progress(err, "converting", args.quiet, lambda cb: convert_checkpoint(
-        args.source, out, plan, args.alignment, cb, delete_source=args.delete_source, imatrix=imatrix), out)
+        args.source, out, plan, args.alignment, cb, delete_source=delete, imatrix=imatrix), out)
 
 
 def _calibrate(args, err: Console, out: Path) -> Path:
@@ -176,8 +177,8 @@ def _calibrate(args, err: Console, out: Path) -> Path:
     say = (lambda m: None) if args.quiet else err.print
     try:
         say(f"calibration: converting {args.source} to bf16 for measurement ({ref})")
-        _converting(args, err, ref, PrecisionPlan.from_preset("bf16"))
-        what = (f"{args.self_tokens} tokens it samples itself" if str(args.calibration) == SELF_CALIBRATION
+        _converting(args, err, ref, PrecisionPlan.from_preset("bf16"), delete_source=False)   # sources still needed
+        what = (f"{args.self_tokens} tokens it samples itself" if args.calibration == SELF_CALIBRATION
                 else args.calibration)
         say(f"calibration: running the bf16 model over {what}")
         # kimi-run draws its own progress bars on our stderr; quiet, its stderr is kept for the error.
@@ -274,10 +275,10 @@ def _main(args, err: Console) -> int:
             parse_size(args.moment_budget)
         except ValueError as e:
             return _error(f"--moment-budget: {e}", 2)
-        if args.self_tokens < 2:
-            return _error("--self-tokens must be at least 2", 2)
+        if args.self_tokens < 2 or args.seed < 0:
+            return _error("--self-tokens must be at least 2 and --seed not negative", 2)
         try:
-            text_file = str(args.calibration) != SELF_CALIBRATION
+            text_file = args.calibration != SELF_CALIBRATION
             if text_file and not Path(args.calibration).read_text(encoding="utf-8").strip():
                 return _error(f"{args.calibration}: the calibration file is empty")
         except (OSError, UnicodeDecodeError) as e:

@@ -472,7 +472,8 @@ def _map_rows(fn, starts):
     if len(starts) < 2 or threading.current_thread().name.startswith("kimi-fit"):
         return [fn(i) for i in starts]
     if not _POOL:
-        _POOL.append(ThreadPoolExecutor(max(1, min(8, len(os.sched_getaffinity(0)))), thread_name_prefix="kimi-fit"))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        _POOL.append(ThreadPoolExecutor(max(1, min(8, cores)), thread_name_prefix="kimi-fit"))
     return list(_POOL[0].map(fn, starts))
 
 

@@ -186,6 +186,8 @@ def open_session(args, log, weights_path=None, describe: bool = True) -> Session
     with --dry-run). Everything a run needs is checked before the first weight is touched."""
     if args.prefill_batch_size < 1:
         raise RunError("--prefill-batch-size must be >= 1")
+    if args.seed is not None and args.seed < 0:
+        raise RunError("--seed must be >= 0")
     if args.direct and args.io != "pread":
         raise RunError("--direct needs --io pread")
     path = Path(weights_path or args.weights) if (weights_path or args.weights) else default_weights(log)
@@ -370,7 +372,11 @@ def _quality(args, log) -> int:
         except ValueError as e:
             raise RunError(f"--moment-budget: {e}") from None
         if args.calibration == SELF_CALIBRATION:
-            start = [s.tok.bos_id] if s.tok.bos_id is not None else s.tok.encode("\n", add_special_tokens=False)
+            start = [s.tok.bos_id] if s.tok.bos_id is not None else s.tok.encode("\n", add_special_tokens=False)[:1]
+            if not start:
+                raise RunError("--calibration self: the tokenizer has no BOS token to start sampling from")
+            if args.self_tokens < 2 or args.max_ctx < 8:
+                raise RunError("--calibration self needs --self-tokens of at least 2 and --max-context of at least 8")
             stop = {i for i in (s.tok.eos_id, *s.cfg.eos_token_ids) if i is not None}
             with _token_progress("sampling", args.self_tokens, args.quiet) as advance:
                 chunks = sample_sequences(s.model, start, stop, args.self_tokens, args.max_ctx,

@@ -146,7 +146,7 @@ def sample_sequences(model: Model, start: list[int], stop_ids, n_tokens: int, wi
     while total < n_tokens:
         model.reset()
         seq = list(start)
-        room = max(1, min(window, len(start) + n_tokens - total) - len(start))
+        room = max(1, min(window, n_tokens - total) - len(start))        # sampled after the start
         for t in generate(model, start, room, sampler, batch, stop_ids):
             seq.append(t)
             if progress:

@@ -246,7 +246,7 @@ def test_self_calibration_samples_its_own_text(tiny_kst, tmp_path):
                         "--imatrix-out", out, "--max-context", 64, "--json")
         assert proc.returncode == 0, proc.stderr
         rep = json.loads(proc.stdout)["imatrix"]
-        assert 150 <= rep["tokens"] < 150 + 64 and rep["moments"] > 10
+        assert 150 <= rep["tokens"] <= 150 and rep["moments"] > 10          # exactly what was asked
         with np.load(out) as z:
             outs.append({k: z[k] for k in z.files if k != "__meta__"})
     same, other = outs[0], outs[2]
@@ -265,3 +265,20 @@ def test_convert_with_self_calibration(tiny_ckpt, tmp_path):
         assert wf.header["imatrix"]["moments"] > 10
     bad = subprocess.run(conv + ["1"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--self-tokens" in bad.stderr
+    bad = subprocess.run(conv + ["200", "--seed", "-1"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--seed" in bad.stderr
+
+
+def test_calibration_keeps_the_source_when_deleting_it_after(tiny_ckpt, tmp_path):
+    # --delete-source applies to the real conversion, never to calibration's bf16 pass
+    import shutil
+    src = tmp_path / "src"
+    shutil.copytree(tiny_ckpt, src)
+    out = tmp_path / "q.kst"
+    proc = subprocess.run([sys.executable, "-m", "kimistream.convert.cli", str(src), "-o", str(out), "--quant", "q2",
+                           "--calibration", "self", "--self-tokens", "100", "--delete-source", "--quiet"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert out.exists() and not list(src.glob("*.safetensors"))
+    with WeightFile(out) as wf:
+        assert wf.header["imatrix"]["moments"] > 10
