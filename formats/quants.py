@@ -701,7 +701,15 @@ def _keep_lower(best, cand):
 
 def _quant_scale(X, W, a, lo, hi, smax, per_blk, nblk):
     """Quantise sub-block scales a to sc * d (sc in 0..smax, d f16 per block) by weighted error."""
-    rows, nsub = a.shape
+    def err(A):
+        return _wsum((A * np.clip(np.rint(X / _safe(A)), lo, hi) - X) ** 2, W)
+    return _pick_scales(a, smax, per_blk, nblk, err)
+
+
+def _pick_scales(a, smax, per_blk, nblk, err):
+    """Sub-block scales a as sc * d (sc in 0..smax, d f16 per block): per block d from its largest
+    scale, per sub-block sc at the rounded value ±1, whichever gives the lower err(A [rows, nsub, 1])."""
+    nsub = a.shape[1]
     amax = _blocks_view(a, per_blk, nblk, 0).max(-1)
     best = None
     for mult in _MULTS:
@@ -711,10 +719,7 @@ def _quant_scale(X, W, a, lo, hi, smax, per_blk, nblk):
         sb = None
         for dsc in (-1, 0, 1):
             sc = np.clip(sc0 + dsc, 0, smax)
-            A = (ds * sc)[..., None]
-            q = np.clip(np.rint(X / _safe(A)), lo, hi)
-            err = _wsum((A * q - X) ** 2, W)
-            sb = _keep_lower(sb, [sc, err])
+            sb = _keep_lower(sb, [sc, err((ds * sc)[..., None])])
         berr = _blocks_view(sb[1], per_blk, nblk, 0).sum(-1)
         if best is None:
             best = [d, sb[0], berr]
@@ -742,25 +747,8 @@ def _fit_q1(X, W, smax, per_blk, nblk):
     ms = _to_subs(m, per_blk, nsub)[..., None]
     s = np.where(X >= ms, np.float32(1), np.float32(-1))
     a = np.maximum(_wsum((X - ms) * s, W) / np.where(sw_sub > 0, sw_sub, 1), 0).astype(np.float32)
-    amax = _blocks_view(a, per_blk, nblk, 0).max(-1)
-    best = None
-    for mult in _MULTS:
-        d = _f16(amax / smax * np.float32(mult))
-        ds = _to_subs(d, per_blk, nsub)
-        sc0 = np.clip(np.rint(a / _safe(ds)), 0, smax)
-        sb = None
-        for dsc in (-1, 0, 1):
-            sc = np.clip(sc0 + dsc, 0, smax)
-            err = _wsum(((ds * sc)[..., None] * s + ms - X) ** 2, W)
-            sb = _keep_lower(sb, [sc, err])
-        berr = _blocks_view(sb[1], per_blk, nblk, 0).sum(-1)
-        if best is None:
-            best = [d, sb[0], berr]
-        else:
-            bt = berr < best[2]
-            best = [np.where(bt, d, best[0]), np.where(_to_subs(bt, per_blk, nsub), sb[0], best[1]),
-                    np.where(bt, berr, best[2])]
-    return best[0], m, best[1]
+    d, sc = _pick_scales(a, smax, per_blk, nblk, lambda A: _wsum((A * s + ms - X) ** 2, W))
+    return d, m, sc
 
 
 # ----------------------------------------------------------------------------------------------- registry
