@@ -10,8 +10,9 @@ dequantized 64 at a time into a cache-sized block and BLAS multiplies — never 
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
-import numba
 from numba import njit, parallel_chunksize, prange
 
 from kimistream.formats.codecs import CodecError, get_codec
@@ -36,11 +37,19 @@ def has_kernel(codec: str) -> bool:
 
 
 def _geometry_vector(codec: BlockCodec, shape) -> np.ndarray:
-    g = codec.geometry(shape)
+    return _geometry_cached(codec, *(int(s) for s in shape))
+
+
+@functools.lru_cache(maxsize=4096)
+def _geometry_cached(codec: BlockCodec, rows: int, cols: int) -> np.ndarray:
+    # once per codec and shape, not per call: a decode step makes hundreds of calls
+    g = codec.geometry((rows, cols))
     planes = list(codec.code_planes) + [(0, 1)] * (2 - len(codec.code_planes))
     extra = [codec.kind, codec.sub, codec.blk, codec.npar,
              planes[0][0] or 0, planes[0][1], planes[1][0] or 0, planes[1][1]]
-    return np.concatenate([g.as_array(), np.array(extra, dtype=np.int64)])
+    vec = np.concatenate([g.as_array(), np.array(extra, dtype=np.int64)])
+    vec.flags.writeable = False
+    return vec
 
 
 # ----------------------------------------------------------------------------------------------- scalar helpers
@@ -225,6 +234,15 @@ def _dequantize(raw, g, lut, r0, out):
             _deq_row(raw, g, lut, r0 + i, out[i], A, B)
 
 
+@njit(cache=True)
+def _dequantize_serial(raw, g, lut, r0, out):
+    """_dequantize on the calling thread (small weights: no parallel region to wake)."""
+    A = np.empty(g[G_COLS] // 32, np.float32)
+    B = np.empty(g[G_COLS] // 32, np.float32)
+    for i in range(out.shape[0]):
+        _deq_row(raw, g, lut, r0 + i, out[i], A, B)
+
+
 # ----------------------------------------------------------------------------------------------- matvec (T = 1)
 
 @njit(cache=True, fastmath=True)
@@ -398,29 +416,41 @@ def _tail_dot(codes, g, x, As, Bs, start, lev):
     return tot
 
 
+@njit(cache=True, fastmath=True)
+def _matvec_rows(raw, g, lut, x, xs, y, r_lo, r_hi, As, Bs, acc, lev):
+    cols, k_out = g[G_COLS], g[G_K]
+    for r in range(r_lo, r_hi):
+        _row_scales(raw, g, lut, r, As, Bs)
+        base = g[G_OFFCODE] + r * g[G_CODEROW]
+        codes = raw[base:base + g[G_CODEROW]]
+        tot, done = _row_dot(codes, g, x, xs, As, Bs, acc)
+        if done < cols:
+            tot += _tail_dot(codes, g, x, As, Bs, done, lev)
+        for i in range(k_out):
+            o = g[G_OFFOCOL] + 2 * (r * k_out + i)
+            col = np.int64(raw[o]) | (np.int64(raw[o + 1]) << 8)
+            v = _f16(raw, g[G_OFFOVAL] + 2 * (r * k_out + i), lut)
+            tot += (v - (As[col >> 5] * np.float32(_level_fast(codes, g, col)) + Bs[col >> 5])) * x[col]
+        y[r] = tot
+
+
 @njit(parallel=True, fastmath=True, cache=True)
 def _matvec(raw, g, lut, x, xs, y):
     rows, cols = g[G_ROWS], g[G_COLS]
-    k_out = g[G_K]
     nb = (rows + 7) // 8
     for bi in prange(nb):
         As = np.empty(cols // 32, np.float32)
         Bs = np.empty(cols // 32, np.float32)
         acc = np.empty(32, np.float32)
         lev = np.empty(256, np.float32)
-        for r in range(bi * 8, min(rows, bi * 8 + 8)):
-            _row_scales(raw, g, lut, r, As, Bs)
-            base = g[G_OFFCODE] + r * g[G_CODEROW]
-            codes = raw[base:base + g[G_CODEROW]]
-            tot, done = _row_dot(codes, g, x, xs, As, Bs, acc)
-            if done < cols:
-                tot += _tail_dot(codes, g, x, As, Bs, done, lev)
-            for i in range(k_out):
-                o = g[G_OFFOCOL] + 2 * (r * k_out + i)
-                col = np.int64(raw[o]) | (np.int64(raw[o + 1]) << 8)
-                v = _f16(raw, g[G_OFFOVAL] + 2 * (r * k_out + i), lut)
-                tot += (v - (As[col >> 5] * np.float32(_level_fast(codes, g, col)) + Bs[col >> 5])) * x[col]
-            y[r] = tot
+        _matvec_rows(raw, g, lut, x, xs, y, bi * 8, min(rows, bi * 8 + 8), As, Bs, acc, lev)
+
+
+@njit(fastmath=True, cache=True)
+def _matvec_serial(raw, g, lut, x, xs, y):
+    cols = g[G_COLS]
+    _matvec_rows(raw, g, lut, x, xs, y, 0, g[G_ROWS], np.empty(cols // 32, np.float32),
+                 np.empty(cols // 32, np.float32), np.empty(32, np.float32), np.empty(256, np.float32))
 
 
 # ----------------------------------------------------------------------------------------------- public API
@@ -446,7 +476,8 @@ def dequantize(codec: str, raw, shape) -> np.ndarray:
     _, g, raw = _prepare(codec, raw, shape)
     out = np.empty(tuple(shape), np.float32)
     if out.size:
-        _dequantize(raw, g, _F16_TO_F32, 0, out)
+        deq = _dequantize_serial if out.size < PARALLEL_MIN_WEIGHTS else _dequantize
+        deq(raw, g, _F16_TO_F32, 0, out)
     return out
 
 
@@ -463,32 +494,28 @@ def linear(x: np.ndarray, codec: str, raw, shape: tuple) -> np.ndarray:
         y = x2 @ w.T
         return y[0] if squeeze else y
     _, g, raw = _prepare(codec, raw, (rows, cols))
-    T = x2.shape[0]
-    y = np.empty((T, rows), np.float32)
-    threads = numba.get_num_threads()
-    if rows * cols < PARALLEL_MIN_WEIGHTS:
-        numba.set_num_threads(1)
-    try:
-        _linear_into(x2, raw, g, rows, cols, y)
-    finally:
-        numba.set_num_threads(threads)
+    y = np.empty((x2.shape[0], rows), np.float32)
+    if rows and x2.shape[0]:
+        if rows * cols < PARALLEL_MIN_WEIGHTS:
+            _linear_into(x2, raw, g, rows, cols, y, _matvec_serial, _dequantize_serial)
+        else:
+            # dynamic scheduling in small chunks: a thread that loses its core does not hold up the call
+            with parallel_chunksize(4):
+                _linear_into(x2, raw, g, rows, cols, y, _matvec, _dequantize)
     return y[0] if squeeze else y
 
 
-def _linear_into(x2, raw, g, rows, cols, y):
+def _linear_into(x2, raw, g, rows, cols, y, matvec, deq):
     T = x2.shape[0]
-    if rows and T:
-        # dynamic scheduling in small chunks: a thread that loses its core does not hold up the call
-        with parallel_chunksize(4):
-            if T < BLAS_MIN_TOKENS:
-                for t in range(T):
-                    xs = x2[t].reshape(-1, 32).sum(axis=1, dtype=np.float32)
-                    _matvec(raw, g, _F16_TO_F32, x2[t], xs, y[t])
-            else:
-                # a few tokens or more: dequantize BLOCK_ROWS rows at a time (cache-sized, never the
-                # whole weight) and let BLAS do the products
-                buf = np.empty((min(BLOCK_ROWS, rows), cols), np.float32)
-                for r0 in range(0, rows, BLOCK_ROWS):
-                    blk = buf[:min(BLOCK_ROWS, rows - r0)]
-                    _dequantize(raw, g, _F16_TO_F32, r0, blk)
-                    np.matmul(x2, blk.T, out=y[:, r0:r0 + blk.shape[0]])
+    if T < BLAS_MIN_TOKENS:
+        for t in range(T):
+            xs = x2[t].reshape(-1, 32).sum(axis=1, dtype=np.float32)
+            matvec(raw, g, _F16_TO_F32, x2[t], xs, y[t])
+    else:
+        # a few tokens or more: dequantize BLOCK_ROWS rows at a time (cache-sized, never the
+        # whole weight) and let BLAS do the products
+        buf = np.empty((min(BLOCK_ROWS, rows), cols), np.float32)
+        for r0 in range(0, rows, BLOCK_ROWS):
+            blk = buf[:min(BLOCK_ROWS, rows - r0)]
+            deq(raw, g, _F16_TO_F32, r0, blk)
+            np.matmul(x2, blk.T, out=y[:, r0:r0 + blk.shape[0]])
