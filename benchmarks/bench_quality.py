@@ -1,6 +1,7 @@
 """Quality per bit for issue 3: every low-bit preset against the f32 conversion of each trained
-model, on held-out text: data-free, calibrated on training-split text, and calibrated on text the
-model samples itself (`--calibration self`); printed as a markdown table.
+model, on held-out text, converted by kimi-convert as a user runs it: self-calibrated (the default
+for 1-2-bit presets: text the model samples itself), calibrated on training-split text
+(`--calibration FILE`) and data-free (`--calibration none`); printed as a markdown table.
 
     python benchmarks/bench_quality.py [--models stdlib-moe manpages-moe] [--chars 30000] [--cal-chars 60000] [--ablation]
 
@@ -68,18 +69,14 @@ def main():
             cal.write_text(calibration_text(corpus, args.cal_chars))
             ref = tmp / f"{model}-f32.kst"
             run("kimistream.convert.cli", src, "-o", ref, "--quant", "f32", "--quiet", "--json")
-            im = tmp / f"{model}.imatrix.npz"
-            run("kimistream.runtime.cli", "--weights", ref, "--calibration", cal, "--imatrix-out", im,
-                "--max-context", args.context, "--quiet")
-            own = tmp / f"{model}.imatrix-self.npz"
-            run("kimistream.runtime.cli", "--weights", ref, "--calibration", "self", "--self-tokens",
-                args.self_tokens, "--imatrix-out", own, "--max-context", args.context, "--quiet")
-            jobs = [(p, m, []) for p in PRESETS for m in ("data-free", "calibrated", "self-calibrated")
+            window = ["--max-context", args.context]
+            flags = {"data-free": ["--calibration", "none"],
+                     "calibrated": ["--calibration", cal, *window],
+                     "self-calibrated": ["--self-tokens", args.self_tokens, *window],        # the default
+                     "importance only": ["--calibration", cal, *window, "--moment-budget", "0"]}
+            jobs = [(p, m, []) for p in PRESETS for m in ("self-calibrated", "calibrated", "data-free")
                     if not (p == "q2rtn-baseline" and m != "data-free")]    # round-to-nearest fits nothing
             if args.ablation:
-                diag = tmp / f"{model}.imatrix-diag.npz"
-                run("kimistream.runtime.cli", "--weights", ref, "--calibration", cal, "--imatrix-out", diag,
-                    "--max-context", args.context, "--moment-budget", "0", "--quiet")
                 experts_only = ["--override", r"^(?!.*mlp\.experts\.).*=f32"]
                 jobs += [("q2", "importance only", []), ("t1", "importance only", []),
                          ("q2", "data-free, experts only", experts_only),
@@ -87,9 +84,7 @@ def main():
                          ("q2", "calibrated, experts only", experts_only)]
             for preset, mode, over in jobs:
                 out = tmp / f"{model}-{preset}-{len(rows)}.kst"
-                extra = (["--imatrix", im] if mode.startswith("calibrated") else
-                         ["--imatrix", own] if mode.startswith("self") else
-                         ["--imatrix", diag] if mode.startswith("importance") else []) + over
+                extra = flags[mode.split(",")[0]] + over
                 s = json.loads(run("kimistream.convert.cli", src, "-o", out, "--quant", preset, "--quiet",
                                    "--json", *extra))
                 q = json.loads(run("kimistream.runtime.cli", "--weights", out, "--perplexity", held,

@@ -16,13 +16,15 @@ from rich.table import Table
 
 from kimistream.formats.constants import DEFAULT_ALIGNMENT, MAX_ALIGNMENT, ROUTED_EXPERTS
 from kimistream.formats.imatrix import SELF_CALIBRATION
+from kimistream.formats.weightfile import WeightFileWriter
 
 from . import fetch as F
 from . import hub as H
 from .converter import ConversionError, convert_checkpoint
 from .plan import PRESETS, PrecisionPlan
 
-LOW_BIT = ("q2", "t1", "q1")         # expert codecs whose quality depends on calibration
+LOW_BIT = ("q2", "t1", "q1")         # expert codecs whose quality depends on calibration: self-calibrated by default
+NO_CALIBRATION = "none"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,21 +58,26 @@ def build_parser() -> argparse.ArgumentParser:
     c = p.add_argument_group("conversion")
     c.add_argument("--delete-source", action="store_true",
                    help="delete each source shard once all its tensors are written (disk stays near the output size)")
-    c.add_argument("--calibration", metavar="TEXT_FILE",
-                   help="measure activation importance on this text (via a bf16 conversion and kimi-run; 'self': on "
-                        "text the model samples itself, no data needed) and fit "
-                        "quantization to it; the importance matrix is kept as OUT.imatrix.npz")
+    c.add_argument("--calibration", metavar="TEXT_FILE|self|none",
+                   help="measure the model's activations and fit quantization to them: over this text, or 'self' "
+                        "(text the model samples itself, no data needed), or 'none' (data-free fit). Default: "
+                        "self for the 1-2-bit presets (q2, t1, q1), none otherwise. The measurement runs on a "
+                        "data-free conversion in the same preset (deleted afterwards); the importance matrix is "
+                        "kept as OUT.imatrix.npz for --imatrix")
     c.add_argument("--imatrix", type=Path, metavar="PATH", help="reuse a saved importance matrix")
     c.add_argument("--self-tokens", type=int, default=16384, metavar="N",
-                   help="with --calibration self: tokens the model samples for its own calibration (default 16384)")
+                   help="with self-calibration: tokens the model samples for its own calibration (default 16384)")
+    c.add_argument("--max-context", type=int, metavar="N",
+                   help="with calibration: tokens per window of text measured or sampled (default as kimi-run: "
+                        "min(4096, the model's max_position_embeddings); use the length the model was trained on)")
     c.add_argument("--moment-budget", default="2G", metavar="SIZE",
-                   help="with --calibration: memory for full input second moments, which let the quantizer "
+                   help="with calibration: memory for full input second moments, which let the quantizer "
                         "round with error feedback (GPTQ-style); routed experts first; 0 = off (default 2G)")
     c.add_argument("--synthetic", type=Path, metavar="CONFIG_JSON",
                    help="write a random-weight file of this config's geometry instead of converting")
     c.add_argument("--sparse", action="store_true", help="with --synthetic: leave routed experts as holes")
     c.add_argument("--seed", type=int, default=0,
-                   help="with --synthetic: random seed; with --calibration self: sampling seed (default 0)")
+                   help="with --synthetic: random seed; with self-calibration: sampling seed (default 0)")
     r = p.add_argument_group("releases")
     r.add_argument("--publish", type=Path, metavar="DIR",
                    help="also split the weight file into zstd chunks with a manifest in DIR (SOURCE may be a .kst)")
@@ -160,35 +167,80 @@ def _run_with_progress(err: Console, label: str, quiet: bool, work, out: Path | 
         return work(on_progress)
 
 
-def _converting(args, err: Console, out: Path, plan, imatrix=None, delete_source=None):
+def _converting(args, err: Console, out: Path, plan, imatrix=None, delete_source=None, calibration=None):
     """Run the converter with a progress bar; returns the summary."""
     delete = args.delete_source if delete_source is None else delete_source
     return _run_with_progress(err, "converting", args.quiet, lambda cb: convert_checkpoint(
-        args.source, out, plan, args.alignment, cb, delete_source=delete, imatrix=imatrix), out)
+        args.source, out, plan, args.alignment, cb, delete_source=delete, imatrix=imatrix,
+        calibration=calibration), out)
 
 
-def _calibrate(args, err: Console, out: Path) -> Path:
-    """Importance matrix for --calibration: convert to bf16 beside the output (exact for bf16 sources,
-    half the disk of f32), run kimi-run over the text (or `self`: text it samples), delete the bf16
-    file whatever happens."""
+def _calibration_bytes(source: str, plan) -> int:
+    """Size of the data-free conversion that calibration measures (from the config, before writing)."""
+    from kimistream.formats.codecs import get_codec
+    from kimistream.formats.layout import plan_extents
+
+    from .source import HFCheckpoint
+    cfg = HFCheckpoint(source, allow_missing_shards=True).config
+    plan.for_model(cfg.first_k_dense_replace, cfg.num_hidden_layers)
+    return sum(get_codec(codec).nbytes(shape) for _, _, tensors in plan_extents(cfg, plan.codec_for)
+               for _, _, codec, shape in tensors)
+
+
+def _measures(ref: Path, plan) -> bool:
+    """Whether `ref` is a complete data-free conversion in `plan` (left by an interrupted calibration)."""
+    from kimistream.formats.weightfile import WeightFile, WeightFileError
+    try:
+        with WeightFile(ref) as wf:
+            return wf.header.get("plan") == plan.to_json() and "imatrix" not in wf.header
+    except WeightFileError:
+        return False
+
+
+def _calibrate(args, err: Console, out: Path, plan, calibration: str) -> Path:
+    """Importance matrix for calibration: convert data-free in the requested plan beside the output,
+    run kimi-run over the text (or `self`: text it samples), delete that file (kept when interrupted,
+    for the rerun).
+
+    Measuring the data-free conversion rather than a bf16 copy costs little (stdlib-moe q2, self:
+    KL 0.00395 against 0.00380) and is what makes it practical at Kimi K2's scale: the file is the
+    output's size (297 GB, not 2 TB of bf16) and each sampled token reads 8x fewer expert bytes."""
+    import shutil
     import subprocess
-    ref = out.with_name(out.name + ".calib-bf16.kst")
+    ref = out.with_name(out.name + ".calib.kst")
     im = out.with_name(out.name + ".imatrix.npz")
+    need = _calibration_bytes(args.source, plan)
+    free = shutil.disk_usage(out.parent if str(out.parent) else ".").free
+    resuming = ref.with_name(ref.name + ".partial").exists()
+    if need > free and not resuming:
+        raise ConversionError(f"{out.parent}: calibration needs {need / 1e9:.1f} GB free for its data-free "
+                              f"conversion ({ref.name}), {free / 1e9:.1f} GB are: free space there, or pass "
+                              f"--imatrix PATH or --calibration none")
     say = (lambda m: None) if args.quiet else err.print
     try:
-        say(f"calibration: converting {args.source} to bf16 for measurement ({ref})")
-        _converting(args, err, ref, PrecisionPlan.from_preset("bf16"), delete_source=False)   # sources still needed
-        what = (f"{args.self_tokens} tokens it samples itself" if args.calibration == SELF_CALIBRATION
-                else args.calibration)
-        say(f"calibration: running the bf16 model over {what}")
+        if _measures(ref, plan):
+            say(f"calibration: reusing {ref}, the data-free conversion of an interrupted run")
+        else:
+            say(f"calibration: data-free {plan.preset} conversion to measure ({ref}, {need / 1e9:.2f} GB, "
+                f"deleted after)")
+            _converting(args, err, ref, plan, delete_source=False)          # the sources are still needed
+        what = (f"{args.self_tokens} tokens it samples itself (seed {args.seed})" if calibration == SELF_CALIBRATION
+                else calibration)
+        say(f"calibration: running it over {what}")
         # kimi-run draws its own progress bars on our stderr; quiet, its stderr is kept for the error.
         cmd = [sys.executable, "-m", "kimistream.runtime.cli", "--weights", str(ref), "--calibration",
-               str(args.calibration), "--imatrix-out", str(im), "--moment-budget", str(args.moment_budget),
+               calibration, "--imatrix-out", str(im), "--moment-budget", str(args.moment_budget),
                "--self-tokens", str(args.self_tokens), "--seed", str(args.seed)]
+        if args.max_context is not None:
+            cmd += ["--max-context", str(args.max_context)]
         proc = subprocess.run(cmd + (["--quiet"] if args.quiet else []), stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE if args.quiet else None, text=True)
-    finally:
+    except KeyboardInterrupt:
+        raise              # keep what is done (the file, or its .partial): the rerun goes on from there
+    except BaseException:
         ref.unlink(missing_ok=True)
+        raise
+    ref.unlink(missing_ok=True)
     if proc.returncode != 0:
         lines = (proc.stderr or "").strip().splitlines()
         raise ConversionError(lines[-1].removeprefix("kimi-run: error: ") if lines
@@ -216,6 +268,52 @@ def _publish(args, err: Console, path: Path) -> dict:
     err.print(f"published {path} as {len(m['chunks'])} chunk(s) in {args.publish}, "
               f"compression ratio {m['compression_ratio']:.3f}")
     return m
+
+
+def _describe_calibration(args, calibration) -> str:
+    """How the importances were obtained, as recorded in the file's header and the summary."""
+    if calibration == SELF_CALIBRATION:
+        how = f"self: {args.self_tokens} sampled tokens, seed {args.seed}"
+        if args.max_context:
+            how += f", windows of {args.max_context}"
+    elif calibration:
+        import hashlib
+        how = f"text {Path(calibration).name} (sha256 {hashlib.sha256(Path(calibration).read_bytes()).hexdigest()[:16]})"
+        if args.max_context:
+            how += f" in windows of {args.max_context}"
+    elif args.imatrix:
+        return f"imatrix {args.imatrix.name}"
+    else:
+        return "none (data-free)"
+    return f"{how}, moment budget {args.moment_budget}"
+
+
+def _resolve_calibration(args, plan):
+    """(calibration, None) — TEXT_FILE, 'self' or None for no calibration run — or (None, (error, code)).
+    Checked before hours of conversion, not after."""
+    calibration = args.calibration
+    if calibration is None and args.imatrix is None and plan.classes[ROUTED_EXPERTS] in LOW_BIT:
+        calibration = SELF_CALIBRATION        # 1-2-bit experts need activation statistics (RESULTS.md)
+    if calibration in (None, NO_CALIBRATION):
+        return None, None
+    if args.imatrix:
+        return None, ("give --calibration or --imatrix, not both", 2)
+    from kimistream.runtime.budget import parse_size
+    try:
+        parse_size(args.moment_budget)
+    except ValueError as e:
+        return None, (f"--moment-budget: {e}", 2)
+    if args.self_tokens < 2 or args.seed < 0:
+        return None, ("--self-tokens must be at least 2 and --seed not negative", 2)
+    if args.max_context is not None and args.max_context < 8:
+        return None, ("--max-context must be at least 8", 2)
+    if calibration != SELF_CALIBRATION:
+        try:
+            if not Path(calibration).read_text(encoding="utf-8").strip():
+                return None, (f"{calibration}: the calibration file is empty", 1)
+        except (OSError, UnicodeDecodeError) as e:
+            return None, (f"{calibration}: cannot read the calibration text ({e})", 1)
+    return calibration, None
 
 
 def main(argv=None) -> int:
@@ -266,27 +364,13 @@ def _main(args, err: Console) -> int:
         return _error("-o/--output is required (or use --download-only)", 2)
     if args.jobs < 1 or args.retries < 1 or args.retry_wait < 0:
         return _error("--jobs and --retries must be at least 1, --retry-wait not negative", 2)
-    if args.calibration and args.imatrix:
-        return _error("give --calibration or --imatrix, not both", 2)
-    if args.calibration:
-        # checked before hours of conversion, not after
-        from kimistream.runtime.budget import parse_size
-        try:
-            parse_size(args.moment_budget)
-        except ValueError as e:
-            return _error(f"--moment-budget: {e}", 2)
-        if args.self_tokens < 2 or args.seed < 0:
-            return _error("--self-tokens must be at least 2 and --seed not negative", 2)
-        try:
-            text_file = args.calibration != SELF_CALIBRATION
-            if text_file and not Path(args.calibration).read_text(encoding="utf-8").strip():
-                return _error(f"{args.calibration}: the calibration file is empty")
-        except (OSError, UnicodeDecodeError) as e:
-            return _error(f"{args.calibration}: cannot read the calibration text ({e})")
     try:
         plan = PrecisionPlan.from_preset(args.quant, args.override)
     except ValueError as e:
         return _error(e, 2)
+    calibration, problem = _resolve_calibration(args, plan)
+    if problem:
+        return _error(*problem)
     report = None
     if remote:
         report = _download(args, err, out)
@@ -308,15 +392,24 @@ def _main(args, err: Console) -> int:
             err.print(report.describe(), highlight=False, soft_wrap=True, markup=False)
         args.source = str(report.directory)
     imatrix = None
-    if args.calibration:
-        imatrix = _load_imatrix(_calibrate(args, err, out), args.source)
+    described = _describe_calibration(args, calibration)
+    if calibration:
+        saved = out.with_name(out.name + ".imatrix.npz")
+        interrupted = WeightFileWriter(out, args.alignment).journaled_meta() or {}
+        if saved.exists() and interrupted.get("imatrix", {}).get("calibration") == described:
+            # Sources may be gone (--delete-source) and calibration can take hours: reuse its result.
+            err.print(f"resuming {out}: reusing the calibration of the interrupted conversion ({saved})")
+        else:
+            saved = _calibrate(args, err, out, plan, calibration)
+        imatrix = _load_imatrix(saved, args.source)
     elif args.imatrix:
         imatrix = _load_imatrix(args.imatrix, args.source)
     elif plan.classes[ROUTED_EXPERTS] in LOW_BIT and not args.quiet:
-        err.print("[yellow]note:[/] no calibration: 1-2-bit experts lose about 1.7x more KL than calibrated ones "
-                  "(benchmarks/RESULTS.md); add --calibration TEXT_FILE, or --calibration self (no data needed)")
-    summary = _converting(args, err, out, plan, imatrix)
+        err.print("[yellow]note:[/] data-free fit: 1-2-bit experts lose about 1.7x more KL than calibrated ones "
+                  "(benchmarks/RESULTS.md); the default, self-calibration, needs no data")
+    summary = _converting(args, err, out, plan, imatrix, calibration=described)
     data = summary.to_json()
+    data["calibration"] = described
     if report is not None:
         data["download"] = report.to_json()
     if args.publish:
@@ -325,6 +418,7 @@ def _main(args, err: Console) -> int:
         sys.stdout.write(json.dumps(data) + "\n")
     else:
         print_summary(Console(), summary)
+        Console().print(f"calibration: {described}", highlight=False)
     return 0
 
 

@@ -101,14 +101,16 @@ def source_record(ckpt: HFCheckpoint) -> dict:
 
 
 def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_ALIGNMENT,
-                       progress=None, delete_source: bool = False, imatrix=None) -> Summary:
+                       progress=None, delete_source: bool = False, imatrix=None,
+                       calibration: str | None = None) -> Summary:
     """Convert a local checkpoint directory. `progress(kind, **info)` is called as work advances:
     ("start", total_bytes=..., tensors=..., resumed=...), ("tensor", name=..., nbytes=...),
     ("shard-done", path=...), ("done").
 
     An interrupted conversion of the same source and plan resumes from its journal and produces the
     same bytes. With `delete_source`, each shard is deleted once all of its tensors are written.
-    `imatrix` (formats.imatrix.Imatrix) gives the quantizer per-channel importances and second moments."""
+    `imatrix` (formats.imatrix.Imatrix) gives the quantizer per-channel importances and second moments;
+    `calibration` says how they were measured (recorded in the header, so a resume never mixes two)."""
     progress = progress or (lambda *a, **k: None)
     try:
         ckpt = HFCheckpoint(src, allow_missing_shards=delete_source)
@@ -159,7 +161,8 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
     else:
         meta["source"] = source_record(ckpt)
     if imatrix:
-        meta["imatrix"] = {"tensors": len(imatrix), "moments": len(getattr(imatrix, "moment_keys", ()))}
+        meta["imatrix"] = {"tensors": len(imatrix), "moments": len(getattr(imatrix, "moment_keys", ())),
+                           "calibration": calibration}
     # Source-shard order: each shard is read front to back once.
     order = sorted(expected, key=lambda n: (ckpt.shard_names.index(ckpt.location[n]), ckpt.offset(n)))
     total_bytes = sum(writer.tensors[n].nbytes for n in order)

@@ -163,6 +163,11 @@ def test_convert_refuses_a_bad_calibration_file_before_converting(tiny_ckpt, tmp
     assert proc.returncode == 2 and "--moment-budget" in proc.stderr and not list(tmp_path.glob("q.kst*"))
 
 
+def _sha16(path):
+    import hashlib
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
 def test_convert_with_calibration_and_reuse(tiny_ckpt, tmp_path):
     text = tmp_path / "cal.txt"
     text.write_text(TEXT)
@@ -171,13 +176,16 @@ def test_convert_with_calibration_and_reuse(tiny_ckpt, tmp_path):
     proc = subprocess.run(conv + ["-o", str(out), "--calibration", str(text)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     im = tmp_path / "q.kst.imatrix.npz"
-    assert im.exists() and not list(tmp_path.glob("*.calib-*.kst"))
+    assert im.exists() and not list(tmp_path.glob("*.calib*"))
     with WeightFile(out) as wf:
         assert wf.header["imatrix"]["tensors"] > 10 and wf.header["imatrix"]["moments"] > 10
     again = tmp_path / "again.kst"
     proc = subprocess.run(conv + ["-o", str(again), "--imatrix", str(im)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert again.read_bytes() == out.read_bytes()             # the same importance gives the same file
+    with WeightFile(out) as a, WeightFile(again) as b:         # the same importance gives the same tensors
+        assert a.header["imatrix"]["calibration"] == f"text cal.txt (sha256 {_sha16(text)}), moment budget 2G"
+        assert b.header["imatrix"]["calibration"] == "imatrix q.kst.imatrix.npz"
+        assert all(bytes(a.raw(n)) == bytes(b.raw(n)) for n in a.tensors)
     # --moment-budget 0: importance only, a different (round-to-nearest on the fitted grid) encoding
     diag = tmp_path / "diag.kst"
     proc = subprocess.run(conv + ["-o", str(diag), "--calibration", str(text), "--moment-budget", "0"],
@@ -228,7 +236,8 @@ def test_experts_calibration_never_saw_fall_back(tiny_ckpt, tiny_kst, tmp_path):
     for name, extra in (("cal", ["--imatrix", str(im)]), ("free", [])):
         outs[name] = tmp_path / f"{name}.kst"
         proc = subprocess.run([sys.executable, "-m", "kimistream.convert.cli", str(tiny_ckpt), "-o", str(outs[name]),
-                               "--quant", "q2", "--quiet", *extra], capture_output=True, text=True)
+                               "--quant", "q2", "--quiet", *(extra or ["--calibration", "none"])],
+                              capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr
     with WeightFile(outs["cal"]) as a, WeightFile(outs["free"]) as b:
         assert bytes(a.raw(down)) == bytes(b.raw(down))
@@ -260,7 +269,7 @@ def test_convert_with_self_calibration(tiny_ckpt, tmp_path):
             "--calibration", "self", "--self-tokens"]
     proc = subprocess.run(conv + ["200"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert (tmp_path / "q.kst.imatrix.npz").exists() and not list(tmp_path.glob("*.calib-*"))
+    assert (tmp_path / "q.kst.imatrix.npz").exists() and not list(tmp_path.glob("*.calib*"))
     with WeightFile(out) as wf:
         assert wf.header["imatrix"]["moments"] > 10
     bad = subprocess.run(conv + ["1"], capture_output=True, text=True)
@@ -270,7 +279,7 @@ def test_convert_with_self_calibration(tiny_ckpt, tmp_path):
 
 
 def test_calibration_keeps_the_source_when_deleting_it_after(tiny_ckpt, tmp_path):
-    # --delete-source applies to the real conversion, never to calibration's bf16 pass
+    # --delete-source applies to the real conversion, never to calibration's data-free pass
     import shutil
     src = tmp_path / "src"
     shutil.copytree(tiny_ckpt, src)
@@ -282,3 +291,94 @@ def test_calibration_keeps_the_source_when_deleting_it_after(tiny_ckpt, tmp_path
     assert out.exists() and not list(src.glob("*.safetensors"))
     with WeightFile(out) as wf:
         assert wf.header["imatrix"]["moments"] > 10
+
+
+def test_low_bit_presets_self_calibrate_by_default(tiny_ckpt, tmp_path):
+    conv = [sys.executable, "-m", "kimistream.convert.cli", str(tiny_ckpt), "--quant", "t1", "--self-tokens", "120"]
+    proc = subprocess.run(conv + ["-o", str(tmp_path / "d.kst")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "calibration: self: 120 sampled tokens, seed 0" in proc.stdout
+    with WeightFile(tmp_path / "d.kst") as wf:
+        assert wf.header["imatrix"]["calibration"].startswith("self: 120 sampled tokens, seed 0")
+        assert wf.header["imatrix"]["moments"] > 10
+    assert not list(tmp_path.glob("*.calib*"))          # the measured data-free file is gone
+    # the same as asking for it
+    proc = subprocess.run(conv + ["-o", str(tmp_path / "s.kst"), "--calibration", "self"], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr
+    with WeightFile(tmp_path / "d.kst") as a, WeightFile(tmp_path / "s.kst") as b:
+        assert all(bytes(a.raw(n)) == bytes(b.raw(n)) for n in a.tensors)
+    # --calibration none: the data-free fit, with a note saying what it costs
+    proc = subprocess.run(conv + ["-o", str(tmp_path / "n.kst"), "--calibration", "none", "--json"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "data-free fit" in proc.stderr and json.loads(proc.stdout)["calibration"] == "none (data-free)"
+    assert not (tmp_path / "n.kst.imatrix.npz").exists()
+    with WeightFile(tmp_path / "n.kst") as wf:
+        assert "imatrix" not in wf.header
+    # presets above 2 bits are not calibrated unless asked
+    proc = subprocess.run([*conv[:4], "--quant", "q4", "-o", str(tmp_path / "q4.kst"), "--json"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["calibration"] == "none (data-free)"
+
+
+def test_interrupted_calibrated_conversion_reuses_its_calibration(tiny_ckpt, tmp_path):
+    # Killed during the final pass with --delete-source (a shard already gone): the rerun cannot
+    # measure again, and need not: it reuses OUT.imatrix.npz and resumes.
+    from test_sources import _reshard
+    src = _reshard(tiny_ckpt, tmp_path / "src", lambda i, n: f"model-{i:05d}-of-{n:05d}.safetensors", 3)
+    out = tmp_path / "q.kst"
+    args = [str(src), "-o", str(out), "--quant", "q2", "--self-tokens", "100", "--delete-source", "--quiet"]
+    script = f"""
+import os, sys
+from kimistream.convert import cli
+real = cli.convert_checkpoint
+def dying(src, out, plan, alignment, progress, **k):
+    n = [0]
+    def cb(kind, **info):
+        progress(kind, **info)
+        n[0] += kind == "tensor"
+        if n[0] == 40 and not str(out).endswith(".calib.kst"):
+            os._exit(9)
+    return real(src, out, plan, alignment, cb, **k)
+cli.convert_checkpoint = dying
+sys.exit(cli.main({args!r}))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 9, proc.stderr
+    assert len(list(src.glob("*.safetensors"))) < 3 and (tmp_path / "q.kst.imatrix.npz").exists()
+    proc = subprocess.run([sys.executable, "-m", "kimistream.convert.cli", *args[:-1]], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "reusing the calibration of the interrupted conversion" in proc.stderr
+    assert not list(src.glob("*.safetensors")) and not list(tmp_path.glob("*.partial*"))
+    # the same tensors as a conversion from a fresh copy with that importance file
+    ref = tmp_path / "ref.kst"
+    proc = subprocess.run([sys.executable, "-m", "kimistream.convert.cli", str(tiny_ckpt), "-o", str(ref), "--quant",
+                           "q2", "--imatrix", str(tmp_path / "q.kst.imatrix.npz"), "--quiet"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    with WeightFile(out) as a, WeightFile(ref) as b:
+        assert a.header["imatrix"]["calibration"].startswith("self: 100 sampled tokens")
+        assert all(bytes(a.raw(n)) == bytes(b.raw(n)) for n in a.tensors)
+
+
+def test_calibration_interrupted_after_its_data_free_pass_measures_that_file(tiny_ckpt, tmp_path):
+    # Ctrl-C while sampling keeps OUT.calib.kst: the rerun measures it instead of converting again.
+    out = tmp_path / "q.kst"
+    conv = [sys.executable, "-m", "kimistream.convert.cli", str(tiny_ckpt), "--quant", "q2"]
+    proc = subprocess.run(conv + ["-o", str(tmp_path / "q.kst.calib.kst"), "--calibration", "none", "--quiet"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    proc = subprocess.run(conv + ["-o", str(out), "--self-tokens", "100"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "reusing" in proc.stderr and "data-free conversion of an interrupted run" in proc.stderr
+    assert not list(tmp_path.glob("*.calib*"))
+    # a leftover in another preset is not what this conversion measures: converted again
+    proc = subprocess.run([*conv[:5], "t1", "-o", str(tmp_path / "t.kst.calib.kst"), "--calibration", "none",
+                           "--quiet"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    proc = subprocess.run(conv + ["-o", str(tmp_path / "t.kst"), "--self-tokens", "100"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "reusing" not in proc.stderr and not list(tmp_path.glob("*.calib*"))
