@@ -20,7 +20,7 @@ from kimistream.formats.weightfile import WeightFileWriter
 
 from . import fetch as F
 from . import hub as H
-from .converter import ConversionError, convert_checkpoint
+from .converter import ConversionError, convert_checkpoint, same_sources
 from .plan import PRESETS, PrecisionPlan
 
 LOW_BIT = ("q2", "t1", "q1")         # expert codecs whose quality depends on calibration: self-calibrated by default
@@ -175,77 +175,102 @@ def _converting(args, err: Console, out: Path, plan, imatrix=None, delete_source
         calibration=calibration), out)
 
 
-def _calibration_bytes(source: str, plan) -> int:
-    """Size of the data-free conversion that calibration measures (from the config, before writing)."""
-    from kimistream.formats.codecs import get_codec
-    from kimistream.formats.layout import plan_extents
-
-    from .source import HFCheckpoint
-    cfg = HFCheckpoint(source, allow_missing_shards=True).config
-    plan.for_model(cfg.first_k_dense_replace, cfg.num_hidden_layers)
-    return sum(get_codec(codec).nbytes(shape) for _, _, tensors in plan_extents(cfg, plan.codec_for)
-               for _, _, codec, shape in tensors)
+def _made_from(header: dict, plan, ckpt) -> bool:
+    """Whether a file's header (or an interrupted conversion's journal) comes from this checkpoint and
+    plan: same config.json, every source file still present at its recorded size, same plan."""
+    return (header.get("plan") == plan.to_json() and header.get("hf_config") == ckpt.hf_config
+            and same_sources(ckpt, header))
 
 
-def _measures(ref: Path, plan) -> bool:
-    """Whether `ref` is a complete data-free conversion in `plan` (left by an interrupted calibration)."""
+def _measures(ref: Path, plan, ckpt) -> bool:
+    """Whether `ref` is a complete data-free conversion of this checkpoint in `plan` (left by an
+    interrupted calibration)."""
     from kimistream.formats.weightfile import WeightFile, WeightFileError
     try:
         with WeightFile(ref) as wf:
-            return wf.header.get("plan") == plan.to_json() and "imatrix" not in wf.header
+            return "imatrix" not in wf.header and _made_from(wf.header, plan, ckpt)
     except WeightFileError:
         return False
 
 
-def _calibrate(args, err: Console, out: Path, plan, calibration: str) -> Path:
+def _check_disk(ref: Path, plan, cfg) -> int:
+    """Bytes the data-free conversion will write; an error if its filesystem has not that much free."""
+    import shutil
+
+    from kimistream.formats.codecs import get_codec
+    from kimistream.formats.layout import plan_extents
+    need = sum(get_codec(codec).nbytes(shape) for _, _, tensors in plan_extents(cfg, plan.codec_for)
+               for _, _, codec, shape in tensors)
+    partial = ref.with_name(ref.name + ".partial")
+    have = partial.stat().st_blocks * 512 if partial.exists() else 0        # resumed, not rewritten
+    ref.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(ref.parent).free
+    if need - have > free:
+        raise ConversionError(f"{ref.parent}: calibration needs {(need - have) / 1e9:.2f} GB free for its "
+                              f"data-free conversion ({ref.name}), {free / 1e9:.2f} GB are: free space there, "
+                              f"or pass --imatrix PATH or --calibration none")
+    return need
+
+
+def _calibrate(args, err: Console, out: Path, plan, calibration: str, ckpt) -> Path:
     """Importance matrix for calibration: convert data-free in the requested plan beside the output,
-    run kimi-run over the text (or `self`: text it samples), delete that file (kept when interrupted,
-    for the rerun).
+    run kimi-run over the text (or `self`: text it samples), then delete that file. Interrupted or
+    failed, it is kept (or its .partial), and the same command goes on from there.
 
     Measuring the data-free conversion rather than a bf16 copy costs little (stdlib-moe q2, self:
     KL 0.00395 against 0.00380) and is what makes it practical at Kimi K2's scale: the file is the
     output's size (297 GB, not 2 TB of bf16) and each sampled token reads 8x fewer expert bytes."""
-    import shutil
     import subprocess
     ref = out.with_name(out.name + ".calib.kst")
     im = out.with_name(out.name + ".imatrix.npz")
-    need = _calibration_bytes(args.source, plan)
-    free = shutil.disk_usage(out.parent if str(out.parent) else ".").free
-    resuming = ref.with_name(ref.name + ".partial").exists()
-    if need > free and not resuming:
-        raise ConversionError(f"{out.parent}: calibration needs {need / 1e9:.1f} GB free for its data-free "
-                              f"conversion ({ref.name}), {free / 1e9:.1f} GB are: free space there, or pass "
-                              f"--imatrix PATH or --calibration none")
     say = (lambda m: None) if args.quiet else err.print
-    try:
-        if _measures(ref, plan):
-            say(f"calibration: reusing {ref}, the data-free conversion of an interrupted run")
-        else:
-            say(f"calibration: data-free {plan.preset} conversion to measure ({ref}, {need / 1e9:.2f} GB, "
-                f"deleted after)")
-            _converting(args, err, ref, plan, delete_source=False)          # the sources are still needed
-        what = (f"{args.self_tokens} tokens it samples itself (seed {args.seed})" if calibration == SELF_CALIBRATION
-                else calibration)
-        say(f"calibration: running it over {what}")
-        # kimi-run draws its own progress bars on our stderr; quiet, its stderr is kept for the error.
-        cmd = [sys.executable, "-m", "kimistream.runtime.cli", "--weights", str(ref), "--calibration",
-               calibration, "--imatrix-out", str(im), "--moment-budget", str(args.moment_budget),
-               "--self-tokens", str(args.self_tokens), "--seed", str(args.seed)]
-        if args.max_context is not None:
-            cmd += ["--max-context", str(args.max_context)]
-        proc = subprocess.run(cmd + (["--quiet"] if args.quiet else []), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE if args.quiet else None, text=True)
-    except KeyboardInterrupt:
-        raise              # keep what is done (the file, or its .partial): the rerun goes on from there
-    except BaseException:
-        ref.unlink(missing_ok=True)
-        raise
-    ref.unlink(missing_ok=True)
+    if _measures(ref, plan, ckpt):
+        say(f"calibration: reusing {ref}, the data-free conversion of an interrupted run")
+    else:
+        need = _check_disk(ref, plan, ckpt.config)
+        say(f"calibration: data-free {plan.preset} conversion to measure ({ref}, {need / 1e9:.2f} GB, "
+            f"deleted after)")
+        _converting(args, err, ref, plan, delete_source=False)          # the sources are still needed
+    what = (f"{args.self_tokens} tokens it samples itself (seed {args.seed})" if calibration == SELF_CALIBRATION
+            else calibration)
+    say(f"calibration: running it over {what}")
+    # kimi-run draws its own progress bars on our stderr; quiet, its stderr is kept for the error.
+    cmd = [sys.executable, "-m", "kimistream.runtime.cli", "--weights", str(ref), "--calibration",
+           calibration, "--imatrix-out", str(im), "--moment-budget", str(args.moment_budget),
+           "--self-tokens", str(args.self_tokens), "--seed", str(args.seed)]
+    if args.max_context is not None:
+        cmd += ["--max-context", str(args.max_context)]
+    proc = subprocess.run(cmd + (["--quiet"] if args.quiet else []), stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE if args.quiet else None, text=True)
     if proc.returncode != 0:
         lines = (proc.stderr or "").strip().splitlines()
-        raise ConversionError(lines[-1].removeprefix("kimi-run: error: ") if lines
-                              else f"calibration run failed (kimi-run exit {proc.returncode}, its error is above)")
+        why = (lines[-1].removeprefix("kimi-run: error: ") if lines
+               else f"calibration run failed (kimi-run exit {proc.returncode}, its error is above)")
+        raise ConversionError(f"{why} ({ref.name} is kept: the same command measures it without converting again)")
+    ref.unlink()
     return im
+
+
+def _calibration(args, err: Console, out: Path, plan, calibration: str, described: str):
+    """The Imatrix for this conversion: measured now, or the one an interrupted run of the same
+    conversion already measured (its sources may be gone with --delete-source, and measuring can
+    take hours)."""
+    from .source import HFCheckpoint
+    ckpt = HFCheckpoint(args.source, allow_missing_shards=True)
+    plan.for_model(ckpt.config.first_k_dense_replace, ckpt.config.num_hidden_layers)
+    saved = out.with_name(out.name + ".imatrix.npz")
+    journal = WeightFileWriter(out, args.alignment).journaled_meta()
+    if journal and "imatrix" in journal and _made_from(journal, plan, ckpt):
+        before = journal["imatrix"].get("calibration")
+        if before == described and saved.exists():
+            if not args.quiet:
+                err.print(f"resuming {out}: reusing the calibration of the interrupted conversion ({saved})")
+            return _load_imatrix(saved, args.source)
+        if ckpt.missing_shards:
+            raise ConversionError(f"{out}.partial: the interrupted conversion was calibrated with '{before}' and "
+                                  f"has deleted source shards: rerun it with the same calibration flags, or "
+                                  f"restore the checkpoint")
+    return _load_imatrix(_calibrate(args, err, out, plan, calibration, ckpt), args.source)
 
 
 def _load_imatrix(path: Path, source: str):
@@ -270,6 +295,15 @@ def _publish(args, err: Console, path: Path) -> dict:
     return m
 
 
+def _sha256_16(path: Path) -> str:
+    import hashlib
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
+
+
 def _describe_calibration(args, calibration) -> str:
     """How the importances were obtained, as recorded in the file's header and the summary."""
     if calibration == SELF_CALIBRATION:
@@ -277,12 +311,14 @@ def _describe_calibration(args, calibration) -> str:
         if args.max_context:
             how += f", windows of {args.max_context}"
     elif calibration:
-        import hashlib
-        how = f"text {Path(calibration).name} (sha256 {hashlib.sha256(Path(calibration).read_bytes()).hexdigest()[:16]})"
+        how = f"text {Path(calibration).name} (sha256 {_sha256_16(Path(calibration))})"
         if args.max_context:
             how += f" in windows of {args.max_context}"
     elif args.imatrix:
-        return f"imatrix {args.imatrix.name}"
+        try:
+            return f"imatrix {args.imatrix.name} (sha256 {_sha256_16(args.imatrix)})"
+        except OSError as e:
+            raise ConversionError(f"{args.imatrix}: cannot read the importance file ({e.strerror})") from None
     else:
         return "none (data-free)"
     return f"{how}, moment budget {args.moment_budget}"
@@ -294,10 +330,10 @@ def _resolve_calibration(args, plan):
     calibration = args.calibration
     if calibration is None and args.imatrix is None and plan.classes[ROUTED_EXPERTS] in LOW_BIT:
         calibration = SELF_CALIBRATION        # 1-2-bit experts need activation statistics (RESULTS.md)
+    if calibration is not None and args.imatrix:
+        return None, (f"give --calibration {calibration} or --imatrix, not both", 2)
     if calibration in (None, NO_CALIBRATION):
         return None, None
-    if args.imatrix:
-        return None, ("give --calibration or --imatrix, not both", 2)
     from kimistream.runtime.budget import parse_size
     try:
         parse_size(args.moment_budget)
@@ -394,14 +430,7 @@ def _main(args, err: Console) -> int:
     imatrix = None
     described = _describe_calibration(args, calibration)
     if calibration:
-        saved = out.with_name(out.name + ".imatrix.npz")
-        interrupted = WeightFileWriter(out, args.alignment).journaled_meta() or {}
-        if saved.exists() and interrupted.get("imatrix", {}).get("calibration") == described:
-            # Sources may be gone (--delete-source) and calibration can take hours: reuse its result.
-            err.print(f"resuming {out}: reusing the calibration of the interrupted conversion ({saved})")
-        else:
-            saved = _calibrate(args, err, out, plan, calibration)
-        imatrix = _load_imatrix(saved, args.source)
+        imatrix = _calibration(args, err, out, plan, calibration, described)
     elif args.imatrix:
         imatrix = _load_imatrix(args.imatrix, args.source)
     elif plan.classes[ROUTED_EXPERTS] in LOW_BIT and not args.quiet:

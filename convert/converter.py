@@ -82,8 +82,7 @@ def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
     return h.hexdigest()
 
 
-def source_record(ckpt: HFCheckpoint) -> dict:
-    """Size and SHA-256 of every source file the output was built from."""
+def _manifest(ckpt: HFCheckpoint) -> dict:
     known = {}
     manifest = ckpt.dir / MANIFEST_NAME
     if manifest.is_file():
@@ -91,13 +90,29 @@ def source_record(ckpt: HFCheckpoint) -> dict:
             parts = line.split(None, 1)
             if len(parts) == 2 and not line.startswith("#"):
                 known[parts[1].lstrip("*").strip()] = parts[0]
+    return known
+
+
+_HASHED: dict[tuple, str] = {}      # (path, size, mtime): SHA-256, so one run hashes a file once
+
+
+def _sha256_of(path: Path, known: dict, name: str) -> str:
+    if name in known:
+        return known[name]
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _HASHED:
+        _HASHED[key] = sha256_file(path)
+    return _HASHED[key]
+
+
+def source_record(ckpt: HFCheckpoint) -> dict:
+    """Size and SHA-256 of every source file the output was built from."""
+    known = _manifest(ckpt)
     names = ["config.json", *([ "model.safetensors.index.json"] if ckpt.index_map is not None else []),
              *ckpt.shard_names, *ckpt.tokenizer_files().keys()]
-    files = {}
-    for n in names:
-        p = ckpt.dir / n
-        files[n] = {"size": p.stat().st_size, "sha256": known.get(n) or sha256_file(p)}
-    return {"files": files}
+    return {"files": {n: {"size": (ckpt.dir / n).stat().st_size, "sha256": _sha256_of(ckpt.dir / n, known, n)}
+                      for n in names}}
 
 
 def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_ALIGNMENT,
@@ -156,7 +171,7 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
         "plan": plan.to_json(),
     }
     previous = writer.journaled_meta()
-    if previous and all(previous.get(k) == v for k, v in meta.items()) and _same_sources(ckpt, previous):
+    if previous and all(previous.get(k) == v for k, v in meta.items()) and same_sources(ckpt, previous):
         meta["source"] = previous["source"]        # shards may have been deleted since: trust the journal
     else:
         meta["source"] = source_record(ckpt)
@@ -222,10 +237,12 @@ def _tally(summary: Summary, t) -> None:
     st.bytes += t.nbytes
 
 
-def _same_sources(ckpt: HFCheckpoint, previous: dict) -> bool:
-    """The journaled conversion read these same files: every one still present has its recorded size."""
+def same_sources(ckpt: HFCheckpoint, previous: dict) -> bool:
+    """The journaled conversion (or a file's header) read these same files: every one still present
+    has its recorded size and SHA-256 (two checkpoints of one architecture have equal sizes)."""
+    known = _manifest(ckpt)
     for name, rec in previous.get("source", {}).get("files", {}).items():
         p = ckpt.dir / name
-        if p.exists() and p.stat().st_size != rec.get("size"):
+        if p.exists() and (p.stat().st_size != rec.get("size") or _sha256_of(p, known, name) != rec.get("sha256")):
             return False
     return True

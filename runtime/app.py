@@ -163,11 +163,9 @@ def _warm_up(codecs=()) -> None:
     a = np.ones((8, 8), np.float32)
     a @ a
     from .weights import has_fused_kernel
-    from kimistream.formats.codecs import get_codec
     for codec in sorted(c for c in set(codecs) if has_fused_kernel(c)):
         from . import kernels
-        shape = (1, 256)
-        kernels.linear(np.zeros((1, 256), np.float32), codec, np.zeros(get_codec(codec).nbytes(shape), np.uint8), shape)
+        kernels.warm_up(codec)
 
 
 @dataclass

@@ -37,7 +37,9 @@ def has_kernel(codec: str) -> bool:
 
 
 def _geometry_vector(codec: BlockCodec, shape) -> np.ndarray:
-    return _geometry_cached(codec, *(int(s) for s in shape))
+    if len(shape) != 2:
+        codec.geometry(shape)            # raises the codec's own error
+    return _geometry_cached(codec, int(shape[0]), int(shape[1]))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -479,6 +481,17 @@ def dequantize(codec: str, raw, shape) -> np.ndarray:
         deq = _dequantize_serial if out.size < PARALLEL_MIN_WEIGHTS else _dequantize
         deq(raw, g, _F16_TO_F32, 0, out)
     return out
+
+
+def warm_up(codec: str) -> None:
+    """Load (or compile) every kernel variant `codec` can run, on a one-row weight."""
+    shape = (1, 256)
+    _, g, raw = _prepare(codec, np.zeros(get_codec(codec).nbytes(shape), np.uint8), shape)
+    x, y, out = np.zeros(256, np.float32), np.empty(1, np.float32), np.empty(shape, np.float32)
+    xs = np.zeros(8, np.float32)
+    for matvec, deq in ((_matvec, _dequantize), (_matvec_serial, _dequantize_serial)):
+        matvec(raw, g, _F16_TO_F32, x, xs, y)
+        deq(raw, g, _F16_TO_F32, 0, out)
 
 
 def linear(x: np.ndarray, codec: str, raw, shape: tuple) -> np.ndarray:

@@ -32,12 +32,12 @@ def test_has_kernel(name):
     assert kernels.has_kernel(name)
 
 
-@pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("shape", SHAPES)
-def test_dequantize_bit_exact_and_linear_matches(name, shape):
+@pytest.mark.parametrize("name,shape", [(n, s) for n in NAMES for s in SHAPES if get_codec(n).supports(s)])
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+def test_dequantize_bit_exact_and_linear_matches(name, shape, parallel, monkeypatch):
+    # the parallel variants run only for weights of PARALLEL_MIN_WEIGHTS or more: lower it to test them
+    monkeypatch.setattr(kernels, "PARALLEL_MIN_WEIGHTS", 0 if parallel else 1 << 40)
     c = get_codec(name)
-    if not c.supports(shape):
-        pytest.skip("shape not supported")
     w = weight(shape, seed=shape[1])
     raw = c.encode(w)
     ref = c.decode(raw, shape)
@@ -98,6 +98,8 @@ def test_bad_input_is_refused():
         kernels.dequantize("q2", raw, shape)
     with pytest.raises(CodecError):
         kernels.dequantize("f16", np.zeros(8, np.uint8), (2, 2))
+    with pytest.raises(CodecError, match="2-D"):
+        kernels.dequantize("q2", raw, (2, 2, 1024))
 
 
 def test_empty():

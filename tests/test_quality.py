@@ -184,7 +184,7 @@ def test_convert_with_calibration_and_reuse(tiny_ckpt, tmp_path):
     assert proc.returncode == 0, proc.stderr
     with WeightFile(out) as a, WeightFile(again) as b:         # the same importance gives the same tensors
         assert a.header["imatrix"]["calibration"] == f"text cal.txt (sha256 {_sha16(text)}), moment budget 2G"
-        assert b.header["imatrix"]["calibration"] == "imatrix q.kst.imatrix.npz"
+        assert b.header["imatrix"]["calibration"] == f"imatrix q.kst.imatrix.npz (sha256 {_sha16(im)})"
         assert all(bytes(a.raw(n)) == bytes(b.raw(n)) for n in a.tensors)
     # --moment-budget 0: importance only, a different (round-to-nearest on the fitted grid) encoding
     diag = tmp_path / "diag.kst"
@@ -382,3 +382,109 @@ def test_calibration_interrupted_after_its_data_free_pass_measures_that_file(tin
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "reusing" not in proc.stderr and not list(tmp_path.glob("*.calib*"))
+
+
+# --- calibration inside kimi-convert: disk, failures, interruptions, and what may be reused -------------
+
+def convert_main(*argv):
+    from kimistream.convert import cli
+    return cli.main([str(a) for a in argv])
+
+
+def last_error(capsys):
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_calibration_checks_disk_and_creates_the_output_directory(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    import shutil
+    out = tmp_path / "new" / "dir" / "q.kst"
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+    assert convert_main(tiny_ckpt, "-o", out, "--quant", "q2", "--quiet") == 1
+    msg = last_error(capsys)
+    assert msg.startswith(f"kimi-convert: error: {out.parent}: calibration needs ") and "0.00 GB are" in msg
+    assert not list(out.parent.iterdir())                               # nothing written
+    monkeypatch.setattr(shutil, "disk_usage", real)
+    assert convert_main(tiny_ckpt, "-o", out, "--quant", "q2", "--self-tokens", 60, "--quiet") == 0
+    assert sorted(p.name for p in out.parent.iterdir()) == ["q.kst", "q.kst.imatrix.npz"]
+
+
+def test_failed_or_interrupted_measurement_keeps_the_data_free_file(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "q.kst"
+    ref = tmp_path / "q.kst.calib.kst"
+    args = (tiny_ckpt, "-o", out, "--quant", "q2", "--self-tokens", 60)
+    real = subprocess.run
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(
+        cmd, 1, stderr="kimi-run: error: model.kst: out of memory\n"))
+    assert convert_main(*args, "--quiet") == 1
+    assert last_error(capsys) == ("kimi-convert: error: model.kst: out of memory (q.kst.calib.kst is kept: the same "
+                                  "command measures it without converting again)")
+    assert ref.exists() and not out.exists()
+
+    def interrupt(cmd, **kw):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(subprocess, "run", interrupt)
+    assert convert_main(*args) == 130
+    assert ref.exists()
+    monkeypatch.setattr(subprocess, "run", real)
+    assert convert_main(*args) == 0
+    assert "reusing" in capsys.readouterr().err
+    assert not ref.exists() and out.exists()
+
+
+def _interrupt_final_pass(monkeypatch, after=30):
+    from kimistream.convert import cli
+    real = cli.convert_checkpoint
+
+    def dying(src, out, plan, alignment, progress, **kw):
+        n = [0]
+
+        def cb(kind, **info):
+            progress(kind, **info)
+            n[0] += kind == "tensor"
+            if n[0] == after and not str(out).endswith(".calib.kst"):
+                raise KeyboardInterrupt
+        return real(src, out, plan, alignment, cb, **kw)
+    monkeypatch.setattr(cli, "convert_checkpoint", dying)
+    return lambda: monkeypatch.setattr(cli, "convert_checkpoint", real)
+
+
+def test_what_an_interrupted_calibrated_conversion_may_reuse(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    from refmodels import make_checkpoint
+    from test_sources import _reshard
+    other = tmp_path / "other"
+    make_checkpoint(other, seed=2)                                      # same config, other weights
+    out = tmp_path / "q.kst"
+    restore = _interrupt_final_pass(monkeypatch)
+    assert convert_main(other, "-o", out, "--quant", "q2", "--self-tokens", 60) == 130
+    restore()
+    capsys.readouterr()
+    # another checkpoint into the same output: measured again, never the other model's importances
+    assert convert_main(tiny_ckpt, "-o", out, "--quant", "q2", "--self-tokens", 60) == 0
+    assert "reusing" not in capsys.readouterr().err
+    fresh = tmp_path / "fresh.kst"
+    assert convert_main(tiny_ckpt, "-o", fresh, "--quant", "q2", "--self-tokens", 60, "--quiet") == 0
+    with WeightFile(out) as a, WeightFile(fresh) as b:
+        assert all(bytes(a.raw(n)) == bytes(b.raw(n)) for n in a.tensors)
+    # a data-free file left from another checkpoint is not measured either
+    other_ref = tmp_path / "x.kst.calib.kst"
+    assert convert_main(other, "-o", other_ref, "--quant", "q2", "--calibration", "none", "--quiet") == 0
+    assert convert_main(tiny_ckpt, "-o", tmp_path / "x.kst", "--quant", "q2", "--self-tokens", 60) == 0
+    assert "reusing" not in capsys.readouterr().err
+    # --delete-source, interrupted, rerun with other calibration flags: said, not a missing-shard error
+    src = _reshard(tiny_ckpt, tmp_path / "src", lambda i, n: f"model-{i:05d}-of-{n:05d}.safetensors", 3)
+    restore = _interrupt_final_pass(monkeypatch, after=60)
+    args = (src, "-o", tmp_path / "d.kst", "--quant", "q2", "--delete-source")
+    assert convert_main(*args, "--self-tokens", 60) == 130
+    restore()
+    assert len(list(src.glob("*.safetensors"))) < 3
+    capsys.readouterr()
+    assert convert_main(*args, "--self-tokens", 61) == 1
+    assert "was calibrated with 'self: 60 sampled tokens, seed 0, moment budget 2G'" in last_error(capsys)
+    assert convert_main(*args, "--self-tokens", 60) == 0
+
+
+def test_calibration_none_and_imatrix_together_are_refused(tiny_ckpt, tmp_path, capsys):
+    assert convert_main(tiny_ckpt, "-o", tmp_path / "q.kst", "--quant", "q2", "--calibration", "none",
+                        "--imatrix", tmp_path / "im.npz") == 2
+    assert "give --calibration none or --imatrix, not both" in last_error(capsys)
