@@ -199,6 +199,7 @@ def _check_disk(ref: Path, plan, cfg) -> int:
 
     from kimistream.formats.codecs import get_codec
     from kimistream.formats.layout import plan_extents
+    from kimistream.runtime.budget import fmt
     need = sum(get_codec(codec).nbytes(shape) for _, _, tensors in plan_extents(cfg, plan.codec_for)
                for _, _, codec, shape in tensors)
     partial = ref.with_name(ref.name + ".partial")
@@ -206,9 +207,9 @@ def _check_disk(ref: Path, plan, cfg) -> int:
     ref.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(ref.parent).free
     if need - have > free:
-        raise ConversionError(f"{ref.parent}: calibration needs {(need - have) / 1e9:.2f} GB free for its "
-                              f"data-free conversion ({ref.name}), {free / 1e9:.2f} GB are: free space there, "
-                              f"or pass --imatrix PATH or --calibration none")
+        raise ConversionError(f"{ref.parent}: calibration needs {fmt(need - have)} free for its data-free "
+                              f"conversion ({ref.name}), {fmt(free)} are: free space there, or pass "
+                              f"--imatrix PATH or --calibration none")
     return need
 
 
@@ -221,6 +222,8 @@ def _calibrate(args, err: Console, out: Path, plan, calibration: str, ckpt) -> P
     KL 0.00395 against 0.00380) and is what makes it practical at Kimi K2's scale: the file is the
     output's size (297 GB, not 2 TB of bf16) and each sampled token reads 8x fewer expert bytes."""
     import subprocess
+
+    from kimistream.runtime.budget import fmt
     ref = out.with_name(out.name + ".calib.kst")
     im = out.with_name(out.name + ".imatrix.npz")
     say = (lambda m: None) if args.quiet else err.print
@@ -228,8 +231,7 @@ def _calibrate(args, err: Console, out: Path, plan, calibration: str, ckpt) -> P
         say(f"calibration: reusing {ref}, the data-free conversion of an interrupted run")
     else:
         need = _check_disk(ref, plan, ckpt.config)
-        say(f"calibration: data-free {plan.preset} conversion to measure ({ref}, {need / 1e9:.2f} GB, "
-            f"deleted after)")
+        say(f"calibration: data-free {plan.preset} conversion to measure ({ref}, {fmt(need)}, deleted after)")
         _converting(args, err, ref, plan, delete_source=False)          # the sources are still needed
     what = (f"{args.self_tokens} tokens it samples itself (seed {args.seed})" if calibration == SELF_CALIBRATION
             else calibration)

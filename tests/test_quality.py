@@ -402,7 +402,7 @@ def test_calibration_checks_disk_and_creates_the_output_directory(tiny_ckpt, tmp
     monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
     assert convert_main(tiny_ckpt, "-o", out, "--quant", "q2", "--quiet") == 1
     msg = last_error(capsys)
-    assert msg.startswith(f"kimi-convert: error: {out.parent}: calibration needs ") and "0.00 GB are" in msg
+    assert msg.startswith(f"kimi-convert: error: {out.parent}: calibration needs ") and "1000 B are" in msg
     assert not list(out.parent.iterdir())                               # nothing written
     monkeypatch.setattr(shutil, "disk_usage", real)
     assert convert_main(tiny_ckpt, "-o", out, "--quant", "q2", "--self-tokens", 60, "--quiet") == 0
