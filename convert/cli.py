@@ -15,16 +15,13 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from kimistream.formats.constants import DEFAULT_ALIGNMENT, MAX_ALIGNMENT, ROUTED_EXPERTS
-from kimistream.formats.imatrix import SELF_CALIBRATION
-from kimistream.formats.weightfile import WeightFileWriter
 
 from . import fetch as F
 from . import hub as H
-from .converter import ConversionError, convert_checkpoint, same_sources
+from . import calibration as C
+from .converter import ConversionError, convert_checkpoint
 from .plan import PRESETS, PrecisionPlan
 
-LOW_BIT = ("q2", "t1", "q1")         # expert codecs whose quality depends on calibration: self-calibrated by default
-NO_CALIBRATION = "none"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -175,116 +172,6 @@ def _converting(args, err: Console, out: Path, plan, imatrix=None, delete_source
         calibration=calibration), out)
 
 
-def _made_from(header: dict, plan, ckpt) -> bool:
-    """Whether a file's header (or an interrupted conversion's journal) comes from this checkpoint and
-    plan: same config.json, every source file still present at its recorded size, same plan."""
-    return (header.get("plan") == plan.to_json() and header.get("hf_config") == ckpt.hf_config
-            and same_sources(ckpt, header))
-
-
-def _measures(ref: Path, plan, ckpt) -> bool:
-    """Whether `ref` is a complete data-free conversion of this checkpoint in `plan` (left by an
-    interrupted calibration)."""
-    from kimistream.formats.weightfile import WeightFile, WeightFileError
-    try:
-        with WeightFile(ref) as wf:
-            return "imatrix" not in wf.header and _made_from(wf.header, plan, ckpt)
-    except WeightFileError:
-        return False
-
-
-def _check_disk(ref: Path, plan, cfg) -> int:
-    """Bytes the data-free conversion will write; an error if its filesystem has not that much free."""
-    import shutil
-
-    from kimistream.formats.codecs import get_codec
-    from kimistream.formats.layout import plan_extents
-    from kimistream.runtime.budget import fmt
-    need = sum(get_codec(codec).nbytes(shape) for _, _, tensors in plan_extents(cfg, plan.codec_for)
-               for _, _, codec, shape in tensors)
-    partial = ref.with_name(ref.name + ".partial")
-    have = partial.stat().st_blocks * 512 if partial.exists() else 0        # resumed, not rewritten
-    ref.parent.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(ref.parent).free
-    if need - have > free:
-        raise ConversionError(f"{ref.parent}: calibration needs {fmt(need - have)} free for its data-free "
-                              f"conversion ({ref.name}), {fmt(free)} are: free space there, or pass "
-                              f"--imatrix PATH or --calibration none")
-    return need
-
-
-def _calibrate(args, err: Console, out: Path, plan, calibration: str, ckpt) -> Path:
-    """Importance matrix for calibration: convert data-free in the requested plan beside the output,
-    run kimi-run over the text (or `self`: text it samples), then delete that file. Interrupted or
-    failed, it is kept (or its .partial), and the same command goes on from there.
-
-    Measuring the data-free conversion rather than a bf16 copy costs little (stdlib-moe q2, self:
-    KL 0.00432 against 0.00422 at 4096 tokens) and is what makes it practical at Kimi K2's scale: the
-    file is the output's size (297 GiB, not 2 TB of bf16) and each sampled token reads about 6.5x fewer
-    expert bytes."""
-    import subprocess
-
-    from kimistream.runtime.budget import fmt
-    ref = out.with_name(out.name + ".calib.kst")
-    im = out.with_name(out.name + ".imatrix.npz")
-    say = (lambda m: None) if args.quiet else err.print
-    if _measures(ref, plan, ckpt):
-        say(f"calibration: reusing {ref}, the data-free conversion of an interrupted run")
-    else:
-        need = _check_disk(ref, plan, ckpt.config)
-        say(f"calibration: data-free {plan.preset} conversion to measure ({ref}, {fmt(need)}, deleted after)")
-        _converting(args, err, ref, plan, delete_source=False)          # the sources are still needed
-    what = (f"{args.self_tokens} tokens it samples itself (seed {args.seed})" if calibration == SELF_CALIBRATION
-            else calibration)
-    say(f"calibration: running it over {what}")
-    # kimi-run draws its own progress bars on our stderr; quiet, its stderr is kept for the error.
-    cmd = [sys.executable, "-m", "kimistream.runtime.cli", "--weights", str(ref), "--calibration",
-           calibration, "--imatrix-out", str(im), "--moment-budget", str(args.moment_budget),
-           "--self-tokens", str(args.self_tokens), "--seed", str(args.seed)]
-    if args.max_context is not None:
-        cmd += ["--max-context", str(args.max_context)]
-    proc = subprocess.run(cmd + (["--quiet"] if args.quiet else []), stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE if args.quiet else None, text=True)
-    if proc.returncode != 0:
-        lines = (proc.stderr or "").strip().splitlines()
-        why = (lines[-1].removeprefix("kimi-run: error: ") if lines
-               else f"calibration run failed (kimi-run exit {proc.returncode}, its error is above)")
-        raise ConversionError(f"{why} ({ref.name} is kept: the same command measures it without converting again)")
-    ref.unlink()
-    return im
-
-
-def _calibration(args, err: Console, out: Path, plan, calibration: str, described: str):
-    """The Imatrix for this conversion: measured now, or the one an interrupted run of the same
-    conversion already measured (its sources may be gone with --delete-source, and measuring can
-    take hours)."""
-    from .source import HFCheckpoint
-    ckpt = HFCheckpoint(args.source, allow_missing_shards=True)
-    plan.for_model(ckpt.config.first_k_dense_replace, ckpt.config.num_hidden_layers)
-    saved = out.with_name(out.name + ".imatrix.npz")
-    journal = WeightFileWriter(out, args.alignment).journaled_meta()
-    if journal and "imatrix" in journal and _made_from(journal, plan, ckpt):
-        before = journal["imatrix"].get("calibration")
-        if before == described and saved.exists():
-            if not args.quiet:
-                err.print(f"resuming {out}: reusing the calibration of the interrupted conversion ({saved})")
-            return _load_imatrix(saved, args.source)
-        if ckpt.missing_shards:
-            raise ConversionError(f"{out}.partial: the interrupted conversion was calibrated with '{before}' and "
-                                  f"has deleted source shards: rerun it with the same calibration flags, or "
-                                  f"restore the checkpoint")
-    return _load_imatrix(_calibrate(args, err, out, plan, calibration, ckpt), args.source)
-
-
-def _load_imatrix(path: Path, source: str):
-    from kimistream.formats.imatrix import load_imatrix
-    from kimistream.formats.layout import model_shapes
-
-    from .source import HFCheckpoint
-    ckpt = HFCheckpoint(source, allow_missing_shards=True)
-    return load_imatrix(path, ckpt.config.to_dict(), model_shapes(ckpt.config))
-
-
 def _publish(args, err: Console, path: Path) -> dict:
     from kimistream.runtime.budget import parse_size
 
@@ -296,63 +183,6 @@ def _publish(args, err: Console, path: Path) -> dict:
     err.print(f"published {path} as {len(m['chunks'])} chunk(s) in {args.publish}, "
               f"compression ratio {m['compression_ratio']:.3f}")
     return m
-
-
-def _sha256_16(path: Path) -> str:
-    import hashlib
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()[:16]
-
-
-def _describe_calibration(args, calibration) -> str:
-    """How the importances were obtained, as recorded in the file's header and the summary."""
-    if calibration == SELF_CALIBRATION:
-        how = f"self: {args.self_tokens} sampled tokens, seed {args.seed}"
-        if args.max_context:
-            how += f", windows of {args.max_context}"
-    elif calibration:
-        how = f"text {Path(calibration).name} (sha256 {_sha256_16(Path(calibration))})"
-        if args.max_context:
-            how += f" in windows of {args.max_context}"
-    elif args.imatrix:
-        try:
-            return f"imatrix {args.imatrix.name} (sha256 {_sha256_16(args.imatrix)})"
-        except OSError as e:
-            raise ConversionError(f"{args.imatrix}: cannot read the importance file ({e.strerror})") from None
-    else:
-        return "none (data-free)"
-    return f"{how}, moment budget {args.moment_budget}"
-
-
-def _resolve_calibration(args, plan):
-    """(calibration, None) — TEXT_FILE, 'self' or None for no calibration run — or (None, (error, code)).
-    Checked before hours of conversion, not after."""
-    calibration = args.calibration
-    if calibration is None and args.imatrix is None and plan.classes[ROUTED_EXPERTS] in LOW_BIT:
-        calibration = SELF_CALIBRATION        # 1-2-bit experts need activation statistics (RESULTS.md)
-    if calibration is not None and args.imatrix:
-        return None, (f"give --calibration {calibration} or --imatrix, not both", 2)
-    if calibration in (None, NO_CALIBRATION):
-        return None, None
-    from kimistream.runtime.budget import parse_size
-    try:
-        parse_size(args.moment_budget)
-    except ValueError as e:
-        return None, (f"--moment-budget: {e}", 2)
-    if args.self_tokens < 2 or args.seed < 0:
-        return None, ("--self-tokens must be at least 2 and --seed not negative", 2)
-    if args.max_context is not None and args.max_context < 8:
-        return None, ("--max-context must be at least 8", 2)
-    if calibration != SELF_CALIBRATION:
-        try:
-            if not Path(calibration).read_text(encoding="utf-8").strip():
-                return None, (f"{calibration}: the calibration file is empty", 1)
-        except (OSError, UnicodeDecodeError) as e:
-            return None, (f"{calibration}: cannot read the calibration text ({e})", 1)
-    return calibration, None
 
 
 def main(argv=None) -> int:
@@ -407,7 +237,7 @@ def _main(args, err: Console) -> int:
         plan = PrecisionPlan.from_preset(args.quant, args.override)
     except ValueError as e:
         return _error(e, 2)
-    calibration, problem = _resolve_calibration(args, plan)
+    calibration, problem = C.resolve(args, plan)
     if problem:
         return _error(*problem)
     report = None
@@ -431,12 +261,13 @@ def _main(args, err: Console) -> int:
             err.print(report.describe(), highlight=False, soft_wrap=True, markup=False)
         args.source = str(report.directory)
     imatrix = None
-    described = _describe_calibration(args, calibration)
+    described = C.describe(args, calibration)
     if calibration:
-        imatrix = _calibration(args, err, out, plan, calibration, described)
+        imatrix = C.importance_for(args, err, out, plan, calibration, described,
+                                  lambda ref, p: _converting(args, err, ref, p, delete_source=False))
     elif args.imatrix:
-        imatrix = _load_imatrix(args.imatrix, args.source)
-    elif plan.classes[ROUTED_EXPERTS] in LOW_BIT and not args.quiet:
+        imatrix = C.load(args.imatrix, args.source)
+    elif plan.classes[ROUTED_EXPERTS] in C.LOW_BIT and not args.quiet:
         err.print("[yellow]note:[/] data-free fit: 1-2-bit experts lose 1.3-2x more KL than calibrated ones "
                   "(benchmarks/RESULTS.md); the default, self-calibration, needs no data")
     summary = _converting(args, err, out, plan, imatrix, calibration=described)
