@@ -119,9 +119,17 @@ def trained(args):
         subprocess.run([sys.executable, "-m", "kimistream.convert.cli", str(repo / "models" / args.model), "-o",
                         str(kst), "--quant", args.quant, "--quiet", "--json"], check=True, capture_output=True)
         plan = kimi_run(kst, "--dry-run", "--memory-budget", "10G", "--max-context", 512)["memory_plan"]
+        target = max(plan["total_experts"] // 4, 2 * plan["min_cache_experts"])
         budget = (plan["baseline"] + plan["resident"] + plan["metadata"] + plan["kv_cache"] + plan["activations"]
-                  + max(plan["total_experts"] // 4, 2 * plan["min_cache_experts"]) * plan["expert_bytes"]
-                  + (4 << 20))     # the run's own baseline differs from the dry run's by a few MiB
+                  + target * plan["expert_bytes"] + (4 << 20))
+        # A run's own baseline differs from the dry run's by a few MiB, more than a small model's
+        # whole expert set: correct the budget until a real run plans the target cache.
+        for _ in range(4):
+            got = kimi_run(kst, "--prompt", "x", "--max-tokens", 1, "--memory-budget", budget, "--max-context", 512,
+                           "--io", "pread", "--direct")["stats"]["expert_cache_experts"]
+            if got == target:
+                break
+            budget -= (got - target) * plan["expert_bytes"]
         prompt = (repo / "data" / f"{args.model.split('-')[0]}-heldout.txt").read_text()[:400]
         out = {"model": args.model, "quant": args.quant, "budget_bytes": budget}
         for prefetch in ("off", "next-layer"):
