@@ -323,41 +323,26 @@ def test_low_bit_presets_self_calibrate_by_default(tiny_ckpt, tmp_path):
     assert json.loads(proc.stdout)["calibration"] == "none (data-free)"
 
 
-def test_interrupted_calibrated_conversion_reuses_its_calibration(tiny_ckpt, tmp_path):
-    # Killed during the final pass with --delete-source (a shard already gone): the rerun cannot
-    # measure again, and need not: it reuses OUT.imatrix.npz and resumes.
+def test_interrupted_calibrated_conversion_reuses_its_calibration(tiny_ckpt, tmp_path, monkeypatch, capsys):
+    # Interrupted during the final pass with --delete-source (a shard already gone): the rerun cannot
+    # measure again, and need not: it reuses OUT.imatrix.npz and resumes. (A hard kill of the
+    # converter itself is test_resume's.)
     from test_sources import _reshard
     src = _reshard(tiny_ckpt, tmp_path / "src", lambda i, n: f"model-{i:05d}-of-{n:05d}.safetensors", 3)
     out = tmp_path / "q.kst"
-    args = [str(src), "-o", str(out), "--quant", "q2", "--self-tokens", "100", "--delete-source", "--quiet"]
-    script = f"""
-import os, sys
-from kimistream.convert import cli
-real = cli.convert_checkpoint
-def dying(src, out, plan, alignment, progress, **k):
-    n = [0]
-    def cb(kind, **info):
-        progress(kind, **info)
-        n[0] += kind == "tensor"
-        if n[0] == 40 and not str(out).endswith(".calib.kst"):
-            os._exit(9)
-    return real(src, out, plan, alignment, cb, **k)
-cli.convert_checkpoint = dying
-sys.exit(cli.main({args!r}))
-"""
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
-    assert proc.returncode == 9, proc.stderr
+    args = (src, "-o", out, "--quant", "q2", "--self-tokens", 100, "--delete-source")
+    restore = _interrupt_final_pass(monkeypatch, after=40)
+    assert convert_main(*args, "--quiet") == 130
+    restore()
     assert len(list(src.glob("*.safetensors"))) < 3 and (tmp_path / "q.kst.imatrix.npz").exists()
-    proc = subprocess.run([sys.executable, "-m", "kimistream.convert.cli", *args[:-1]], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    assert "reusing the calibration of the interrupted conversion" in proc.stderr
+    capsys.readouterr()
+    assert convert_main(*args) == 0
+    assert "reusing the calibration of the interrupted conversion" in capsys.readouterr().err
     assert not list(src.glob("*.safetensors")) and not list(tmp_path.glob("*.partial*"))
     # the same tensors as a conversion from a fresh copy with that importance file
     ref = tmp_path / "ref.kst"
-    proc = subprocess.run([sys.executable, "-m", "kimistream.convert.cli", str(tiny_ckpt), "-o", str(ref), "--quant",
-                           "q2", "--imatrix", str(tmp_path / "q.kst.imatrix.npz"), "--quiet"],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
+    assert convert_main(tiny_ckpt, "-o", ref, "--quant", "q2", "--imatrix", tmp_path / "q.kst.imatrix.npz",
+                        "--quiet") == 0
     with WeightFile(out) as a, WeightFile(ref) as b:
         assert a.header["imatrix"]["calibration"].startswith("self: 100 sampled tokens")
         assert all(bytes(a.raw(n)) == bytes(b.raw(n)) for n in a.tensors)
