@@ -1,10 +1,13 @@
 """Fused low-bit kernels: y = x @ W.T straight from a block codec's packed bytes (formats/quants.py,
 layout in formats/SPEC.md), with numba, compiled lazily and cached on disk.
 
-T = 1 (decode): unpacking is fused with the multiply-add, rows run in parallel, nothing is
-dequantized; per 32-weight span the kernel adds scale * sum(level * x) + offset * sum(x), with
-sum(x) per span computed once per call. A few tokens: that, token by token. More (prefill): rows are
-dequantized 64 at a time into a cache-sized block and BLAS multiplies — never the whole weight.
+T = 1 (decode): integer dot products. x is quantised once per call (16-bit integers per 32 values);
+each codec has one loop that multiplies its stored digits by them into int32 sums per 32-weight
+span, and the span's scale and offset are applied once per span; outliers are corrected exactly.
+Nothing is dequantized. A few tokens: that, token by token. More (prefill): rows are dequantized 64
+at a time into a cache-sized block and BLAS multiplies — never the whole weight.
+`moe_decode` runs one token through all of its routed experts in one call, and `heads` / `heads_t`
+apply kv_b per attention head without a float copy.
 `dequantize` equals the numpy reference decoder bit for bit (no fastmath there); tests hold it to it.
 """
 
@@ -20,12 +23,15 @@ from kimistream.formats.quants import outlier_columns_valid, K_Q1, K_Q2, K_Q2RTN
 
 _F16_TO_F32 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 _POW3 = np.array([1, 3, 9, 27, 81], dtype=np.int64)
+_U = np.uint64
 
 # Below this many weights a parallel region costs more than it saves (a 192x256 matvec: 90 us on one
 # thread, 7 ms on two when the other core is busy), so small weights run on the calling thread.
 PARALLEL_MIN_WEIGHTS = 1 << 21
 BLAS_MIN_TOKENS = 6       # from this many tokens on, dequantized row blocks + BLAS beat T mat-vecs
 BLOCK_ROWS = 64           # rows per dequantized block: 64 x 7168 floats = 1.8 MB
+XQ_MAX = 32767            # activations are quantised to -XQ_MAX .. XQ_MAX per 32 values
+XQ_DTYPE = np.int16
 
 # indices into the int64 geometry vector handed to the kernels
 (G_ROWS, G_COLS, G_NSUB, G_NBLK, G_K, G_PARROW, G_SUBROW, G_CODEROW, G_OFFPAR, G_OFFOCOL, G_OFFOVAL, G_OFFSUB,
@@ -102,34 +108,34 @@ def _row_scales(raw, g, lut, r, As, Bs):
             As[i] = lut[np.int64(raw[q]) | (np.int64(raw[q + 1]) << 8)]
             Bs[i] = lut[np.int64(raw[q + 2]) | (np.int64(raw[q + 3]) << 8)]
     else:
-        # the f16 parameters of the row's super-blocks first, then one flat loop over the spans
-        # (slices keep indices provably non-negative: no wraparound selects, and it vectorizes)
+        # super-block by super-block, the f16 parameters read once per block (unsigned indices:
+        # no wraparound selects, so the inner loops vectorize)
         npar = g[G_NPAR]
-        par = raw[po:po + g[G_PARROW]]
-        sub = raw[so:so + g[G_SUBROW]]
-        D = np.empty(g[G_NBLK], np.float32)
-        M = np.empty(g[G_NBLK], np.float32)
+        nfull = nspan // 8
         for blk in range(g[G_NBLK]):
-            q = 2 * npar * blk
-            D[blk] = lut[np.int64(par[q]) | (np.int64(par[q + 1]) << 8)]
-            M[blk] = lut[np.int64(par[q + 2]) | (np.int64(par[q + 3]) << 8)] if npar == 2 else np.float32(0)
-        if kind == K_Q2:
-            for i in range(nspan):
-                sb = np.int32(sub[i])
-                As[i] = D[i >> 3] * np.float32(sb & 15)
-                Bs[i] = M[i >> 3] * np.float32(sb >> 4)
-        elif kind == K_Q4:
-            for i in range(nspan):
-                As[i] = D[i >> 3] * np.float32(sub[2 * i])
-                Bs[i] = M[i >> 3] * np.float32(sub[2 * i + 1])
-        elif kind == K_Q6:
-            for i in range(nspan):
-                As[i] = D[i >> 3] * np.float32(sub[i])
-                Bs[i] = np.float32(0)
-        else:  # t1, q1: two 4-bit scales per byte; q1's offset is per super-block
-            for i in range(nspan):
-                As[i] = D[i >> 3] * np.float32((np.int32(sub[i >> 1]) >> (4 * (i & 1))) & 15)
-                Bs[i] = M[i >> 3]
+            q = po + 2 * npar * blk
+            d = lut[np.int64(raw[q]) | (np.int64(raw[q + 1]) << 8)]
+            m = lut[np.int64(raw[q + 2]) | (np.int64(raw[q + 3]) << 8)] if npar == 2 else np.float32(0)
+            s0 = _U(8 * blk)
+            n = _U(8) if blk < nfull else _U(nspan - 8 * blk)
+            if kind == K_Q2:
+                for i in range(n):
+                    sb = np.int32(raw[_U(so) + s0 + i])
+                    As[s0 + i] = d * np.float32(sb & 15)
+                    Bs[s0 + i] = m * np.float32(sb >> 4)
+            elif kind == K_Q4:
+                for i in range(n):
+                    As[s0 + i] = d * np.float32(raw[_U(so) + _U(2) * (s0 + i)])
+                    Bs[s0 + i] = m * np.float32(raw[_U(so) + _U(2) * (s0 + i) + _U(1)])
+            elif kind == K_Q6:
+                for i in range(n):
+                    As[s0 + i] = d * np.float32(raw[_U(so) + s0 + i])
+                    Bs[s0 + i] = np.float32(0)
+            else:  # t1, q1: two 4-bit scales per byte; q1's offset is per super-block
+                for i in range(n):
+                    k = s0 + i
+                    As[k] = d * np.float32((np.int32(raw[_U(so) + (k >> _U(1))]) >> np.int32(4 * (k & _U(1)))) & 15)
+                    Bs[k] = m
 
 
 # ----------------------------------------------------------------------------------------------- dequantize
@@ -221,7 +227,8 @@ def _deq_row(raw, g, lut, r, out, As, Bs):
     for i in range(k):
         o = g[G_OFFOCOL] + 2 * (r * k + i)
         col = np.int64(raw[o]) | (np.int64(raw[o + 1]) << 8)
-        out[col] = _f16(raw, g[G_OFFOVAL] + 2 * (r * k + i), lut)
+        if col < cols:          # never write outside the row, whatever the bytes say
+            out[col] = _f16(raw, g[G_OFFOVAL] + 2 * (r * k + i), lut)
 
 
 @njit(parallel=True, cache=True)
@@ -246,106 +253,373 @@ def _dequantize_serial(raw, g, lut, r0, out):
 
 
 # ----------------------------------------------------------------------------------------------- matvec (T = 1)
+#
+# Integer dot products. The activation vector is quantised once per call to 16-bit integers per
+# 32 values (x ~ xsc[s] * xq on span s) and its exact float sum per span is kept. For a row whose
+# weights are A[s] * level + B[s] with level = mul * digit - z (digit: the stored code), span s adds
+#     A[s] * mul * xsc[s] * isum[s] + (B[s] - z * A[s]) * xs[s],    isum[s] = sum(digit * xq)
+# so the only inexact part is the rounding of x inside isum. isum comes from one loop per codec over
+# 32-byte code chunks in int32 lanes, which LLVM turns into vpmaddwd. Why 16 bits and not 8 as
+# llama.cpp does: on the bundled models 8-bit activations (per 32 values) cost a KL of 4e-3 against
+# the exact product (as much as q2 itself); 16 bits cost 3e-9, and as numba's LLVM widens to 16-bit
+# lanes either way, run at the same speed (benchmarks/RESULTS.md).
+
+@njit(cache=True)
+def _quantize_x(x, xq, xsc, xs):
+    """x [cols] float32 (cols a multiple of 32) -> xq (int16 codes), xsc (span scale), xs (exact
+    span sum)."""
+    for s in range(x.shape[0] // 32):
+        amax = np.float32(0)
+        tot = np.float32(0)
+        for j in range(32):
+            v = x[32 * s + j]
+            tot += v
+            amax = max(amax, abs(v))
+        xs[s] = tot
+        if amax == 0:
+            xsc[s] = 0
+            for j in range(32):
+                xq[32 * s + j] = 0
+        else:
+            xsc[s] = amax / np.float32(XQ_MAX)
+            inv = np.float32(XQ_MAX) / amax
+            for j in range(32):
+                xq[32 * s + j] = XQ_DTYPE(np.rint(x[32 * s + j] * inv))
+
+
+@njit(cache=True)
+def _isum_q2(codes, xq, n, isum):
+    """2-bit digits, 4 spans per 32-byte chunk (also q2rtn)."""
+    for c in range(n):
+        s0 = np.int32(0)
+        s1 = np.int32(0)
+        s2 = np.int32(0)
+        s3 = np.int32(0)
+        cb, xb = _U(32 * c), _U(128 * c)
+        for j in range(32):
+            uj = _U(j)
+            b = np.int32(codes[cb + uj])
+            s0 = np.int32(s0 + np.int32((b & np.int32(3)) * np.int32(xq[xb + uj])))
+            s1 = np.int32(s1 + np.int32(((b >> np.int32(2)) & np.int32(3)) * np.int32(xq[xb + _U(32) + uj])))
+            s2 = np.int32(s2 + np.int32(((b >> np.int32(4)) & np.int32(3)) * np.int32(xq[xb + _U(64) + uj])))
+            s3 = np.int32(s3 + np.int32((b >> np.int32(6)) * np.int32(xq[xb + _U(96) + uj])))
+        isum[4 * c] = s0
+        isum[4 * c + 1] = s1
+        isum[4 * c + 2] = s2
+        isum[4 * c + 3] = s3
+
+
+@njit(cache=True)
+def _isum_q4(codes, xq, n, isum):
+    for c in range(n):
+        s0 = np.int32(0)
+        s1 = np.int32(0)
+        cb, xb = _U(32 * c), _U(64 * c)
+        for j in range(32):
+            uj = _U(j)
+            b = np.int32(codes[cb + uj])
+            s0 = np.int32(s0 + np.int32((b & np.int32(15)) * np.int32(xq[xb + uj])))
+            s1 = np.int32(s1 + np.int32((b >> np.int32(4)) * np.int32(xq[xb + _U(32) + uj])))
+        isum[2 * c] = s0
+        isum[2 * c + 1] = s1
+
+
+@njit(cache=True)
+def _isum_q8(codes, xq, n, isum):
+    sc = codes.view(np.int8)
+    for c in range(n):
+        s0 = np.int32(0)
+        cb = _U(32 * c)
+        for j in range(32):
+            uj = _U(j)
+            s0 = np.int32(s0 + np.int32(np.int32(sc[cb + uj]) * np.int32(xq[cb + uj])))
+        isum[c] = s0
+
+
+@njit(cache=True)
+def _isum_q6(codes, xq, n, lo_bytes, isum):
+    """Low nibbles in one plane (64 bytes per 128 weights), high 2 bits in the next (32 bytes)."""
+    for c in range(n):
+        s0 = np.int32(0)
+        s1 = np.int32(0)
+        s2 = np.int32(0)
+        s3 = np.int32(0)
+        lo, hi, xb = _U(64 * c), _U(lo_bytes + 32 * c), _U(128 * c)
+        for j in range(32):
+            uj = _U(j)
+            h = np.int32(codes[hi + uj])
+            l0 = np.int32(codes[lo + uj])
+            l1 = np.int32(codes[lo + _U(32) + uj])
+            s0 = np.int32(s0 + np.int32(((l0 & np.int32(15)) | ((h & np.int32(3)) << np.int32(4))) * np.int32(xq[xb + uj])))
+            s1 = np.int32(s1 + np.int32(((l0 >> np.int32(4)) | (((h >> np.int32(2)) & np.int32(3)) << np.int32(4))) * np.int32(xq[xb + _U(32) + uj])))
+            s2 = np.int32(s2 + np.int32(((l1 & np.int32(15)) | (((h >> np.int32(4)) & np.int32(3)) << np.int32(4))) * np.int32(xq[xb + _U(64) + uj])))
+            s3 = np.int32(s3 + np.int32(((l1 >> np.int32(4)) | ((h >> np.int32(6)) << np.int32(4))) * np.int32(xq[xb + _U(96) + uj])))
+        isum[4 * c] = s0
+        isum[4 * c + 1] = s1
+        isum[4 * c + 2] = s2
+        isum[4 * c + 3] = s3
+
+
+@njit(cache=True)
+def _isum_t1(codes, xq, n, isum):
+    """Trit digits d_k = ((q * 3^k) mod 256) * 3 >> 8, five spans per chunk."""
+    for c in range(n):
+        s0 = np.int32(0)
+        s1 = np.int32(0)
+        s2 = np.int32(0)
+        s3 = np.int32(0)
+        s4 = np.int32(0)
+        cb, xb = _U(32 * c), _U(160 * c)
+        for j in range(32):
+            uj = _U(j)
+            q = np.int32(codes[cb + uj])
+            m255 = np.int32(255)
+            s0 = np.int32(s0 + np.int32(((q * np.int32(3)) >> np.int32(8)) * np.int32(xq[xb + uj])))
+            s1 = np.int32(s1 + np.int32(((((q * np.int32(3)) & m255) * np.int32(3)) >> np.int32(8)) * np.int32(xq[xb + _U(32) + uj])))
+            s2 = np.int32(s2 + np.int32(((((q * np.int32(9)) & m255) * np.int32(3)) >> np.int32(8)) * np.int32(xq[xb + _U(64) + uj])))
+            s3 = np.int32(s3 + np.int32(((((q * np.int32(27)) & m255) * np.int32(3)) >> np.int32(8)) * np.int32(xq[xb + _U(96) + uj])))
+            s4 = np.int32(s4 + np.int32(((((q * np.int32(81)) & m255) * np.int32(3)) >> np.int32(8)) * np.int32(xq[xb + _U(128) + uj])))
+        isum[5 * c] = s0
+        isum[5 * c + 1] = s1
+        isum[5 * c + 2] = s2
+        isum[5 * c + 3] = s3
+        isum[5 * c + 4] = s4
+
+
+@njit(cache=True)
+def _isum_q1(codes, xq, n, isum):
+    for c in range(n):
+        s0 = np.int32(0)
+        s1 = np.int32(0)
+        s2 = np.int32(0)
+        s3 = np.int32(0)
+        s4 = np.int32(0)
+        s5 = np.int32(0)
+        s6 = np.int32(0)
+        s7 = np.int32(0)
+        cb, xb = _U(32 * c), _U(256 * c)
+        one = np.int32(1)
+        for j in range(32):
+            uj = _U(j)
+            b = np.int32(codes[cb + uj])
+            s0 = np.int32(s0 + np.int32((b & one) * np.int32(xq[xb + uj])))
+            s1 = np.int32(s1 + np.int32(((b >> np.int32(1)) & one) * np.int32(xq[xb + _U(32) + uj])))
+            s2 = np.int32(s2 + np.int32(((b >> np.int32(2)) & one) * np.int32(xq[xb + _U(64) + uj])))
+            s3 = np.int32(s3 + np.int32(((b >> np.int32(3)) & one) * np.int32(xq[xb + _U(96) + uj])))
+            s4 = np.int32(s4 + np.int32(((b >> np.int32(4)) & one) * np.int32(xq[xb + _U(128) + uj])))
+            s5 = np.int32(s5 + np.int32(((b >> np.int32(5)) & one) * np.int32(xq[xb + _U(160) + uj])))
+            s6 = np.int32(s6 + np.int32(((b >> np.int32(6)) & one) * np.int32(xq[xb + _U(192) + uj])))
+            s7 = np.int32(s7 + np.int32((b >> np.int32(7)) * np.int32(xq[xb + _U(224) + uj])))
+        isum[8 * c] = s0
+        isum[8 * c + 1] = s1
+        isum[8 * c + 2] = s2
+        isum[8 * c + 3] = s3
+        isum[8 * c + 4] = s4
+        isum[8 * c + 5] = s5
+        isum[8 * c + 6] = s6
+        isum[8 * c + 7] = s7
+
+
+@njit(cache=True, inline="always")
+def _digit_form(kind):
+    """(mul, z) with level = mul * digit - z."""
+    if kind == K_Q6:
+        return np.float32(1), np.float32(32)
+    if kind == K_T1:
+        return np.float32(1), np.float32(1)
+    if kind == K_Q1:
+        return np.float32(2), np.float32(1)
+    return np.float32(1), np.float32(0)
+
+
+@njit(cache=True, inline="always")
+def _full_cols(g):
+    """Columns covered by full code chunks (the integer path); the rest is the tail."""
+    kind, cols = g[G_KIND], g[G_COLS]
+    if kind == K_Q6:
+        return (cols // 128) * 128
+    return (cols // (32 * g[G_PB0])) * 32 * g[G_PB0]
+
+
+@njit(cache=True, inline="always")
+def _digit_full(codes, kind, col, cols):
+    """Stored digit of column col of a row's codes, col inside the full chunks (shifts only)."""
+    c = _U(col)
+    lane = c & _U(31)
+    if kind == K_Q2 or kind == K_Q2RTN:
+        return (np.int32(codes[((c >> _U(7)) << _U(5)) | lane]) >> np.int32(2 * ((col >> 5) & 3))) & 3
+    if kind == K_Q4:
+        return (np.int32(codes[((c >> _U(6)) << _U(5)) | lane]) >> np.int32(4 * ((col >> 5) & 1))) & 15
+    if kind == K_Q8:
+        return ((np.int32(codes[c]) ^ 128) - 128)        # the byte as int8
+    if kind == K_Q1:
+        return (np.int32(codes[((c >> _U(8)) << _U(5)) | lane]) >> np.int32((col >> 5) & 7)) & 1
+    if kind == K_Q6:
+        lo = (np.int32(codes[((c >> _U(6)) << _U(5)) | lane]) >> np.int32(4 * ((col >> 5) & 1))) & 15
+        hi_base = _U((cols // 64) * 32 + ((cols % 64) + 1) // 2)
+        hi = (np.int32(codes[hi_base + (((c >> _U(7)) << _U(5)) | lane)]) >> np.int32(2 * ((col >> 5) & 3))) & 3
+        return lo | (hi << 4)
+    # t1: chunks of 160 weights in 32 bytes, field k = position // 32 inside the chunk
+    ch = col // 160
+    k = (col - 160 * ch) >> 5
+    q = np.int32(codes[_U(32 * ch) + lane])
+    return (((q * np.int32(_POW3[k])) & 255) * 3) >> 8
+
 
 @njit(cache=True, fastmath=True)
-def _row_dot(raw, g, x, xs, As, Bs, acc):
-    """Sum over the full-chunk part of row codes: sum_span As[span] * sum(level * x) + Bs[span] * xs[span].
-    As, Bs are per 32-weight span; acc is 32 lanes of scratch. Returns (sum, first column not covered)."""
+def _row_int(raw, t0, g, lut, r, x, xq, xsc, xs, As, Bs, isum, lev, bad):
+    """x . row r of the tensor starting at byte t0 of raw, from the quantised activations."""
     cols, kind = g[G_COLS], g[G_KIND]
-    for j in range(32):
-        acc[j] = 0
-    if kind == K_Q6:
-        nspan = (cols // 128) * 4
-        lo_bytes = np.uint64((cols // 64) * 32 + ((cols % 64) + 1) // 2)
-        for c in range(nspan // 4):
-            lo = np.uint64(64 * c)
-            hi = lo_bytes + np.uint64(32 * c)
-            xo = np.uint64(128 * c)
-            a0, a1, a2, a3 = As[4 * c], As[4 * c + 1], As[4 * c + 2], As[4 * c + 3]
-            for j in range(32):
-                uj = np.uint64(j)
-                h = np.int32(raw[hi + uj])
-                l0 = np.int32(raw[lo + uj])
-                l1 = np.int32(raw[lo + np.uint64(32) + uj])
-                v0 = np.float32(((l0 & 15) | ((h & 3) << 4)) - 32)
-                v1 = np.float32(((l0 >> 4) | (((h >> 2) & 3) << 4)) - 32)
-                v2 = np.float32(((l1 & 15) | (((h >> 4) & 3) << 4)) - 32)
-                v3 = np.float32(((l1 >> 4) | ((h >> 6) << 4)) - 32)
-                acc[uj] += (a0 * v0 * x[xo + uj] + a1 * v1 * x[xo + np.uint64(32) + uj]) + \
-                    (a2 * v2 * x[xo + np.uint64(64) + uj] + a3 * v3 * x[xo + np.uint64(96) + uj])
-    elif kind == K_Q8:
-        nspan = cols // 32
-        sraw = raw.view(np.int8)
-        for c in range(nspan):
-            src, xo, a0 = np.uint64(32 * c), np.uint64(32 * c), As[c]
-            for j in range(32):
-                uj = np.uint64(j)
-                acc[uj] += a0 * np.float32(sraw[src + uj]) * x[xo + uj]
+    _row_scales(raw[t0:], g, lut, r, As, Bs)
+    base = t0 + g[G_OFFCODE] + r * g[G_CODEROW]
+    codes = raw[base:base + g[G_CODEROW]]
+    done = _full_cols(g)
+    if kind == K_Q2 or kind == K_Q2RTN:
+        _isum_q2(codes, xq, done // 128, isum)
     elif kind == K_Q4:
-        nspan = (cols // 64) * 2
-        for c in range(nspan // 2):
-            src, xo = np.uint64(32 * c), np.uint64(64 * c)
-            a0, a1 = As[2 * c], As[2 * c + 1]
-            for j in range(32):
-                uj = np.uint64(j)
-                b = np.int32(raw[src + uj])
-                acc[uj] += a0 * np.float32(b & 15) * x[xo + uj] + a1 * np.float32(b >> 4) * x[xo + np.uint64(32) + uj]
-    elif kind == K_Q2 or kind == K_Q2RTN:
-        nspan = (cols // 128) * 4
-        for c in range(nspan // 4):
-            src, xo = np.uint64(32 * c), np.uint64(128 * c)
-            a0, a1, a2, a3 = As[4 * c], As[4 * c + 1], As[4 * c + 2], As[4 * c + 3]
-            for j in range(32):
-                uj = np.uint64(j)
-                b = np.int32(raw[src + uj])
-                acc[uj] += (a0 * np.float32(b & 3) * x[xo + uj]
-                            + a1 * np.float32((b >> 2) & 3) * x[xo + np.uint64(32) + uj]) + \
-                    (a2 * np.float32((b >> 4) & 3) * x[xo + np.uint64(64) + uj]
-                     + a3 * np.float32(b >> 6) * x[xo + np.uint64(96) + uj])
+        _isum_q4(codes, xq, done // 64, isum)
+    elif kind == K_Q8:
+        _isum_q8(codes, xq, done // 32, isum)
+    elif kind == K_Q6:
+        _isum_q6(codes, xq, done // 128, (cols // 64) * 32 + ((cols % 64) + 1) // 2, isum)
     elif kind == K_T1:
-        nspan = (cols // 160) * 5
-        for c in range(nspan // 5):
-            src, xo = np.uint64(32 * c), np.uint64(160 * c)
-            a0, a1, a2, a3, a4 = As[5 * c], As[5 * c + 1], As[5 * c + 2], As[5 * c + 3], As[5 * c + 4]
-            for j in range(32):
-                uj = np.uint64(j)
-                # trit k = floor(3 * frac(q * 3^k / 256)) - 1, exact in float32 (see SPEC.md)
-                f = np.float32(raw[src + uj]) * np.float32(1.0 / 256.0)
-                f1 = f * np.float32(3)
-                f2 = f * np.float32(9)
-                f3 = f * np.float32(27)
-                f4 = f * np.float32(81)
-                t0 = np.floor(np.float32(3) * f) - np.float32(1)
-                t1 = np.floor(np.float32(3) * (f1 - np.floor(f1))) - np.float32(1)
-                t2 = np.floor(np.float32(3) * (f2 - np.floor(f2))) - np.float32(1)
-                t3 = np.floor(np.float32(3) * (f3 - np.floor(f3))) - np.float32(1)
-                t4 = np.floor(np.float32(3) * (f4 - np.floor(f4))) - np.float32(1)
-                acc[uj] += (a0 * t0 * x[xo + uj] + a1 * t1 * x[xo + np.uint64(32) + uj]) + \
-                    (a2 * t2 * x[xo + np.uint64(64) + uj] + a3 * t3 * x[xo + np.uint64(96) + uj]) + \
-                    a4 * t4 * x[xo + np.uint64(128) + uj]
-    else:  # q1
-        nspan = (cols // 256) * 8
-        for c in range(nspan // 8):
-            src, xo = np.uint64(32 * c), np.uint64(256 * c)
-            a0, a1, a2, a3 = As[8 * c], As[8 * c + 1], As[8 * c + 2], As[8 * c + 3]
-            a4, a5, a6, a7 = As[8 * c + 4], As[8 * c + 5], As[8 * c + 6], As[8 * c + 7]
-            for j in range(32):
-                uj = np.uint64(j)
-                b = np.int32(raw[src + uj])
-                acc[uj] += ((a0 * np.float32(2 * (b & 1) - 1) * x[xo + uj]
-                             + a1 * np.float32((b & 2) - 1) * x[xo + np.uint64(32) + uj])
-                            + (a2 * np.float32(((b >> 1) & 2) - 1) * x[xo + np.uint64(64) + uj]
-                               + a3 * np.float32(((b >> 2) & 2) - 1) * x[xo + np.uint64(96) + uj])) + \
-                    ((a4 * np.float32(((b >> 3) & 2) - 1) * x[xo + np.uint64(128) + uj]
-                      + a5 * np.float32(((b >> 4) & 2) - 1) * x[xo + np.uint64(160) + uj])
-                     + (a6 * np.float32(((b >> 5) & 2) - 1) * x[xo + np.uint64(192) + uj]
-                        + a7 * np.float32(((b >> 6) & 2) - 1) * x[xo + np.uint64(224) + uj]))
+        _isum_t1(codes, xq, done // 160, isum)
+    else:
+        _isum_q1(codes, xq, done // 256, isum)
+    mul, z = _digit_form(kind)
     tot = np.float32(0)
-    for j in range(32):
-        tot += acc[j]
-    for i in range(nspan):
-        tot += Bs[i] * xs[i]
-    return tot, 32 * nspan
+    for s in range(done // 32):
+        a = As[s]
+        tot += (a * mul * xsc[s]) * np.float32(isum[s]) + (Bs[s] - z * a) * xs[s]
+    if done < cols:
+        tot += _tail_dot(codes, g, x, As, Bs, done, lev)
+    k_out = g[G_K]
+    prev = np.int64(-1)
+    for i in range(k_out):
+        # outliers: take back exactly what the sums above added for this column, add the stored value
+        o = t0 + g[G_OFFOCOL] + 2 * (r * k_out + i)
+        col = np.int64(raw[o]) | (np.int64(raw[o + 1]) << 8)
+        if col >= cols or col <= prev:
+            # corrupt, unless the row's columns are all zero (a sparse hole of a synthetic file)
+            for i2 in range(k_out):
+                o2 = t0 + g[G_OFFOCOL] + 2 * (r * k_out + i2)
+                if raw[o2] != 0 or raw[o2 + 1] != 0:
+                    bad[0] = 1
+            break
+        prev = col
+        v = _f16(raw, t0 + g[G_OFFOVAL] + 2 * (r * k_out + i), lut)
+        s = col >> 5
+        if col < done:
+            d = np.float32(_digit_full(codes, kind, col, cols))
+            used = As[s] * mul * d * (xsc[s] * np.float32(xq[col])) + (Bs[s] - z * As[s]) * x[col]
+        else:
+            used = (As[s] * np.float32(_level_fast(codes, g, col)) + Bs[s]) * x[col]
+        tot += v * x[col] - used
+    return tot
+
+
+@njit(cache=True)
+def _scratch(g):
+    nspan = g[G_COLS] // 32
+    return (np.empty(nspan, np.float32), np.empty(nspan, np.float32), np.empty(nspan, np.int32),
+            np.empty(256, np.float32))
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _matvec(raw, g, lut, x, xq, xsc, xs, y, bad):
+    rows = g[G_ROWS]
+    nb = (rows + 7) // 8
+    for bi in prange(nb):
+        As, Bs, isum, lev = _scratch(g)
+        for r in range(bi * 8, min(rows, bi * 8 + 8)):
+            y[r] = _row_int(raw, 0, g, lut, r, x, xq, xsc, xs, As, Bs, isum, lev, bad)
+
+
+@njit(fastmath=True, cache=True)
+def _matvec_serial(raw, g, lut, x, xq, xsc, xs, y, bad):
+    As, Bs, isum, lev = _scratch(g)
+    for r in range(g[G_ROWS]):
+        y[r] = _row_int(raw, 0, g, lut, r, x, xq, xsc, xs, As, Bs, isum, lev, bad)
+
+
+@njit(cache=True, fastmath=True)
+def _silu_mul(g, u, out):
+    for i in range(out.shape[0]):
+        out[i] = g[i] / (np.float32(1) + np.exp(-g[i])) * u[i]
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _moe_decode(base, offs, g_gu, g_d, lut, x, gate_w, out, bad):
+    """One token through the routed experts whose gate, up and down tensors start at base[offs[e]]:
+    out = sum_e gate_w[e] * down_e(silu(gate_e x) * up_e x). Two parallel regions (gate and up rows
+    of every expert, then down rows of every expert), so both cores stay busy even when each
+    expert's matrices are too small to split."""
+    n, inter, hidden = offs.shape[0], g_gu[G_ROWS], g_d[G_ROWS]
+    xq = np.empty(x.shape[0], XQ_DTYPE)
+    xsc = np.empty(x.shape[0] // 32, np.float32)
+    xs = np.empty(x.shape[0] // 32, np.float32)
+    _quantize_x(x, xq, xsc, xs)
+    h = np.empty((n, 2, inter), np.float32)
+    nb = (inter + 7) // 8
+    for it in prange(n * 2 * nb):
+        e = it // (2 * nb)
+        which = (it - e * 2 * nb) // nb
+        b = it - e * 2 * nb - which * nb
+        As, Bs, isum, lev = _scratch(g_gu)
+        t0 = offs[e, which]
+        for r in range(b * 8, min(inter, b * 8 + 8)):
+            h[e, which, r] = _row_int(base, t0, g_gu, lut, r, x, xq, xsc, xs, As, Bs, isum, lev, bad)
+    a = np.empty((n, inter), np.float32)
+    aq = np.empty((n, inter), XQ_DTYPE)
+    asc = np.empty((n, inter // 32), np.float32)
+    asum = np.empty((n, inter // 32), np.float32)
+    for e in range(n):
+        _silu_mul(h[e, 0], h[e, 1], a[e])
+        _quantize_x(a[e], aq[e], asc[e], asum[e])
+    y = np.empty((n, hidden), np.float32)
+    nb = (hidden + 7) // 8
+    for it in prange(n * nb):
+        e = it // nb
+        b = it - e * nb
+        As, Bs, isum, lev = _scratch(g_d)
+        t0 = offs[e, 2]
+        for r in range(b * 8, min(hidden, b * 8 + 8)):
+            y[e, r] = _row_int(base, t0, g_d, lut, r, a[e], aq[e], asc[e], asum[e], As, Bs, isum, lev, bad)
+    for e in range(n):
+        for r in range(hidden):
+            out[r] += gate_w[e] * y[e, r]
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _heads_t(raw, g, lut, v, stride, out):
+    """out[h] = sum_j v[h, j] * W[h * stride + j] (rows of one head's block, transposed product):
+    each row dequantized exactly, then accumulated."""
+    nh, n = v.shape
+    for h in prange(nh):
+        row = np.empty(g[G_COLS], np.float32)
+        As, Bs, _, _ = _scratch(g)
+        acc = out[h]
+        acc[:] = 0
+        for j in range(n):
+            _deq_row(raw, g, lut, h * stride + j, row, As, Bs)
+            c = v[h, j]
+            for i in range(row.shape[0]):
+                acc[i] += c * row[i]
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _heads(raw, g, lut, x, stride, first, out, bad):
+    """out[h, i] = W[h * stride + first + i] . x[h]: per-head row ranges, each head its own input."""
+    nh, n = out.shape
+    cols = g[G_COLS]
+    for h in prange(nh):
+        xq = np.empty(cols, XQ_DTYPE)
+        xsc = np.empty(cols // 32, np.float32)
+        xs = np.empty(cols // 32, np.float32)
+        _quantize_x(x[h], xq, xsc, xs)
+        As, Bs, isum, lev = _scratch(g)
+        for i in range(n):
+            out[h, i] = _row_int(raw, 0, g, lut, h * stride + first + i, x[h], xq, xsc, xs, As, Bs, isum, lev, bad)
 
 
 @njit(cache=True, inline="always")
@@ -418,43 +692,6 @@ def _tail_dot(codes, g, x, As, Bs, start, lev):
     return tot
 
 
-@njit(cache=True, fastmath=True)
-def _matvec_rows(raw, g, lut, x, xs, y, r_lo, r_hi, As, Bs, acc, lev):
-    cols, k_out = g[G_COLS], g[G_K]
-    for r in range(r_lo, r_hi):
-        _row_scales(raw, g, lut, r, As, Bs)
-        base = g[G_OFFCODE] + r * g[G_CODEROW]
-        codes = raw[base:base + g[G_CODEROW]]
-        tot, done = _row_dot(codes, g, x, xs, As, Bs, acc)
-        if done < cols:
-            tot += _tail_dot(codes, g, x, As, Bs, done, lev)
-        for i in range(k_out):
-            o = g[G_OFFOCOL] + 2 * (r * k_out + i)
-            col = np.int64(raw[o]) | (np.int64(raw[o + 1]) << 8)
-            v = _f16(raw, g[G_OFFOVAL] + 2 * (r * k_out + i), lut)
-            tot += (v - (As[col >> 5] * np.float32(_level_fast(codes, g, col)) + Bs[col >> 5])) * x[col]
-        y[r] = tot
-
-
-@njit(parallel=True, fastmath=True, cache=True)
-def _matvec(raw, g, lut, x, xs, y):
-    rows, cols = g[G_ROWS], g[G_COLS]
-    nb = (rows + 7) // 8
-    for bi in prange(nb):
-        As = np.empty(cols // 32, np.float32)
-        Bs = np.empty(cols // 32, np.float32)
-        acc = np.empty(32, np.float32)
-        lev = np.empty(256, np.float32)
-        _matvec_rows(raw, g, lut, x, xs, y, bi * 8, min(rows, bi * 8 + 8), As, Bs, acc, lev)
-
-
-@njit(fastmath=True, cache=True)
-def _matvec_serial(raw, g, lut, x, xs, y):
-    cols = g[G_COLS]
-    _matvec_rows(raw, g, lut, x, xs, y, 0, g[G_ROWS], np.empty(cols // 32, np.float32),
-                 np.empty(cols // 32, np.float32), np.empty(32, np.float32), np.empty(256, np.float32))
-
-
 # ----------------------------------------------------------------------------------------------- public API
 
 def _prepare(codec_name: str, raw, shape):
@@ -465,17 +702,47 @@ def _prepare(codec_name: str, raw, shape):
     raw = np.frombuffer(raw, dtype=np.uint8) if not isinstance(raw, np.ndarray) else raw.reshape(-1)
     if raw.dtype != np.uint8 or raw.size < g[G_NBYTES]:
         raise CodecError(f"{codec_name}: need {int(g[G_NBYTES])} bytes of uint8 for shape {list(shape)}")
+    return codec, g, raw
+
+
+def _check_outliers(codec_name: str, raw, g) -> None:
     k, rows = int(g[G_K]), int(g[G_ROWS])
     if k and rows:
         ocol = raw[g[G_OFFOCOL]:g[G_OFFOCOL] + 2 * rows * k].view("<u2").reshape(rows, k)
         if not outlier_columns_valid(ocol, int(g[G_COLS])):
             raise CodecError(f"{codec_name}: corrupt data: outlier columns out of range or not increasing")
-    return codec, g, raw
+
+
+_CHECKED: dict = {}
+
+
+def _check_outliers_once(codec_name: str, raw, g) -> None:
+    """_check_outliers for a resident tensor, once per (address, size) it is used at."""
+    key = (raw.ctypes.data, raw.size, codec_name)
+    if key not in _CHECKED:
+        _check_outliers(codec_name, raw, g)
+        _CHECKED[key] = True
+
+
+def _raise_if_bad(bad, codec_name: str) -> None:
+    if bad[0]:
+        raise CodecError(f"{codec_name}: corrupt data: outlier columns out of range or not increasing")
+
+
+def quantize_activations(x: np.ndarray):
+    """x [cols] float32 -> (xq int16 [cols], xsc float32 [cols/32], xs float32 [cols/32]): x is about
+    xsc[s] * xq on span s (the rounding the integer kernels make), xs the exact span sums."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    n = x.shape[0] // 32
+    xq, xsc, xs = np.empty(x.shape[0], XQ_DTYPE), np.empty(n, np.float32), np.empty(n, np.float32)
+    _quantize_x(x, xq, xsc, xs)
+    return xq, xsc, xs
 
 
 def dequantize(codec: str, raw, shape) -> np.ndarray:
     """Float32 weight from the codec's bytes; equal to the reference decoder bit for bit."""
     _, g, raw = _prepare(codec, raw, shape)
+    _check_outliers(codec, raw, g)
     out = np.empty(tuple(shape), np.float32)
     if out.size:
         deq = _dequantize_serial if out.size < PARALLEL_MIN_WEIGHTS else _dequantize
@@ -484,14 +751,22 @@ def dequantize(codec: str, raw, shape) -> np.ndarray:
 
 
 def warm_up(codec: str) -> None:
-    """Load (or compile) every kernel variant `codec` can run, on a one-row weight."""
+    """Load (or compile) every kernel variant `codec` can run, on small all-zero weights."""
     shape = (1, 256)
     _, g, raw = _prepare(codec, np.zeros(get_codec(codec).nbytes(shape), np.uint8), shape)
     x, y, out = np.zeros(256, np.float32), np.empty(1, np.float32), np.empty(shape, np.float32)
-    xs = np.zeros(8, np.float32)
+    xq, xsc, xs = quantize_activations(x)
+    bad = np.zeros(1, np.int64)
     for matvec, deq in ((_matvec, _dequantize), (_matvec_serial, _dequantize_serial)):
-        matvec(raw, g, _F16_TO_F32, x, xs, y)
+        matvec(raw, g, _F16_TO_F32, x, xq, xsc, xs, y, bad)
         deq(raw, g, _F16_TO_F32, 0, out)
+    # the kernels over several weights take the codec as data: one compilation serves every codec
+    gu, dn = (64, 256), (256, 64)
+    zeros = np.zeros(2 * get_codec(codec).nbytes(gu) + get_codec(codec).nbytes(dn), np.uint8)
+    offs = np.array([[0, get_codec(codec).nbytes(gu), 2 * get_codec(codec).nbytes(gu)]], np.int64)
+    moe_decode(zeros, offs, (codec, gu), (codec, dn), x, np.ones(1, np.float32), np.zeros(256, np.float32))
+    heads_t(codec, zeros, gu, np.zeros((2, 32), np.float32), 32)
+    heads(codec, zeros, gu, np.zeros((2, 256), np.float32), 32, 0, 32)
 
 
 def linear(x: np.ndarray, codec: str, raw, shape: tuple) -> np.ndarray:
@@ -510,25 +785,66 @@ def linear(x: np.ndarray, codec: str, raw, shape: tuple) -> np.ndarray:
     y = np.empty((x2.shape[0], rows), np.float32)
     if rows and x2.shape[0]:
         if rows * cols < PARALLEL_MIN_WEIGHTS:
-            _linear_into(x2, raw, g, rows, cols, y, _matvec_serial, _dequantize_serial)
+            _linear_into(x2, raw, g, rows, cols, y, _matvec_serial, _dequantize_serial, codec)
         else:
             # dynamic scheduling in small chunks: a thread that loses its core does not hold up the call
             with parallel_chunksize(4):
-                _linear_into(x2, raw, g, rows, cols, y, _matvec, _dequantize)
+                _linear_into(x2, raw, g, rows, cols, y, _matvec, _dequantize, codec)
     return y[0] if squeeze else y
 
 
-def _linear_into(x2, raw, g, rows, cols, y, matvec, deq):
+def _linear_into(x2, raw, g, rows, cols, y, matvec, deq, codec):
     T = x2.shape[0]
     if T < BLAS_MIN_TOKENS:
+        bad = np.zeros(1, np.int64)
         for t in range(T):
-            xs = x2[t].reshape(-1, 32).sum(axis=1, dtype=np.float32)
-            matvec(raw, g, _F16_TO_F32, x2[t], xs, y[t])
+            xq, xsc, xs = quantize_activations(x2[t])
+            matvec(raw, g, _F16_TO_F32, x2[t], xq, xsc, xs, y[t], bad)
+        _raise_if_bad(bad, codec)
     else:
         # a few tokens or more: dequantize BLOCK_ROWS rows at a time (cache-sized, never the
         # whole weight) and let BLAS do the products
+        _check_outliers(codec, raw, g)
         buf = np.empty((min(BLOCK_ROWS, rows), cols), np.float32)
         for r0 in range(0, rows, BLOCK_ROWS):
             blk = buf[:min(BLOCK_ROWS, rows - r0)]
             deq(raw, g, _F16_TO_F32, r0, blk)
             np.matmul(x2, blk.T, out=y[:, r0:r0 + blk.shape[0]])
+
+
+def moe_decode(base: np.ndarray, offsets: np.ndarray, gate_up: tuple, down: tuple, x: np.ndarray,
+               weights: np.ndarray, out: np.ndarray) -> None:
+    """out += sum_e weights[e] * down_e(silu(gate_e x) * up_e x) for one token, every routed expert in
+    one call. `offsets` [n, 3] are the byte offsets in `base` of each expert's gate, up and down
+    tensors; `gate_up` and `down` are (codec, shape) of those tensors (block codecs)."""
+    g_gu = _geometry_vector(get_codec(gate_up[0]), gate_up[1])
+    g_d = _geometry_vector(get_codec(down[0]), down[1])
+    if offsets.size and (offsets.min() < 0 or offsets[:, :2].max() + g_gu[G_NBYTES] > base.size
+                         or offsets[:, 2].max() + g_d[G_NBYTES] > base.size):
+        raise CodecError("expert tensors lie outside their buffer")
+    bad = np.zeros(1, np.int64)
+    with parallel_chunksize(2):
+        _moe_decode(base, offsets, g_gu, g_d, _F16_TO_F32, x, weights, out, bad)
+    _raise_if_bad(bad, f"{gate_up[0]}/{down[0]}")
+
+
+def heads_t(codec: str, raw, shape, v: np.ndarray, stride: int) -> np.ndarray:
+    """[nh, cols]: for each head h, v[h] (length n) times rows h*stride .. h*stride+n-1 of W,
+    transposed (kv_b's key part applied to the query in absorbed attention)."""
+    _, g, raw = _prepare(codec, raw, shape)
+    _check_outliers_once(codec, raw, g)
+    v = np.ascontiguousarray(v, dtype=np.float32)
+    out = np.empty((v.shape[0], int(g[G_COLS])), np.float32)
+    _heads_t(raw, g, _F16_TO_F32, v, stride, out)
+    return out
+
+
+def heads(codec: str, raw, shape, x: np.ndarray, stride: int, first: int, n: int) -> np.ndarray:
+    """[nh, n]: for each head h, rows h*stride+first .. +n-1 of W times x[h] (kv_b's value part)."""
+    _, g, raw = _prepare(codec, raw, shape)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty((x.shape[0], n), np.float32)
+    bad = np.zeros(1, np.int64)
+    _heads(raw, g, _F16_TO_F32, x, stride, first, out, bad)
+    _raise_if_bad(bad, codec)
+    return out

@@ -14,7 +14,7 @@ import numpy as np
 
 from kimistream.formats.config import ModelConfig, RopeConfig
 
-from .weights import ModelWeights, Weight
+from .weights import ModelWeights, Weight, has_fused_kernel
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -206,8 +206,17 @@ class Model:
         C[start:start + T] = latent
         K[start:start + T] = k_rot
         S = start + T
-        w_k, w_v_t = (L["w_k"], L["w_v_t"]) if "w_k" in L else self._split_kv_b(L["kv_b"].dense())
-        q_lat = np.matmul(q_nope.transpose(1, 0, 2), w_k)                 # [nh, T, r]
+        kv_b = L["kv_b"]
+        packed = "w_k" not in L and T == 1 and has_fused_kernel(kv_b.codec)
+        if packed:
+            # one token: kv_b stays packed, its key rows applied transposed and its value rows as
+            # mat-vecs, head by head (no float32 copy of the whole matrix at every step)
+            from . import kernels
+            stride = nope + cfg.v_head_dim
+            q_lat = kernels.heads_t(kv_b.codec, kv_b.raw, kv_b.shape, q_nope[0], stride)[:, None, :]
+        else:
+            w_k, w_v_t = (L["w_k"], L["w_v_t"]) if "w_k" in L else self._split_kv_b(kv_b.dense())
+            q_lat = np.matmul(q_nope.transpose(1, 0, 2), w_k)             # [nh, T, r]
         scores = np.matmul(q_lat, C[:S].T) + np.matmul(q_rot.transpose(1, 0, 2), K[:S].T)  # [nh, T, S]
         scores *= self.softmax_scale
         if T > 1:
@@ -217,7 +226,11 @@ class Model:
         probs = np.exp(scores)
         probs /= probs.sum(axis=-1, keepdims=True)
         o_lat = np.matmul(probs, C[:S])                                    # [nh, T, r]
-        o = np.matmul(o_lat, w_v_t)                                        # [nh, T, v]
+        if packed:
+            o = kernels.heads(kv_b.codec, kv_b.raw, kv_b.shape, o_lat[:, 0, :], stride, nope,
+                              cfg.v_head_dim)[:, None, :]
+        else:
+            o = np.matmul(o_lat, w_v_t)                                    # [nh, T, v]
         return self._lin(o.transpose(1, 0, 2).reshape(T, nh * cfg.v_head_dim), L["o"])
 
     def _mlp(self, x: np.ndarray, gate: Weight, up: Weight, down: Weight) -> np.ndarray:
@@ -260,6 +273,12 @@ class Model:
         if self.prefetch == "next-layer":
             self._predict_next(L, x)
         out = np.zeros_like(h)
+        if h.shape[0] == 1 and self.observer is None and self.w.pager.holds_together(len(used)):
+            experts = [self.w.expert(L["index"], int(e)) for e in idx[0]]
+            if self._moe_fused(experts, h[0], weights[0], out[0]):
+                if "shared" in L:
+                    out += self._mlp(h, *L["shared"])
+                return out
         # Group the chunk's tokens by expert: each expert is fetched once per chunk.
         for e in used:
             tok, slot = np.nonzero(idx == e)
@@ -268,6 +287,25 @@ class Model:
         if "shared" in L:
             out += self._mlp(h, *L["shared"])
         return out
+
+    def _moe_fused(self, experts, x, weights, out) -> bool:
+        """One token through all its routed experts in one kernel call (both cores busy even when
+        each expert is small). False when the experts' tensors do not allow it (float codecs,
+        mixed codecs or shapes): the caller then runs them one by one."""
+        gate, up, down = experts[0]
+        spec_gu, spec_d = (gate.codec, gate.shape), (down.codec, down.shape)
+        if not (has_fused_kernel(gate.codec) and has_fused_kernel(down.codec)):
+            return False
+        base = self.w.pager.base
+        b0 = base.ctypes.data
+        offs = np.empty((len(experts), 3), np.int64)
+        for i, (g, u, d) in enumerate(experts):
+            if (g.codec, g.shape) != spec_gu or (u.codec, u.shape) != spec_gu or (d.codec, d.shape) != spec_d:
+                return False
+            offs[i] = (g.raw.ctypes.data - b0, u.raw.ctypes.data - b0, d.raw.ctypes.data - b0)
+        from . import kernels           # numba: imported only when a file has block codecs
+        kernels.moe_decode(base, offs, spec_gu, spec_d, x, weights, out)
+        return True
 
     # ------------------------------------------------------------------ forward
     def forward(self, ids, all_logits: bool = False) -> np.ndarray:

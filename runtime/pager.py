@@ -112,6 +112,11 @@ class ExpertPager:
         self.stats.misses += 1
         return ent.views
 
+    def holds_together(self, n: int) -> bool:
+        """Whether the views of n experts fetched one after another all stay valid until used
+        (a mapping always does; a buffer pool when no slot of them can be reused meanwhile)."""
+        return True
+
     def note_routed(self, layer: int, experts) -> None:
         """Score the prediction made for `layer` against the experts actually routed there."""
         pred = self._predicted.pop(layer, None)
@@ -208,6 +213,7 @@ class MmapPager(ExpertPager):
     def __init__(self, wf, capacity_bytes, policy="lru", threads=2):
         super().__init__(wf, capacity_bytes, policy, threads)
         self._all = np.frombuffer(wf.mm, dtype=np.uint8)
+        self.base = self._all
 
     def _load(self, key):
         off, n = self.extent(key)
@@ -272,6 +278,7 @@ class PreadPager(ExpertPager):
         # One anonymous mapping: page-aligned slots (O_DIRECT needs aligned buffers).
         self._arena = mmap.mmap(-1, max(PAGE, self.slots * self.slot_bytes))
         self._buf = np.frombuffer(self._arena, dtype=np.uint8)
+        self.base = self._buf
         self._free = list(range(self.slots))
         self.direct = direct
         flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
@@ -326,6 +333,10 @@ class PreadPager(ExpertPager):
             self._cache[key] = ent
             self.cached_bytes += n
         return ent
+
+    def holds_together(self, n: int) -> bool:
+        # prefetches may take slots while the layer's experts are fetched: keep room for both
+        return self.slots >= 2 * n
 
     def _needs_room(self, nbytes):
         return not self._free          # slots, not bytes, are the unit here

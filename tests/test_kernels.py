@@ -1,7 +1,13 @@
-"""Fused kernels (runtime/kernels.py) against the numpy reference decoders (formats/quants.py):
-`dequantize` bit for bit, `linear` to float32 rounding, for every block codec, full and tail chunks,
-rows with outliers, T = 1, a few tokens (mat-vec each) and more (row blocks + BLAS); float codecs
-fall back to numpy; corrupt bytes are refused."""
+"""Fused kernels (runtime/kernels.py) against the numpy reference decoders (formats/quants.py), for
+every block codec, full and tail chunks, rows with outliers, 1-row weights:
+- `dequantize` bit for bit;
+- the integer mat-vec (T < BLAS_MIN_TOKENS) equals the reference weight times x in float64 to within
+  the int8 rounding of x: |y - W x| <= sum_j |W_j - O_j| |x_j - x^_j| + 1e-5 |W| |x|, where x^ is the
+  rounded activation and O_j the value the weight would have with code 0 (the part of each weight
+  that multiplies exact span sums), outlier columns excluded (they are corrected exactly);
+- more tokens (row blocks + BLAS) to float32 rounding;
+- the fused routed-expert step equals the same experts run one linear at a time;
+float codecs fall back to numpy; corrupt bytes are refused."""
 
 import numpy as np
 import pytest
@@ -11,7 +17,7 @@ from kimistream.runtime import kernels
 
 NAMES = ("q8", "q6", "q4", "q2", "q2rtn", "t1", "q1")
 # full chunks only, tails after full chunks, tail only, outliers in q2/t1/q1, > 64 rows (row blocks)
-SHAPES = [(9, 256), (7, 192), (5, 1088), (3, 2048), (70, 224)]
+SHAPES = [(9, 256), (7, 192), (5, 1088), (3, 2048), (70, 224), (1, 7168), (1, 32)]
 
 
 def weight(shape, seed):
@@ -25,6 +31,31 @@ def weight(shape, seed):
 
 def rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def int8_bound(name, raw, shape, x):
+    """Per-row bound on |y - W x| from the int8 rounding of x (see the module docstring)."""
+    c = get_codec(name)
+    g = c.geometry(shape)
+    ref = c.decode(raw, shape).astype(np.float64)
+    zero = np.array(raw, copy=True)
+    zero[g.off_code:g.nbytes] = 0                   # every code 0 (and outliers out of the way)
+    zero[g.off_oval:g.off_sub] = 0
+    off = c.decode(zero, shape).astype(np.float64)
+    keep = np.ones(shape, bool)
+    if g.k:
+        ocol = np.asarray(raw[g.off_ocol:g.off_oval]).view("<u2").reshape(g.rows, g.k).astype(np.int64)
+        np.put_along_axis(keep, ocol, False, axis=1)
+    x8, xsc, _ = kernels.quantize_activations(x)
+    xq = np.repeat(xsc, 32).astype(np.float64) * x8
+    return (np.abs(ref - off) * keep) @ np.abs(x - xq) + 1e-5 * (np.abs(ref) @ np.abs(x)) + 1e-30
+
+
+def assert_int8_close(y, name, raw, shape, x):
+    ref = get_codec(name).decode(raw, shape).astype(np.float64)
+    err = np.abs(y - ref @ x.astype(np.float64))
+    bound = int8_bound(name, raw, shape, x)
+    assert (err <= bound).all(), (name, shape, float((err / bound).max()))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -45,14 +76,18 @@ def test_dequantize_bit_exact_and_linear_matches(name, shape, parallel, monkeypa
     assert got.dtype == np.float32 and got.shape == shape
     np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
     rng = np.random.default_rng(1)
-    for T in (1, 3, 7):
+    for T in (1, 3):                                    # integer mat-vecs, token by token
         x = rng.standard_normal((T, shape[1])).astype(np.float32)
         y = kernels.linear(x, name, raw, shape)
         assert y.shape == (T, shape[0]) and y.dtype == np.float32
-        assert rel(y, x @ ref.T) < 1e-5
+        for t in range(T):
+            assert_int8_close(y[t], name, raw, shape, x[t])
+        assert rel(y, x @ ref.T) < 0.05                 # and the bound is not vacuous
+    x = rng.standard_normal((7, shape[1])).astype(np.float32)   # row blocks + BLAS: exact weights
+    assert rel(kernels.linear(x, name, raw, shape), x @ ref.T) < 1e-5
     x1 = rng.standard_normal(shape[1]).astype(np.float32)
     assert kernels.linear(x1, name, raw.tobytes(), shape).shape == (shape[0],)
-    assert rel(kernels.linear(x1, name, raw, shape), ref @ x1) < 1e-5
+    assert_int8_close(kernels.linear(x1, name, raw, shape), name, raw, shape, x1)
 
 
 @pytest.mark.parametrize("name", ["q2", "t1", "q1"])
@@ -67,8 +102,11 @@ def test_outlier_rows(name):
     ref = c.decode(raw, shape)
     np.testing.assert_array_equal(kernels.dequantize(name, raw, shape), ref)
     assert ref[3, 100] == 300.0 and ref[4, 2047] == -700.0
-    x = np.random.default_rng(2).standard_normal((1, shape[1])).astype(np.float32)
-    assert rel(kernels.linear(x, name, raw, shape), x @ ref.T) < 1e-5
+    x = np.random.default_rng(2).standard_normal(shape[1]).astype(np.float32)
+    x[100] = 40.0                    # the outliers' inputs dominate: their products must be exact
+    y = kernels.linear(x, name, raw, shape)
+    assert_int8_close(y, name, raw, shape, x)
+    assert abs(y[3] - ref[3] @ x) < 1e-3 * abs(ref[3, 100] * x[100])
 
 
 @pytest.mark.parametrize("name", ["f32", "f16", "bf16"])
@@ -107,3 +145,40 @@ def test_empty():
     raw = c.encode(np.zeros((0, 256), np.float32))
     assert kernels.linear(np.ones((3, 256), np.float32), "t1", raw, (0, 256)).shape == (3, 0)
     assert kernels.dequantize("t1", raw, (0, 256)).shape == (0, 256)
+
+
+@pytest.mark.parametrize("gu,dn", [("q2", "q2"), ("t1", "q4"), ("q1", "q6"), ("q8", "q2rtn")])
+def test_fused_experts_equal_linear_calls(gu, dn):
+    """kernels.moe_decode (all routed experts of a token in one call) against the same experts run
+    through linear() one at a time: the same integer arithmetic, so float32 rounding apart."""
+    hidden, inter, n = 256, 192 if dn != "q2rtn" else 256, 3
+    rng = np.random.default_rng(5)
+    blobs, offs, pos = [], [], 0
+    parts = []
+    for e in range(n):
+        row = []
+        for codec, shape in ((gu, (inter, hidden)), (gu, (inter, hidden)), (dn, (hidden, inter))):
+            raw = get_codec(codec).encode((rng.standard_normal(shape) * 0.05).astype(np.float32))
+            pad = (-pos) % 64
+            blobs.append(np.zeros(pad + 7, np.uint8))        # odd gaps: offsets need no alignment
+            pos += pad + 7
+            row.append(pos)
+            blobs.append(raw)
+            pos += raw.size
+            parts.append(raw)
+        offs.append(row)
+    base = np.concatenate(blobs)
+    offs = np.array(offs, np.int64)
+    x = rng.standard_normal(hidden).astype(np.float32)
+    w = np.array([0.5, 1.25, -0.75], np.float32)
+    out = np.full(hidden, 0.5, np.float32)
+    kernels.moe_decode(base, offs, (gu, (inter, hidden)), (dn, (hidden, inter)), x, w, out)
+    want = np.full(hidden, 0.5, np.float64)
+    for e in range(n):
+        g = kernels.linear(x, gu, parts[3 * e], (inter, hidden))
+        u = kernels.linear(x, gu, parts[3 * e + 1], (inter, hidden))
+        a = (g / (1 + np.exp(-g)) * u).astype(np.float32)
+        want += w[e] * kernels.linear(a, dn, parts[3 * e + 2], (hidden, inter))
+    np.testing.assert_allclose(out, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+    with pytest.raises(CodecError, match="outside"):
+        kernels.moe_decode(base[:-1], offs, (gu, (inter, hidden)), (dn, (hidden, inter)), x, w, out)
