@@ -1,11 +1,14 @@
-"""Bandwidth of the fused kernels (runtime/kernels.py) at T = 1, in GB/s of packed weight bytes, next to
-memcpy bandwidth (np.copyto of a large buffer) measured in the same run, and their ratio.
+"""Decode mat-vec speed of the fused kernels (runtime/kernels.py) against the memory read bandwidth
+measured in the same run, per codec, shape and thread count.
 
-Each codec's weight (default 2048 x 7168, a Kimi K2 expert's gate projection) is encoded once and its
-bytes copied into enough separate buffers (--working-set MiB) that every call reads from DRAM, not
-from a cache, as an expert read from the page cache would.
+GB/s counts the packed bytes of the weight (codes, scales, outliers). Every call reads a different
+copy of the weight, cycling through --working-set MiB of copies, so the bytes come from DRAM and not
+from a cache, as an expert read from the page cache would. Read bandwidth is a numba loop summing
+the same working set as uint64 (what a kernel that did no arithmetic at all could reach), with the
+same threads; the ratio column is kernel GB/s over that.
 
-    python benchmarks/bench_kernels.py [--rows 2048] [--cols 7168] [--working-set 512] [--seconds 2]
+    python benchmarks/bench_kernels.py [--shapes 2048x7168,7168x2048,576x7168] [--threads 1,2]
+                                       [--codecs q2,t1,...] [--working-set 512] [--seconds 1.5]
 """
 
 from __future__ import annotations
@@ -14,69 +17,87 @@ import argparse
 import os
 import time
 
+import numba
 import numpy as np
+from numba import njit, prange
 
 from kimistream.formats.codecs import get_codec
 from kimistream.runtime import kernels
 
-CODECS = ("q2", "q2rtn", "t1", "q1", "q4", "q6", "q8")
+CODECS = ("q2", "t1", "q1", "q4", "q6", "q8", "q2rtn")
 
 
-def memcpy_gbps(nbytes: int, seconds: float) -> float:
-    src = np.ones(nbytes, np.uint8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)
+@njit(parallel=True, cache=True)
+def _read_all(a):
+    n = a.shape[0] // 4096
+    tot = np.uint64(0)
+    for i in prange(n):
+        acc = np.uint64(0)
+        for j in range(4096):
+            acc += a[i * 4096 + j]
+        tot += acc
+    return tot
+
+
+def read_gbps(buf: np.ndarray, seconds: float) -> float:
+    words = buf.view(np.uint64)
+    _read_all(words)
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        np.copyto(dst, src)
+        _read_all(words)
         n += 1
-    return n * nbytes / (time.perf_counter() - t0) / 1e9
+    return n * buf.nbytes / (time.perf_counter() - t0) / 1e9
 
 
-def kernel_gbps(raw: np.ndarray, name: str, shape, copies, seconds: float):
-    x = np.random.default_rng(1).standard_normal((1, shape[1])).astype(np.float32)
-    kernels.linear(x, name, raw, shape)          # compile (or load from the cache)
+def kernel_gbps(name: str, shape, copies, x, seconds: float) -> float:
+    kernels.linear(x, name, copies[0], shape)
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         for c in copies:
             kernels.linear(x, name, c, shape)
         n += len(copies)
-    dt = (time.perf_counter() - t0) / n
-    return raw.nbytes / dt / 1e9, dt
+    return copies[0].nbytes * n / (time.perf_counter() - t0) / 1e9
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", type=int, default=2048)
-    ap.add_argument("--cols", type=int, default=7168)
-    ap.add_argument("--working-set", type=int, default=512, help="MiB of weight copies cycled through")
-    ap.add_argument("--seconds", type=float, default=2.0, help="time per measurement")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="2048x7168,7168x2048,576x7168")
+    ap.add_argument("--threads", default="1,2")
     ap.add_argument("--codecs", default=",".join(CODECS))
+    ap.add_argument("--working-set", type=int, default=512, help="MiB of weight copies cycled through")
+    ap.add_argument("--seconds", type=float, default=1.5, help="time per measurement")
     args = ap.parse_args()
-    import numba
-    nthreads = numba.get_num_threads()
-    rng = np.random.default_rng(0)
-    shape = (args.rows, args.cols)
-    w = (rng.standard_t(4, size=shape) * 0.02).astype(np.float32)
+    threads = [int(t) for t in args.threads.split(",")]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     ws = args.working_set << 20
-    print(f"weight {args.rows} x {args.cols}, T = 1, numba {numba.__version__} (threads 1 and {nthreads}), "
-          f"cpus {os.cpu_count()}, load average {os.getloadavg()[0]:.2f}, working set {args.working_set} MiB;\n"
-          f"memcpy = np.copyto of {args.working_set} MiB, one thread\n")
-    print(f"| codec | bits/weight | packed MB | ms, 1 thread | GB/s, 1 thread | ms, {nthreads} threads "
-          f"| GB/s, {nthreads} threads | memcpy GB/s | 1 thread / memcpy | {nthreads} threads / memcpy |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name in args.codecs.split(","):
-        raw = get_codec(name).encode(w)
-        copies = [raw.copy() for _ in range(max(1, ws // raw.nbytes))]
-        mc = memcpy_gbps(ws, args.seconds / 2)   # next to each kernel: the machine drifts
-        numba.set_num_threads(1)
-        g1, t1 = kernel_gbps(raw, name, shape, copies, args.seconds)
-        numba.set_num_threads(nthreads)
-        gn, tn = kernel_gbps(raw, name, shape, copies, args.seconds)
-        mc = (mc + memcpy_gbps(ws, args.seconds / 2)) / 2
-        bpw = get_codec(name).bits_per_weight(shape)
-        print(f"| {name} | {bpw:.4f} | {raw.nbytes / 1e6:.2f} | {t1 * 1e3:.2f} | {g1:.2f} | {tn * 1e3:.2f} | {gn:.2f} "
-              f"| {mc:.2f} | {g1 / mc:.3f} | {gn / mc:.3f} |", flush=True)
+    rng = np.random.default_rng(0)
+    buf = np.ones(ws, np.uint8)
+    print(f"numba {numba.__version__}, threading layer from the first parallel call, cpus {os.cpu_count()}, "
+          f"load average {os.getloadavg()[0]:.2f}, working set {args.working_set} MiB, "
+          f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}\n")
+    print("| codec | shape | bits/weight | " + " | ".join(
+        f"GB/s {t}T | read GB/s {t}T | ratio {t}T" for t in threads) + " |")
+    print("| --- | --- | --- | " + " | ".join("--- | --- | ---" for _ in threads) + " |")
+    for shape in shapes:
+        w = (rng.standard_t(4, size=shape) * 0.02).astype(np.float32)
+        x = rng.standard_normal(shape[1]).astype(np.float32)
+        for name in args.codecs.split(","):
+            codec = get_codec(name)
+            if not codec.supports(shape):
+                continue
+            raw = codec.encode(w)
+            copies = [raw.copy() for _ in range(max(1, ws // raw.nbytes))]
+            cells = []
+            for t in threads:
+                numba.set_num_threads(t)
+                rd = read_gbps(buf, args.seconds / 2)        # next to each kernel: the machine drifts
+                k = kernel_gbps(name, shape, copies, x, args.seconds)
+                rd = (rd + read_gbps(buf, args.seconds / 2)) / 2
+                cells.append(f"{k:.2f} | {rd:.1f} | {k / rd:.3f}")
+            print(f"| {name} | {shape[0]}x{shape[1]} | {codec.bits_per_weight(shape):.3f} | "
+                  + " | ".join(cells) + " |", flush=True)
+            del copies
+    print(f"\nthreading layer: {numba.threading_layer()}")
 
 
 if __name__ == "__main__":

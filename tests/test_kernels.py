@@ -66,7 +66,7 @@ def test_has_kernel(name):
 @pytest.mark.parametrize("name,shape", [(n, s) for n in NAMES for s in SHAPES if get_codec(n).supports(s)])
 @pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
 def test_dequantize_bit_exact_and_linear_matches(name, shape, parallel, monkeypatch):
-    # the parallel variants run only for weights of PARALLEL_MIN_WEIGHTS or more: lower it to test them
+    # weights of PARALLEL_MIN_WEIGHTS or more run on every thread: lower it to test that
     monkeypatch.setattr(kernels, "PARALLEL_MIN_WEIGHTS", 0 if parallel else 1 << 40)
     c = get_codec(name)
     w = weight(shape, seed=shape[1])
