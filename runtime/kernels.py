@@ -826,6 +826,21 @@ def _jobs(t0s, gi: int, first: int, rows: int, xis, outs) -> np.ndarray:
     return jobs.reshape(-1, 6)
 
 
+@functools.lru_cache(maxsize=1024)
+def _linear_jobs(rows: int, T: int) -> np.ndarray:
+    """Jobs of T tokens through one weight (read-only, shared by every call of this shape)."""
+    jobs = _jobs(np.zeros(T), 0, 0, rows, np.arange(T), np.arange(T) * rows)
+    jobs.flags.writeable = False
+    return jobs
+
+
+@functools.lru_cache(maxsize=1024)
+def _head_jobs(nh: int, stride: int, first: int, n: int) -> np.ndarray:
+    jobs = np.concatenate([_jobs([0], 0, h * stride + first, n, [h], [h * n]) for h in range(nh)])
+    jobs.flags.writeable = False
+    return jobs
+
+
 def _run(raw, geoms, xf, jobs, out, weights: int, what: str) -> None:
     """Quantise the inputs xf [n, cols] and run the jobs, on one thread for a small amount of work."""
     n, cols = xf.shape
@@ -865,7 +880,7 @@ def linear(x: np.ndarray, codec: str, raw, shape: tuple) -> np.ndarray:
     y = np.empty((T, rows), np.float32)
     if rows and T:
         if T < BLAS_MIN_TOKENS:
-            jobs = _jobs(np.zeros(T), 0, 0, rows, np.arange(T), np.arange(T) * rows)
+            jobs = _linear_jobs(rows, T)
             # a few tokens come from prefill, where BLAS's spinning threads sit next to every call:
             # there a parallel region waits for a core, so only a single token gets both
             _run(raw, g[None, :], x2, jobs, y.reshape(-1), rows * cols if T == 1 else 0, codec)
@@ -932,6 +947,6 @@ def heads(codec: str, raw, shape, x: np.ndarray, stride: int, first: int, n: int
     x = np.ascontiguousarray(x, dtype=np.float32)
     nh = x.shape[0]
     out = np.empty(nh * n, np.float32)
-    jobs = np.concatenate([_jobs([0], 0, h * stride + first, n, [h], [h * n]) for h in range(nh)])
+    jobs = _head_jobs(nh, stride, first, n)
     _run(raw, g[None, :], x, jobs, out, nh * n * x.shape[1], codec)
     return out.reshape(nh, n)
