@@ -27,14 +27,15 @@ from kimistream.runtime import kernels
 CODECS = ("q2", "t1", "q1", "q4", "q6", "q8", "q2rtn")
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, fastmath=True, cache=True)
 def _read_all(a):
     n = a.shape[0] // 4096
     tot = np.uint64(0)
     for i in prange(n):
         acc = np.uint64(0)
+        base = np.uint64(i * 4096)
         for j in range(4096):
-            acc += a[i * 4096 + j]
+            acc += a[base + np.uint64(j)]
         tot += acc
     return tot
 

@@ -28,9 +28,9 @@ _POW3 = np.array([1, 3, 9, 27, 81], dtype=np.int64)
 _F16_POW2 = np.array([2.0 ** -24] + [2.0 ** (e - 25) for e in range(1, 31)] + [np.inf], dtype=np.float32)
 _U = np.uint64
 
-# Below this many weights a kernel runs on the calling thread (a serial variant, no parallel region):
-# splitting a small weight saves less than a busy second core costs (q4 512x1024: 163 us on one
-# thread; 143 us on two when both cores are idle, 740 us when the other one is busy).
+# Below this many weights a mat-vec runs on one thread (numba's thread count set to 1 around the
+# call): splitting a small weight saves less than a busy second core costs (q4 512x1024: 163 us on
+# one thread; 143 us on two when both cores are idle, 740 us when the other one is busy).
 PARALLEL_MIN_WEIGHTS = 1 << 20
 BLAS_MIN_TOKENS = 6       # from this many tokens on, dequantized row blocks + BLAS beat T mat-vecs
 BLOCK_ROWS = 64           # rows per dequantized block: 64 x 7168 floats = 1.8 MB
@@ -272,8 +272,7 @@ def _dequantize_serial(raw, g, lut, r0, out):
 # so the only inexact part is the rounding of x inside isum. isum comes from one loop per codec over
 # 32-byte code chunks in int32 lanes, which LLVM turns into vpmaddwd. Why 16 bits and not 8 as
 # llama.cpp does: on the bundled models 8-bit activations (per 32 values) cost a KL of 4e-3 against
-# the exact product (as much as q2 itself); 16 bits cost 3e-9, and as numba's LLVM widens to 16-bit
-# lanes either way, run at the same speed (benchmarks/RESULTS.md).
+# the exact product (as much as q2 itself); 16 bits cost 2e-9 at no loss of speed (benchmarks/RESULTS.md).
 
 @njit(cache=True)
 def _quantize_x(x, xq, xsc, xs):

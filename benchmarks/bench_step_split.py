@@ -1,0 +1,70 @@
+"""Where a warm decode step and a prefill spend their time, on any weight file: tokens/s, then the
+decode time split by part of the model (routed experts, attention, lm_head and other linears,
+routing, the rest = Python and numpy glue), from Python's profiler over the decode steps.
+
+    python benchmarks/bench_step_split.py WEIGHTS.kst [--steps 32] [--prompt-tokens 256]
+                                          [--prefill-batch 256] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import time
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("weights")
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--prefill-batch", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        os.environ[var] = str(args.threads)
+    import numpy as np
+    from kimistream.runtime.model import Model
+    from kimistream.runtime.weights import ModelWeights
+
+    w = ModelWeights(args.weights)
+    w.load_resident()
+    m = Model(w, args.prompt_tokens + 2 * args.steps + 16, prefetch="off")
+    ids = [int(i) for i in np.random.default_rng(0).integers(0, m.cfg.vocab_size, args.prompt_tokens)]
+    m.prefill(ids[:16], 16)            # warm: kernels compiled or loaded, pages mapped
+    m.forward([1])
+    m.reset()
+    t = time.perf_counter()
+    m.prefill(ids, args.prefill_batch)
+    prefill = args.prompt_tokens / (time.perf_counter() - t)
+
+    def decode():
+        for _ in range(args.steps):
+            m.forward([5])
+    t = time.perf_counter()
+    decode()
+    dt = (time.perf_counter() - t) / args.steps
+    prof = cProfile.Profile()
+    prof.runcall(decode)
+    st = pstats.Stats(prof)
+
+    def cum(name):
+        return sum(v[3] for (f, _, fn), v in st.stats.items() if fn == name and f.endswith("model.py"))
+    total = st.total_tt
+    moe, route, attention = cum("_moe"), cum("route"), cum("_attention")
+    parts = {"routed and shared experts (_moe, less routing)": moe - route,
+             "routing (router product, top-k)": route,
+             "attention (projections, kv_b, scores)": attention,
+             "dense layer, lm_head, norms, embedding, Python glue": total - moe - attention}
+    print(f"{args.weights}: prefill {args.prompt_tokens} tokens in batches of {args.prefill_batch}: "
+          f"{prefill:.1f} tok/s; decode {1 / dt:.2f} tok/s ({dt * 1e3:.1f} ms/token), {args.threads} threads "
+          f"(split below from a profiled second pass: {total / args.steps * 1e3:.1f} ms/token)")
+    print("| part of a decode step | ms/token | share |\n| --- | --- | --- |")
+    for k, v in parts.items():
+        print(f"| {k} | {v / args.steps * 1e3:.1f} | {v / total:.0%} |")
+
+
+if __name__ == "__main__":
+    main()
