@@ -743,7 +743,16 @@ def _prepare(codec_name: str, raw, shape):
     raw = np.frombuffer(raw, dtype=np.uint8) if not isinstance(raw, np.ndarray) else raw.reshape(-1)
     if raw.dtype != np.uint8 or raw.size < g[G_NBYTES]:
         raise CodecError(f"{codec_name}: need {int(g[G_NBYTES])} bytes of uint8 for shape {list(shape)}")
-    return codec, g, raw
+    return codec, g, _readonly(raw)
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    """A read-only view: weights from a file mapping are read-only, and numba compiles read-only and
+    writeable arrays as different types; one type means one compilation of each kernel."""
+    if a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
 
 
 def _check_outliers(codec_name: str, raw, g) -> None:
@@ -827,17 +836,14 @@ def _jobs(t0s, gi: int, first: int, rows: int, xis, outs) -> np.ndarray:
 
 @functools.lru_cache(maxsize=1024)
 def _linear_jobs(rows: int, T: int) -> np.ndarray:
-    """Jobs of T tokens through one weight (read-only, shared by every call of this shape)."""
-    jobs = _jobs(np.zeros(T), 0, 0, rows, np.arange(T), np.arange(T) * rows)
-    jobs.flags.writeable = False
-    return jobs
+    """Jobs of T tokens through one weight, shared by every call of this shape. Left writeable: numba
+    compiles a read-only array as another type, and the kernel is too big to compile twice."""
+    return _jobs(np.zeros(T), 0, 0, rows, np.arange(T), np.arange(T) * rows)
 
 
 @functools.lru_cache(maxsize=1024)
 def _head_jobs(nh: int, stride: int, first: int, n: int) -> np.ndarray:
-    jobs = np.concatenate([_jobs([0], 0, h * stride + first, n, [h], [h * n]) for h in range(nh)])
-    jobs.flags.writeable = False
-    return jobs
+    return np.concatenate([_jobs([0], 0, h * stride + first, n, [h], [h * n]) for h in range(nh)])
 
 
 def _run(raw, geoms, xf, jobs, out, weights: int, what: str) -> None:
@@ -913,6 +919,7 @@ def moe_decode(base: np.ndarray, offsets: np.ndarray, gate_up: tuple, down: tupl
     if offsets.size and (offsets.min() < 0 or offsets[:, :2].max() + g_gu[G_NBYTES] > base.size
                          or offsets[:, 2].max() + g_d[G_NBYTES] > base.size):
         raise CodecError("expert tensors lie outside their buffer")
+    base = _readonly(base)
     n, inter, hidden = len(offsets), int(g_gu[G_ROWS]), int(g_d[G_ROWS])
     if int(g_d[G_COLS]) != inter or int(g_gu[G_COLS]) != x.shape[0] or hidden != out.shape[0]:
         raise ValueError("expert shapes do not chain: gate/up [inter, hidden], down [hidden, inter]")
