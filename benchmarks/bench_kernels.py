@@ -73,7 +73,7 @@ def main():
     ws = args.working_set << 20
     rng = np.random.default_rng(0)
     buf = np.ones(ws, np.uint8)
-    print(f"numba {numba.__version__}, threading layer from the first parallel call, cpus {os.cpu_count()}, "
+    print(f"kernel instruction set {kernels.isa()}, numba {numba.__version__}, threading layer from the first parallel call, cpus {os.cpu_count()}, "
           f"load average {os.getloadavg()[0]:.2f}, working set {args.working_set} MiB, "
           f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}\n")
     print("| codec | shape | bits/weight | " + " | ".join(
@@ -91,6 +91,7 @@ def main():
             cells = []
             for t in threads:
                 numba.set_num_threads(t)
+                kernels.set_threads(t)
                 rd = read_gbps(buf, args.seconds / 2)        # next to each kernel: the machine drifts
                 k = kernel_gbps(name, shape, copies, x, args.seconds)
                 rd = (rd + read_gbps(buf, args.seconds / 2)) / 2

@@ -1,22 +1,25 @@
 """Fused low-bit kernels: y = x @ W.T straight from a block codec's packed bytes (formats/quants.py,
-layout in formats/SPEC.md), with numba, compiled lazily and cached on disk.
+layout in formats/SPEC.md).
 
-T = 1 (decode): integer dot products. x is quantised once per call (16-bit integers per 32 values);
-each codec has one loop that multiplies its stored digits by them into int32 sums per 32-weight
-span, and the span's scale and offset are applied once per span; outliers are corrected exactly.
-Nothing is dequantized. A few tokens: that, token by token. More (prefill): rows are dequantized 64
-at a time into a cache-sized block and BLAS multiplies — never the whole weight.
-`moe_decode` runs one token through all of its routed experts in one call, and `heads` / `heads_t`
-apply kv_b per attention head without a float copy.
+T = 1 (decode): the C kernel runtime/_qdot.c (integer dot products; AVX2 where the CPU has it, portable
+C otherwise). It quantises x once per call (16-bit integers per 32 values, exact float sums kept),
+multiplies each codec's stored digits by them in int32 lanes, applies each span's scale and offset
+once, and corrects outliers exactly; nothing is dequantized. Every caller hands it a list of row jobs
+(a linear, all routed experts of a token, kv_b's heads), shared out over a small thread pool.
+A few tokens: that, token by token. More (prefill): rows are dequantized 64 at a time into a
+cache-sized block (numba, compiled lazily and cached on disk) and BLAS multiplies.
 `dequantize` equals the numpy reference decoder bit for bit (no fastmath there); tests hold it to it.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
-from numba import get_num_threads, njit, parallel_chunksize, prange, set_num_threads
+from numba import njit, prange
+
+from kimistream.runtime import _qdot
 
 from kimistream.formats.codecs import CodecError, get_codec
 from kimistream.formats.quants import outlier_columns_valid, K_Q1, K_Q2, K_Q2RTN, K_Q4, K_Q6, K_Q8, K_T1, QUANT_CODECS, BlockCodec
@@ -36,6 +39,7 @@ BLAS_MIN_TOKENS = 6       # from this many tokens on, dequantized row blocks + B
 BLOCK_ROWS = 64           # rows per dequantized block: 64 x 7168 floats = 1.8 MB
 XQ_MAX = 32767            # activations are quantised to -XQ_MAX .. XQ_MAX per 32 values
 XQ_DTYPE = np.int16
+_threads = int(os.environ.get("NUMBA_NUM_THREADS") or len(os.sched_getaffinity(0)))
 
 # indices into the int64 geometry vector handed to the kernels
 (G_ROWS, G_COLS, G_NSUB, G_NBLK, G_K, G_PARROW, G_SUBROW, G_CODEROW, G_OFFPAR, G_OFFOCOL, G_OFFOVAL, G_OFFSUB,
@@ -263,387 +267,11 @@ def _dequantize_serial(raw, g, lut, r0, out):
         _deq_row(raw, g, lut, r0 + i, out[i], A, B)
 
 
-# ----------------------------------------------------------------------------------------------- matvec (T = 1)
+# ----------------------------------------------------------------------------------------------- kv_b heads
 #
-# Integer dot products. The activation vector is quantised once per call to 16-bit integers per
-# 32 values (x ~ xsc[s] * xq on span s) and its exact float sum per span is kept. For a row whose
-# weights are A[s] * level + B[s] with level = mul * digit - z (digit: the stored code), span s adds
-#     A[s] * mul * xsc[s] * isum[s] + (B[s] - z * A[s]) * xs[s],    isum[s] = sum(digit * xq)
-# so the only inexact part is the rounding of x inside isum. isum comes from one loop per codec over
-# 32-byte code chunks in int32 lanes, which LLVM turns into vpmaddwd. Why 16 bits and not 8 as
-# llama.cpp does: on the bundled models 8-bit activations (per 32 values) cost a KL of 4e-3 against
-# the exact product (as much as q2 itself); 16 bits cost 2e-9 at no loss of speed (benchmarks/RESULTS.md).
-
-@njit(cache=True)
-def _quantize_x(x, xq, xsc, xs):
-    """x [cols] float32 (cols a multiple of 32) -> xq (int16 codes), xsc (span scale), xs (exact
-    span sum)."""
-    for s in range(x.shape[0] // 32):
-        amax = np.float32(0)
-        tot = np.float32(0)
-        for j in range(32):
-            v = x[32 * s + j]
-            tot += v
-            amax = max(amax, abs(v))
-        xs[s] = tot
-        if amax == 0:
-            xsc[s] = 0
-            for j in range(32):
-                xq[32 * s + j] = 0
-        else:
-            xsc[s] = amax / np.float32(XQ_MAX)
-            inv = np.float32(XQ_MAX) / amax
-            for j in range(32):
-                xq[32 * s + j] = XQ_DTYPE(np.rint(x[32 * s + j] * inv))
-
-
-@njit(cache=True)
-def _quantize_rows(xf, xq, xsc, xs):
-    for i in range(xf.shape[0]):
-        _quantize_x(xf[i], xq[i], xsc[i], xs[i])
-
-
-@njit(cache=True, inline="always")
-def _isum_q2(codes, xq, n, isum):
-    """2-bit digits, 4 spans per 32-byte chunk (also q2rtn)."""
-    for c in range(n):
-        s0 = np.int32(0)
-        s1 = np.int32(0)
-        s2 = np.int32(0)
-        s3 = np.int32(0)
-        cb, xb = _U(32 * c), _U(128 * c)
-        for j in range(32):
-            uj = _U(j)
-            b = np.int32(codes[cb + uj])
-            s0 = np.int32(s0 + np.int32((b & np.int32(3)) * np.int32(xq[xb + uj])))
-            s1 = np.int32(s1 + np.int32(((b >> np.int32(2)) & np.int32(3)) * np.int32(xq[xb + _U(32) + uj])))
-            s2 = np.int32(s2 + np.int32(((b >> np.int32(4)) & np.int32(3)) * np.int32(xq[xb + _U(64) + uj])))
-            s3 = np.int32(s3 + np.int32((b >> np.int32(6)) * np.int32(xq[xb + _U(96) + uj])))
-        isum[4 * c] = s0
-        isum[4 * c + 1] = s1
-        isum[4 * c + 2] = s2
-        isum[4 * c + 3] = s3
-
-
-@njit(cache=True, inline="always")
-def _isum_q4(codes, xq, n, isum):
-    for c in range(n):
-        s0 = np.int32(0)
-        s1 = np.int32(0)
-        cb, xb = _U(32 * c), _U(64 * c)
-        for j in range(32):
-            uj = _U(j)
-            b = np.int32(codes[cb + uj])
-            s0 = np.int32(s0 + np.int32((b & np.int32(15)) * np.int32(xq[xb + uj])))
-            s1 = np.int32(s1 + np.int32((b >> np.int32(4)) * np.int32(xq[xb + _U(32) + uj])))
-        isum[2 * c] = s0
-        isum[2 * c + 1] = s1
-
-
-@njit(cache=True, inline="always")
-def _isum_q8(codes, xq, n, isum):
-    sc = codes.view(np.int8)
-    for c in range(n):
-        s0 = np.int32(0)
-        cb = _U(32 * c)
-        for j in range(32):
-            uj = _U(j)
-            s0 = np.int32(s0 + np.int32(np.int32(sc[cb + uj]) * np.int32(xq[cb + uj])))
-        isum[c] = s0
-
-
-@njit(cache=True, inline="always")
-def _isum_q6(codes, xq, n, lo_bytes, isum):
-    """Low nibbles in one plane (64 bytes per 128 weights), high 2 bits in the next (32 bytes)."""
-    for c in range(n):
-        s0 = np.int32(0)
-        s1 = np.int32(0)
-        s2 = np.int32(0)
-        s3 = np.int32(0)
-        lo, hi, xb = _U(64 * c), _U(lo_bytes + 32 * c), _U(128 * c)
-        for j in range(32):
-            uj = _U(j)
-            h = np.int32(codes[hi + uj])
-            l0 = np.int32(codes[lo + uj])
-            l1 = np.int32(codes[lo + _U(32) + uj])
-            s0 = np.int32(s0 + np.int32(((l0 & np.int32(15)) | ((h & np.int32(3)) << np.int32(4))) * np.int32(xq[xb + uj])))
-            s1 = np.int32(s1 + np.int32(((l0 >> np.int32(4)) | (((h >> np.int32(2)) & np.int32(3)) << np.int32(4))) * np.int32(xq[xb + _U(32) + uj])))
-            s2 = np.int32(s2 + np.int32(((l1 & np.int32(15)) | (((h >> np.int32(4)) & np.int32(3)) << np.int32(4))) * np.int32(xq[xb + _U(64) + uj])))
-            s3 = np.int32(s3 + np.int32(((l1 >> np.int32(4)) | ((h >> np.int32(6)) << np.int32(4))) * np.int32(xq[xb + _U(96) + uj])))
-        isum[4 * c] = s0
-        isum[4 * c + 1] = s1
-        isum[4 * c + 2] = s2
-        isum[4 * c + 3] = s3
-
-
-@njit(cache=True, inline="always")
-def _isum_t1(codes, xq, n, isum):
-    """Trit digits d_k = ((q * 3^k) mod 256) * 3 >> 8, five spans per chunk."""
-    for c in range(n):
-        s0 = np.int32(0)
-        s1 = np.int32(0)
-        s2 = np.int32(0)
-        s3 = np.int32(0)
-        s4 = np.int32(0)
-        cb, xb = _U(32 * c), _U(160 * c)
-        for j in range(32):
-            uj = _U(j)
-            q = np.int32(codes[cb + uj])
-            m255 = np.int32(255)
-            s0 = np.int32(s0 + np.int32(((q * np.int32(3)) >> np.int32(8)) * np.int32(xq[xb + uj])))
-            s1 = np.int32(s1 + np.int32(((((q * np.int32(3)) & m255) * np.int32(3)) >> np.int32(8)) * np.int32(xq[xb + _U(32) + uj])))
-            s2 = np.int32(s2 + np.int32(((((q * np.int32(9)) & m255) * np.int32(3)) >> np.int32(8)) * np.int32(xq[xb + _U(64) + uj])))
-            s3 = np.int32(s3 + np.int32(((((q * np.int32(27)) & m255) * np.int32(3)) >> np.int32(8)) * np.int32(xq[xb + _U(96) + uj])))
-            s4 = np.int32(s4 + np.int32(((((q * np.int32(81)) & m255) * np.int32(3)) >> np.int32(8)) * np.int32(xq[xb + _U(128) + uj])))
-        isum[5 * c] = s0
-        isum[5 * c + 1] = s1
-        isum[5 * c + 2] = s2
-        isum[5 * c + 3] = s3
-        isum[5 * c + 4] = s4
-
-
-@njit(cache=True, inline="always")
-def _isum_q1(codes, xq, n, isum):
-    for c in range(n):
-        s0 = np.int32(0)
-        s1 = np.int32(0)
-        s2 = np.int32(0)
-        s3 = np.int32(0)
-        s4 = np.int32(0)
-        s5 = np.int32(0)
-        s6 = np.int32(0)
-        s7 = np.int32(0)
-        cb, xb = _U(32 * c), _U(256 * c)
-        one = np.int32(1)
-        for j in range(32):
-            uj = _U(j)
-            b = np.int32(codes[cb + uj])
-            s0 = np.int32(s0 + np.int32((b & one) * np.int32(xq[xb + uj])))
-            s1 = np.int32(s1 + np.int32(((b >> np.int32(1)) & one) * np.int32(xq[xb + _U(32) + uj])))
-            s2 = np.int32(s2 + np.int32(((b >> np.int32(2)) & one) * np.int32(xq[xb + _U(64) + uj])))
-            s3 = np.int32(s3 + np.int32(((b >> np.int32(3)) & one) * np.int32(xq[xb + _U(96) + uj])))
-            s4 = np.int32(s4 + np.int32(((b >> np.int32(4)) & one) * np.int32(xq[xb + _U(128) + uj])))
-            s5 = np.int32(s5 + np.int32(((b >> np.int32(5)) & one) * np.int32(xq[xb + _U(160) + uj])))
-            s6 = np.int32(s6 + np.int32(((b >> np.int32(6)) & one) * np.int32(xq[xb + _U(192) + uj])))
-            s7 = np.int32(s7 + np.int32((b >> np.int32(7)) * np.int32(xq[xb + _U(224) + uj])))
-        isum[8 * c] = s0
-        isum[8 * c + 1] = s1
-        isum[8 * c + 2] = s2
-        isum[8 * c + 3] = s3
-        isum[8 * c + 4] = s4
-        isum[8 * c + 5] = s5
-        isum[8 * c + 6] = s6
-        isum[8 * c + 7] = s7
-
-
-@njit(cache=True, inline="always")
-def _digit_form(kind):
-    """(mul, z) with level = mul * digit - z."""
-    if kind == K_Q6:
-        return np.float32(1), np.float32(32)
-    if kind == K_T1:
-        return np.float32(1), np.float32(1)
-    if kind == K_Q1:
-        return np.float32(2), np.float32(1)
-    return np.float32(1), np.float32(0)
-
-
-@njit(cache=True, inline="always")
-def _full_cols(g):
-    """Columns covered by full code chunks (the integer path); the rest is the tail."""
-    kind, cols = g[G_KIND], g[G_COLS]
-    if kind == K_Q6:
-        return (cols // 128) * 128
-    return (cols // (32 * g[G_PB0])) * 32 * g[G_PB0]
-
-
-@njit(cache=True, inline="always")
-def _digit_full(codes, kind, col, cols):
-    """Stored digit of column col of a row's codes, col inside the full chunks (shifts only)."""
-    c = _U(col)
-    lane = c & _U(31)
-    if kind == K_Q2 or kind == K_Q2RTN:
-        return (np.int32(codes[((c >> _U(7)) << _U(5)) | lane]) >> np.int32(2 * ((col >> 5) & 3))) & 3
-    if kind == K_Q4:
-        return (np.int32(codes[((c >> _U(6)) << _U(5)) | lane]) >> np.int32(4 * ((col >> 5) & 1))) & 15
-    if kind == K_Q8:
-        return ((np.int32(codes[c]) ^ 128) - 128)        # the byte as int8
-    if kind == K_Q1:
-        return (np.int32(codes[((c >> _U(8)) << _U(5)) | lane]) >> np.int32((col >> 5) & 7)) & 1
-    if kind == K_Q6:
-        lo = (np.int32(codes[((c >> _U(6)) << _U(5)) | lane]) >> np.int32(4 * ((col >> 5) & 1))) & 15
-        hi_base = _U((cols // 64) * 32 + ((cols % 64) + 1) // 2)
-        hi = (np.int32(codes[hi_base + (((c >> _U(7)) << _U(5)) | lane)]) >> np.int32(2 * ((col >> 5) & 3))) & 3
-        return lo | (hi << 4)
-    # t1: chunks of 160 weights in 32 bytes, field k = position // 32 inside the chunk
-    ch = col // 160
-    k = (col - 160 * ch) >> 5
-    q = np.int32(codes[_U(32 * ch) + lane])
-    return (((q * np.int32(_POW3[k])) & 255) * 3) >> 8
-
-
-@njit(cache=True, inline="always")
-def _span_ab(raw, t0, g, lut, r, s):
-    """(A, B) of span s of row r (value = A * level + B), the same float32 operations as _row_scales."""
-    kind = g[G_KIND]
-    po = t0 + g[G_OFFPAR] + r * g[G_PARROW]
-    so = t0 + g[G_OFFSUB] + r * g[G_SUBROW]
-    if kind == K_Q8:
-        return _f16(raw, po + 2 * s, lut), np.float32(0)
-    if kind == K_Q2RTN:
-        return _f16(raw, po + 4 * (s >> 1), lut), _f16(raw, po + 4 * (s >> 1) + 2, lut)
-    npar = g[G_NPAR]
-    q = po + 2 * npar * (s >> 3)
-    d = _f16(raw, q, lut)
-    m = _f16(raw, q + 2, lut) if npar == 2 else np.float32(0)
-    if kind == K_Q2:
-        sb = np.int32(raw[so + s])
-        return d * np.float32(sb & 15), m * np.float32(sb >> 4)
-    if kind == K_Q4:
-        return d * np.float32(raw[so + 2 * s]), m * np.float32(raw[so + 2 * s + 1])
-    if kind == K_Q6:
-        return d * np.float32(raw[so + s]), np.float32(0)
-    return d * np.float32((np.int32(raw[so + (s >> 1)]) >> (4 * (s & 1))) & 15), m
-
-
-@njit(cache=True, fastmath=True, inline="always")
-def _combine(raw, t0, g, lut, r, xsc, xs, isum, nfs):
-    """Sum over spans 0 .. nfs-1 of A * mul * xsc * isum + (B - z * A) * xs, reading the row's f16
-    parameters once per block and its integer sub-block scales in place (no per-span arrays)."""
-    kind = g[G_KIND]
-    mul, z = _digit_form(kind)
-    po = _U(t0 + g[G_OFFPAR] + r * g[G_PARROW])
-    so = _U(t0 + g[G_OFFSUB] + r * g[G_SUBROW])
-    tot = np.float32(0)
-    if kind == K_Q8:
-        for s in range(nfs):
-            tot += _f16(raw, po + _U(2 * s), lut) * (xsc[s] * np.float32(isum[s]))
-        return tot
-    if kind == K_Q2RTN:
-        for b in range(nfs // 2):
-            q = po + _U(4 * b)
-            A = _f16(raw, q, lut)
-            B = _f16(raw, q + _U(2), lut)
-            tot += A * (xsc[2 * b] * np.float32(isum[2 * b]) + xsc[2 * b + 1] * np.float32(isum[2 * b + 1])) \
-                + B * (xs[2 * b] + xs[2 * b + 1])
-        return tot
-    npar = g[G_NPAR]
-    for blk in range((nfs + 7) // 8):
-        q = po + _U(2 * npar * blk)
-        d = _f16(raw, q, lut)
-        m = _f16(raw, q + _U(2), lut) if npar == 2 else np.float32(0)
-        if 8 * blk + 8 <= nfs:        # a whole block: a constant trip count, so it vectorizes
-            ta, tz, tb = _combine_block(raw, so, kind, xsc, xs, isum, 8 * blk, 8)
-        else:
-            ta, tz, tb = _combine_block(raw, so, kind, xsc, xs, isum, 8 * blk, nfs - 8 * blk)
-        tot += d * (mul * ta - z * tz) + m * tb
-    return tot
-
-
-@njit(cache=True, fastmath=True, inline="always")
-def _combine_block(raw, so, kind, xsc, xs, isum, s0, n):
-    """(sum sc * xsc * isum, sum sc * xs, sum mc * xs) over spans s0 .. s0+n-1 of one block."""
-    ta = np.float32(0)
-    tz = np.float32(0)
-    tb = np.float32(0)
-    if kind == K_Q2:
-        for k in range(n):
-            s = s0 + k
-            sb = np.int32(raw[so + _U(s)])
-            ta += np.float32(sb & 15) * xsc[s] * np.float32(isum[s])
-            tb += np.float32(sb >> 4) * xs[s]
-    elif kind == K_Q4:
-        for k in range(n):
-            s = s0 + k
-            ta += np.float32(raw[so + _U(2 * s)]) * xsc[s] * np.float32(isum[s])
-            tb += np.float32(raw[so + _U(2 * s + 1)]) * xs[s]
-    elif kind == K_Q6:
-        for k in range(n):
-            s = s0 + k
-            sc = np.float32(raw[so + _U(s)])
-            ta += sc * xsc[s] * np.float32(isum[s])
-            tz += sc * xs[s]
-    else:               # t1, q1: nibble scales; q1's offset m is per block (mc = 1)
-        for k in range(n):
-            s = s0 + k
-            sc = np.float32((np.int32(raw[so + _U(s >> 1)]) >> np.int32(4 * (s & 1))) & 15)
-            ta += sc * xsc[s] * np.float32(isum[s])
-            tz += sc * xs[s]
-            tb += xs[s]
-        if kind != K_Q1:
-            tb = np.float32(0)
-    return ta, tz, tb
-
-
-@njit(cache=True, fastmath=True, inline="always")
-def _row_int(raw, t0, g, lut, r, x, xq, xsc, xs, As, Bs, isum, lev, bad):
-    """x . row r of the tensor starting at byte t0 of raw, from the quantised activations."""
-    cols, kind = g[G_COLS], g[G_KIND]
-    base = t0 + g[G_OFFCODE] + r * g[G_CODEROW]
-    codes = raw[base:base + g[G_CODEROW]]
-    done = _full_cols(g)
-    if kind == K_Q2 or kind == K_Q2RTN:
-        _isum_q2(codes, xq, done // 128, isum)
-    elif kind == K_Q4:
-        _isum_q4(codes, xq, done // 64, isum)
-    elif kind == K_Q8:
-        _isum_q8(codes, xq, done // 32, isum)
-    elif kind == K_Q6:
-        _isum_q6(codes, xq, done // 128, (cols // 64) * 32 + ((cols % 64) + 1) // 2, isum)
-    elif kind == K_T1:
-        _isum_t1(codes, xq, done // 160, isum)
-    else:
-        _isum_q1(codes, xq, done // 256, isum)
-    mul, z = _digit_form(kind)
-    tot = _combine(raw, t0, g, lut, r, xsc, xs, isum, done // 32)
-    if done < cols:
-        for s in range(done // 32, cols // 32):
-            As[s], Bs[s] = _span_ab(raw, t0, g, lut, r, s)
-        tot += _tail_dot(codes, g, x, As, Bs, done, lev)
-    k_out = g[G_K]
-    prev = np.int64(-1)
-    for i in range(k_out):
-        # outliers: take back exactly what the sums above added for this column, add the stored value
-        o = t0 + g[G_OFFOCOL] + 2 * (r * k_out + i)
-        col = np.int64(raw[o]) | (np.int64(raw[o + 1]) << 8)
-        if col >= cols or col <= prev:
-            # corrupt, unless the row's columns are all zero (a sparse hole of a synthetic file)
-            for i2 in range(k_out):
-                o2 = t0 + g[G_OFFOCOL] + 2 * (r * k_out + i2)
-                if raw[o2] != 0 or raw[o2 + 1] != 0:
-                    bad[0] = 1
-            break
-        prev = col
-        v = _f16(raw, t0 + g[G_OFFOVAL] + 2 * (r * k_out + i), lut)
-        A, B = _span_ab(raw, t0, g, lut, r, col >> 5)
-        if col < done:
-            d = np.float32(_digit_full(codes, kind, col, cols))
-            used = A * mul * d * (xsc[col >> 5] * np.float32(xq[col])) + (B - z * A) * x[col]
-        else:
-            used = (A * np.float32(_level_fast(codes, g, col)) + B) * x[col]
-        tot += v * x[col] - used
-    return tot
-
-
-@njit(parallel=True, fastmath=True, cache=True)
-def _rows(raw, geoms, lut, xf, xq, xsc, xs, jobs, out, bad):
-    """The one mat-vec kernel: each job (t0, geometry, first row, end row, input, output offset)
-    multiplies rows [first, end) of the tensor at raw[t0:] (geometry geoms[geometry]) by input
-    xf[input] and writes them to out[offset:]. Every caller (a linear, the experts of a decode step,
-    attention heads) is a list of jobs, so the row kernel is compiled once, inside a prange body —
-    where numba declares the arrays free of aliasing, which makes it 1.5-2.5x faster than the same
-    loop in a plain function."""
-    for j in prange(jobs.shape[0]):
-        t0, gi, lo, hi, xi, oo = jobs[j, 0], jobs[j, 1], jobs[j, 2], jobs[j, 3], jobs[j, 4], jobs[j, 5]
-        g = geoms[gi]
-        nspan = g[G_COLS] // 32
-        As = np.empty(nspan, np.float32)
-        Bs = np.empty(nspan, np.float32)
-        isum = np.empty(nspan, np.int32)
-        lev = np.empty(256, np.float32)
-        for r in range(lo, hi):
-            out[oo + r - lo] = _row_int(raw, t0, g, lut, r, xf[xi], xq[xi], xsc[xi], xs[xi], As, Bs, isum, lev, bad)
-
+# The decode mat-vec itself is in runtime/_qdot.c. Why its activations are 16-bit and not 8 as in
+# llama.cpp: on the bundled models 8-bit activations (per 32 values) cost a KL of 4e-3 against the
+# exact product (as much as q2 itself); 16 bits cost 2e-9 (benchmarks/RESULTS.md).
 
 @njit(parallel=True, fastmath=True, cache=True)
 def _heads_t(raw, g, lut, v, stride, out):
@@ -719,20 +347,6 @@ def _tail_levels(codes, g, start, lev):
                 lev[o + j] = mul * np.float32((np.int32(tail[j]) >> sh) & mask) + add
 
 
-@njit(cache=True, fastmath=True)
-def _tail_dot(codes, g, x, As, Bs, start, lev):
-    """The tail chunk (columns start..cols) of one row: levels into lev (>= 256 floats), then spans."""
-    n = g[G_COLS] - start
-    _tail_levels(codes, g, start, lev)
-    tot = np.float32(0)
-    for i in range(n // 32):
-        a, b = As[(start >> 5) + i], Bs[(start >> 5) + i]
-        xo = start + 32 * i
-        for j in range(32):
-            tot += (a * lev[32 * i + j] + b) * x[xo + j]
-    return tot
-
-
 # ----------------------------------------------------------------------------------------------- public API
 
 def _prepare(codec_name: str, raw, shape):
@@ -785,8 +399,19 @@ def quantize_activations(x: np.ndarray):
     x = np.ascontiguousarray(x, dtype=np.float32)
     n = x.shape[0] // 32
     xq, xsc, xs = np.empty(x.shape[0], XQ_DTYPE), np.empty(n, np.float32), np.empty(n, np.float32)
-    _quantize_x(x, xq, xsc, xs)
+    _qdot.quantize(x, xq, xsc, xs)
     return xq, xsc, xs
+
+
+def isa() -> str:
+    """The instruction set the mat-vec kernel runs with ("avx2" or "generic")."""
+    return _qdot.isa()
+
+
+def set_threads(n: int) -> None:
+    """Threads of the mat-vec kernel (the caller's included)."""
+    global _threads
+    _threads = max(1, int(n))
 
 
 def dequantize(codec: str, raw, shape) -> np.ndarray:
@@ -847,25 +472,11 @@ def _head_jobs(nh: int, stride: int, first: int, n: int) -> np.ndarray:
 
 
 def _run(raw, geoms, xf, jobs, out, weights: int, what: str) -> None:
-    """Quantise the inputs xf [n, cols] and run the jobs, on one thread for a small amount of work."""
-    n, cols = xf.shape
-    xq = np.empty((n, cols), XQ_DTYPE)
-    xsc = np.empty((n, cols // 32), np.float32)
-    xs = np.empty((n, cols // 32), np.float32)
-    _quantize_rows(xf, xq, xsc, xs)
-    bad = np.zeros(1, np.int64)
-    if weights < PARALLEL_MIN_WEIGHTS:
-        threads = get_num_threads()
-        set_num_threads(1)
-        try:
-            _rows(raw, geoms, _F16_TO_F32, xf, xq, xsc, xs, jobs, out, bad)
-        finally:
-            set_num_threads(threads)
-    else:
-        # dynamic scheduling in small chunks: a thread that loses its core does not hold up the call
-        with parallel_chunksize(2):
-            _rows(raw, geoms, _F16_TO_F32, xf, xq, xsc, xs, jobs, out, bad)
-    _raise_if_bad(bad, what)
+    """Run the jobs in the C kernel (which quantises the inputs xf [n, cols] itself), on the calling
+    thread alone for a small amount of work."""
+    threads = _threads if weights >= PARALLEL_MIN_WEIGHTS else 1
+    if _qdot.rows(raw, geoms, xf, jobs, out, threads):
+        raise CodecError(f"{what}: corrupt data: outlier columns out of range or not increasing")
 
 
 def linear(x: np.ndarray, codec: str, raw, shape: tuple) -> np.ndarray:

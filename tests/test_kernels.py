@@ -13,11 +13,23 @@ import numpy as np
 import pytest
 
 from kimistream.formats.codecs import CodecError, get_codec
-from kimistream.runtime import kernels
+from kimistream.runtime import _qdot, kernels
 
 NAMES = ("q8", "q6", "q4", "q2", "q2rtn", "t1", "q1")
 # full chunks only, tails after full chunks, tail only, outliers in q2/t1/q1, > 64 rows (row blocks)
 SHAPES = [(9, 256), (7, 192), (5, 1088), (3, 2048), (70, 224), (1, 7168), (1, 32)]
+
+
+@pytest.fixture(params=["avx2", "generic"])
+def isa(request):
+    """Run a test on each instruction-set path of the C kernel this machine has."""
+    before = _qdot.isa()
+    try:
+        _qdot.set_isa(request.param)
+    except ValueError:
+        pytest.skip(f"no {request.param} on this machine")
+    yield request.param
+    _qdot.set_isa(before)
 
 
 def weight(shape, seed):
@@ -65,9 +77,11 @@ def test_has_kernel(name):
 
 @pytest.mark.parametrize("name,shape", [(n, s) for n in NAMES for s in SHAPES if get_codec(n).supports(s)])
 @pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
-def test_dequantize_bit_exact_and_linear_matches(name, shape, parallel, monkeypatch):
-    # weights of PARALLEL_MIN_WEIGHTS or more run on every thread: lower it to test that
+def test_dequantize_bit_exact_and_linear_matches(name, shape, parallel, isa, monkeypatch):
+    # weights of PARALLEL_MIN_WEIGHTS or more run on every thread: lower it to test that, with more
+    # threads than this machine may have cores
     monkeypatch.setattr(kernels, "PARALLEL_MIN_WEIGHTS", 0 if parallel else 1 << 40)
+    monkeypatch.setattr(kernels, "_threads", 3)
     c = get_codec(name)
     w = weight(shape, seed=shape[1])
     raw = c.encode(w)
@@ -91,7 +105,7 @@ def test_dequantize_bit_exact_and_linear_matches(name, shape, parallel, monkeypa
 
 
 @pytest.mark.parametrize("name", ["q2", "t1", "q1"])
-def test_outlier_rows(name):
+def test_outlier_rows(name, isa):
     shape = (6, 2048)
     w = weight(shape, seed=9)
     w[3, 100] = 300.0
@@ -140,6 +154,23 @@ def test_bad_input_is_refused():
         kernels.dequantize("q2", raw, (2, 2, 1024))
 
 
+def test_c_kernel_refuses_jobs_outside_its_buffers():
+    c = get_codec("q2")
+    shape = (4, 256)
+    raw = kernels._readonly(c.encode(weight(shape, 4)))
+    g = kernels._geometry_vector(c, shape)[None, :]
+    x = np.ones((1, 256), np.float32)
+    out = np.empty(4, np.float32)
+    ok = np.array([[0, 0, 0, 4, 0, 0]], np.int64)
+    assert _qdot.rows(raw, g, x, ok, out, 1) == 0
+    for bad in ([1, 0, 0, 4, 0, 0], [0, 1, 0, 4, 0, 0], [0, 0, 0, 5, 0, 0], [0, 0, 0, 4, 1, 0],
+                [0, 0, 0, 4, 0, 1], [0, 0, 3, 2, 0, 0], [-1, 0, 0, 4, 0, 0]):
+        with pytest.raises(ValueError, match="job|geometry"):
+            _qdot.rows(raw, g, x, np.array([bad], np.int64), out, 1)
+    with pytest.raises(ValueError):
+        _qdot.rows(raw, g, np.ones((1, 128), np.float32), ok, out, 1)
+
+
 def test_empty():
     c = get_codec("t1")
     raw = c.encode(np.zeros((0, 256), np.float32))
@@ -148,7 +179,7 @@ def test_empty():
 
 
 @pytest.mark.parametrize("gu,dn", [("q2", "q2"), ("t1", "q4"), ("q1", "q6"), ("q8", "q2rtn")])
-def test_fused_experts_equal_linear_calls(gu, dn):
+def test_fused_experts_equal_linear_calls(gu, dn, isa):
     """kernels.moe_decode (all routed experts of a token in one call) against the same experts run
     through linear() one at a time: the same integer arithmetic, so float32 rounding apart."""
     hidden, inter, n = 256, 192 if dn != "q2rtn" else 256, 3

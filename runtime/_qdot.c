@@ -1,0 +1,865 @@
+/* The decode mat-vec kernel in C: y[r] = x . W[r] straight from a block codec's packed bytes
+ * (layout in formats/SPEC.md), with integer dot products.
+ *
+ * x is quantised once per call to int16 per 32 values (x ~ xsc[s] * xq on span s, exact float sum
+ * xs[s] kept). A row whose weights are A[s] * (mul * digit - z) + B[s] on span s then gives
+ *     sum_s  A[s] * mul * xsc[s] * isum[s] + (B[s] - z * A[s]) * xs[s],   isum[s] = sum digit * xq
+ * The portable path computes isum per span and then the sum. The AVX2 path first decodes every span's
+ * coefficients 8 at a time, then runs one loop per codec: 32 code bytes per load, digits in int16
+ * lanes multiplied pairwise with x into int32 lanes (vpmaddwd), turned to float and scaled per span
+ * into a float accumulator (see "AVX2 kernels" below). Columns past the last whole code chunk (the tail) are dotted in float, and each stored
+ * outlier replaces exactly what the sums above added for its column.
+ *
+ * Work comes as a list of jobs (tensor offset, geometry, row range, input, output offset), shared
+ * out through a small pool of threads the caller also works in: a job is taken with one atomic
+ * add, so a thread that loses its core holds nobody up. The GIL is released while it runs.
+ * A portable C path (no intrinsics) is kept for CPUs without AVX2 and for tests.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define HAVE_X86 1
+#else
+#define HAVE_X86 0
+#endif
+
+/* the geometry vector built by kernels._geometry_cached */
+enum { G_ROWS, G_COLS, G_NSUB, G_NBLK, G_K, G_PARROW, G_SUBROW, G_CODEROW, G_OFFPAR, G_OFFOCOL, G_OFFOVAL,
+       G_OFFSUB, G_OFFCODE, G_NBYTES, G_KIND, G_S, G_P, G_NPAR, G_BITS0, G_PB0, G_BITS1, G_PB1, G_LEN };
+/* codec kinds, as in formats/quants.py */
+enum { K_Q8, K_Q6, K_Q4, K_Q2, K_Q2RTN, K_T1, K_Q1 };
+#define JOB_LEN 6
+#define XQ_MAX 32767.0f
+
+/* ------------------------------------------------------------------------------------------- scalars */
+
+static float pow2_f16[32];
+
+static void init_tables(void) {
+    pow2_f16[0] = ldexpf(1.0f, -24);
+    for (int e = 1; e < 31; e++) pow2_f16[e] = ldexpf(1.0f, e - 25);
+    pow2_f16[31] = INFINITY;
+}
+
+/* the little-endian binary16 at p, exactly (the encoder never writes NaN) */
+static inline float f16_at(const uint8_t *p) {
+    int h = p[0] | (p[1] << 8);
+    int e = (h >> 10) & 31;
+    float mag = (float)((h & 1023) | ((e != 0) << 10)) * pow2_f16[e];
+    return (h & 0x8000) ? -mag : mag;
+}
+
+static inline void digit_form(int kind, float *mul, float *z) {
+    *mul = kind == K_Q1 ? 2.0f : 1.0f;
+    *z = kind == K_Q6 ? 32.0f : (kind == K_T1 || kind == K_Q1) ? 1.0f : 0.0f;
+}
+
+/* columns covered by whole code chunks; the rest is the tail */
+static inline int64_t full_cols(const int64_t *g) {
+    if (g[G_KIND] == K_Q6) return (g[G_COLS] / 128) * 128;
+    return (g[G_COLS] / (32 * g[G_PB0])) * 32 * g[G_PB0];
+}
+
+static inline int64_t q6_lo_bytes(int64_t cols) { return (cols / 64) * 32 + ((cols % 64) + 1) / 2; }
+
+/* (A, B) of span s of row r: weight = A * level + B */
+static void span_ab(const uint8_t *t, const int64_t *g, int64_t r, int64_t s, float *A, float *B) {
+    int kind = (int)g[G_KIND];
+    const uint8_t *po = t + g[G_OFFPAR] + r * g[G_PARROW];
+    const uint8_t *so = t + g[G_OFFSUB] + r * g[G_SUBROW];
+    if (kind == K_Q8) { *A = f16_at(po + 2 * s); *B = 0; return; }
+    if (kind == K_Q2RTN) { *A = f16_at(po + 4 * (s >> 1)); *B = f16_at(po + 4 * (s >> 1) + 2); return; }
+    int64_t npar = g[G_NPAR];
+    const uint8_t *q = po + 2 * npar * (s >> 3);
+    float d = f16_at(q), m = npar == 2 ? f16_at(q + 2) : 0.0f;
+    switch (kind) {
+    case K_Q2: *A = d * (float)(so[s] & 15); *B = m * (float)(so[s] >> 4); return;
+    case K_Q4: *A = d * (float)so[2 * s]; *B = m * (float)so[2 * s + 1]; return;
+    case K_Q6: *A = d * (float)so[s]; *B = 0; return;
+    default: *A = d * (float)((so[s >> 1] >> (4 * (s & 1))) & 15); *B = m; return;   /* t1, q1 */
+    }
+}
+
+/* digit idx of a plane of n codes packed p per byte (bits 0: base-3 trits) starting at base */
+static inline int plane_digit(const uint8_t *base, int64_t n, int64_t p, int64_t bits, int64_t idx) {
+    static const int pow3[5] = {1, 3, 9, 27, 81};
+    int64_t chunk = 32 * p, full = n / chunk, c = idx / chunk, k, b;
+    if (c < full) {
+        int64_t w = idx - c * chunk;
+        k = w / 32;
+        b = base[c * 32 + w - k * 32];
+    } else {
+        int64_t lane = (n - full * chunk + p - 1) / p, w = idx - full * chunk;
+        k = w / lane;
+        b = base[full * 32 + w - k * lane];
+    }
+    if (bits == 0) return (int)((((b * pow3[k]) & 255) * 3) >> 8);
+    return (int)((b >> (k * bits)) & ((1 << bits) - 1));
+}
+
+/* the level (mul * digit - z) of column col of a row's codes */
+static inline int level_at(const uint8_t *codes, const int64_t *g, int64_t col) {
+    int kind = (int)g[G_KIND];
+    int64_t cols = g[G_COLS];
+    int d = plane_digit(codes, cols, g[G_PB0], g[G_BITS0], col);
+    switch (kind) {
+    case K_Q8: return d - ((d & 128) << 1);
+    case K_Q6: return (d | (plane_digit(codes + q6_lo_bytes(cols), cols, g[G_PB1], g[G_BITS1], col) << 4)) - 32;
+    case K_T1: return d - 1;
+    case K_Q1: return 2 * d - 1;
+    default: return d;
+    }
+}
+
+/* the stored digit of column col, col inside the whole chunks: shifts by constants, no division
+   by a variable (this runs for every outlier) */
+static inline int digit_full(int kind, const uint8_t *codes, int64_t col, int64_t cols) {
+    int64_t lane = col & 31;
+    switch (kind) {
+    case K_Q2: case K_Q2RTN: return (codes[((col >> 7) << 5) | lane] >> (2 * ((col >> 5) & 3))) & 3;
+    case K_Q4: return (codes[((col >> 6) << 5) | lane] >> (4 * ((col >> 5) & 1))) & 15;
+    case K_Q8: return (int8_t)codes[col];
+    case K_Q1: return (codes[((col >> 8) << 5) | lane] >> ((col >> 5) & 7)) & 1;
+    case K_Q6: {
+        int lo = (codes[((col >> 6) << 5) | lane] >> (4 * ((col >> 5) & 1))) & 15;
+        int hi = (codes[q6_lo_bytes(cols) + (((col >> 7) << 5) | lane)] >> (2 * ((col >> 5) & 3))) & 3;
+        return lo | (hi << 4);
+    }
+    default: {                                   /* t1: 160 weights per 32 bytes */
+        static const int pow3[5] = {1, 3, 9, 27, 81};
+        int64_t ch = col / 160;
+        int k = (int)((col - 160 * ch) >> 5);
+        return ((((int)codes[32 * ch + lane] * pow3[k]) & 255) * 3) >> 8;
+    }
+    }
+}
+
+/* levels of the tail (columns start .. cols-1, fewer than one chunk) into lev: field k of the tail
+   bytes holds columns k * lane .. k * lane + lane - 1, lane = ceil(n / per_byte) */
+static void tail_levels(const uint8_t *codes, const int64_t *g, int64_t start, float *lev) {
+    static const int pow3[5] = {1, 3, 9, 27, 81};
+    int kind = (int)g[G_KIND];
+    int64_t cols = g[G_COLS], n = cols - start, p = g[G_PB0], bits = g[G_BITS0];
+    if (kind == K_Q6) {
+        for (int64_t i = 0; i < n; i++) lev[i] = (float)level_at(codes, g, start + i);
+        return;
+    }
+    float mul, z;
+    digit_form(kind, &mul, &z);
+    int64_t lane = (n + p - 1) / p;
+    const uint8_t *tail = codes + (start / (32 * p)) * 32;
+    for (int64_t k = 0; k < p; k++) {
+        int64_t o = k * lane, jn = n - o < lane ? n - o : lane;
+        for (int64_t j = 0; j < jn; j++) {
+            int d = bits == 0 ? ((((int)tail[j] * pow3[k]) & 255) * 3) >> 8
+                  : kind == K_Q8 ? (int8_t)tail[j] : (tail[j] >> (k * bits)) & ((1 << bits) - 1);
+            lev[o + j] = mul * (float)d - z;
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------- portable digit sums */
+/* isum[s] for every span of the whole chunks, n chunks */
+
+static void isum_q2_c(const uint8_t *c, const int16_t *x, int64_t n, int32_t *isum) {
+    for (int64_t i = 0; i < n; i++, c += 32, x += 128) {
+        int32_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+        for (int j = 0; j < 32; j++) {
+            int b = c[j];
+            s0 += (b & 3) * x[j]; s1 += ((b >> 2) & 3) * x[32 + j];
+            s2 += ((b >> 4) & 3) * x[64 + j]; s3 += (b >> 6) * x[96 + j];
+        }
+        isum[4 * i] = s0; isum[4 * i + 1] = s1; isum[4 * i + 2] = s2; isum[4 * i + 3] = s3;
+    }
+}
+
+static void isum_q4_c(const uint8_t *c, const int16_t *x, int64_t n, int32_t *isum) {
+    for (int64_t i = 0; i < n; i++, c += 32, x += 64) {
+        int32_t s0 = 0, s1 = 0;
+        for (int j = 0; j < 32; j++) { s0 += (c[j] & 15) * x[j]; s1 += (c[j] >> 4) * x[32 + j]; }
+        isum[2 * i] = s0; isum[2 * i + 1] = s1;
+    }
+}
+
+static void isum_q8_c(const uint8_t *c, const int16_t *x, int64_t n, int32_t *isum) {
+    for (int64_t i = 0; i < n; i++, c += 32, x += 32) {
+        int32_t s0 = 0;
+        for (int j = 0; j < 32; j++) s0 += (int8_t)c[j] * x[j];
+        isum[i] = s0;
+    }
+}
+
+static void isum_q6_c(const uint8_t *c, const int16_t *x, int64_t n, int64_t lo_bytes, int32_t *isum) {
+    for (int64_t i = 0; i < n; i++, x += 128) {
+        const uint8_t *lo = c + 64 * i, *hi = c + lo_bytes + 32 * i;
+        int32_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+        for (int j = 0; j < 32; j++) {
+            int h = hi[j], l0 = lo[j], l1 = lo[32 + j];
+            s0 += ((l0 & 15) | ((h & 3) << 4)) * x[j];
+            s1 += ((l0 >> 4) | (((h >> 2) & 3) << 4)) * x[32 + j];
+            s2 += ((l1 & 15) | (((h >> 4) & 3) << 4)) * x[64 + j];
+            s3 += ((l1 >> 4) | ((h >> 6) << 4)) * x[96 + j];
+        }
+        isum[4 * i] = s0; isum[4 * i + 1] = s1; isum[4 * i + 2] = s2; isum[4 * i + 3] = s3;
+    }
+}
+
+/* trit k of byte q is ((q * 3^k) mod 256) * 3 >> 8: u = 3 * t gives the digit u >> 8, next t = u & 255 */
+static void isum_t1_c(const uint8_t *c, const int16_t *x, int64_t n, int32_t *isum) {
+    for (int64_t i = 0; i < n; i++, c += 32, x += 160) {
+        int32_t s[5] = {0, 0, 0, 0, 0};
+        for (int j = 0; j < 32; j++) {
+            int t = c[j];
+            for (int k = 0; k < 5; k++) { int u = 3 * t; s[k] += (u >> 8) * x[32 * k + j]; t = u & 255; }
+        }
+        for (int k = 0; k < 5; k++) isum[5 * i + k] = s[k];
+    }
+}
+
+static void isum_q1_c(const uint8_t *c, const int16_t *x, int64_t n, int32_t *isum) {
+    for (int64_t i = 0; i < n; i++, c += 32, x += 256) {
+        int32_t s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int j = 0; j < 32; j++)
+            for (int k = 0; k < 8; k++) s[k] += ((c[j] >> k) & 1) * x[32 * k + j];
+        for (int k = 0; k < 8; k++) isum[8 * i + k] = s[k];
+    }
+}
+
+static void isum_c(const uint8_t *codes, const int64_t *g, const int16_t *xq, int64_t done, int32_t *isum) {
+    switch ((int)g[G_KIND]) {
+    case K_Q2: case K_Q2RTN: isum_q2_c(codes, xq, done / 128, isum); break;
+    case K_Q4: isum_q4_c(codes, xq, done / 64, isum); break;
+    case K_Q8: isum_q8_c(codes, xq, done / 32, isum); break;
+    case K_Q6: isum_q6_c(codes, xq, done / 128, q6_lo_bytes(g[G_COLS]), isum); break;
+    case K_T1: isum_t1_c(codes, xq, done / 160, isum); break;
+    default: isum_q1_c(codes, xq, done / 256, isum); break;
+    }
+}
+
+/* sum over spans s0 .. nfs-1 of A * mul * xsc * isum + (B - z * A) * xs, span by span */
+static float combine_c(const uint8_t *t, const int64_t *g, int64_t r, const float *xsc, const float *xs,
+                       const int32_t *isum, int64_t s0, int64_t nfs) {
+    float mul, z, tot = 0;
+    digit_form((int)g[G_KIND], &mul, &z);
+    for (int64_t s = s0; s < nfs; s++) {
+        float A, B;
+        span_ab(t, g, r, s, &A, &B);
+        tot += A * mul * (xsc[s] * (float)isum[s]) + (B - z * A) * xs[s];
+    }
+    return tot;
+}
+
+/* ------------------------------------------------------------------------------------ AVX2 kernels */
+/* No shuffles in the hot loop (one shuffle port on most x86 cores): digits are taken from the even
+ * and the odd bytes of a 32-byte load into 16-bit lanes with shifts and masks, and x is stored
+ * de-interleaved per span (xp: the 16 even positions, then the 16 odd ones) to match. Each span's
+ * int32 lanes are turned to float and scaled by the span's coefficient c[s] = A * mul * xsc (a
+ * broadcast from memory) into one float accumulator: nothing is summed across lanes until the row
+ * ends. */
+#if HAVE_X86
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+#define LOAD32(p) _mm256_loadu_si256((const __m256i *)(p))
+
+AVX2 static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* x quantised straight into the de-interleaved order xp[32s + i] = q(x[32s + 2i]),
+   xp[32s + 16 + i] = q(x[32s + 2i + 1]), with the span scales and float sums */
+AVX2 static void quantize_avx2(const float *x, int64_t cols, int16_t *xp, float *xsc, float *xs) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i ev = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    for (int64_t s = 0; s < cols / 32; s++) {
+        const float *v = x + 32 * s;
+        __m256 f0 = _mm256_loadu_ps(v), f1 = _mm256_loadu_ps(v + 8), f2 = _mm256_loadu_ps(v + 16),
+               f3 = _mm256_loadu_ps(v + 24);
+        __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, f0), _mm256_andnot_ps(sign, f1)),
+                                  _mm256_max_ps(_mm256_andnot_ps(sign, f2), _mm256_andnot_ps(sign, f3)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        xs[s] = hsum8(_mm256_add_ps(_mm256_add_ps(f0, f1), _mm256_add_ps(f2, f3)));
+        xsc[s] = amax / XQ_MAX;
+        __m256 inv = _mm256_set1_ps(amax > 0 ? XQ_MAX / amax : 0.0f);
+        /* [0 2 4 6 | 1 3 5 7] of each 8, then evens and odds of 16 */
+        __m256 p0 = _mm256_permutevar8x32_ps(f0, ev), p1 = _mm256_permutevar8x32_ps(f1, ev);
+        __m256 p2 = _mm256_permutevar8x32_ps(f2, ev), p3 = _mm256_permutevar8x32_ps(f3, ev);
+        __m256i e0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_permute2f128_ps(p0, p1, 0x20), inv));
+        __m256i o0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_permute2f128_ps(p0, p1, 0x31), inv));
+        __m256i e1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_permute2f128_ps(p2, p3, 0x20), inv));
+        __m256i o1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_permute2f128_ps(p2, p3, 0x31), inv));
+        _mm256_storeu_si256((__m256i *)(xp + 32 * s), _mm256_permute4x64_epi64(_mm256_packs_epi32(e0, e1), 0xD8));
+        _mm256_storeu_si256((__m256i *)(xp + 32 * s + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(o0, o1), 0xD8));
+    }
+}
+
+/* one span: even and odd digits (int16 lanes) times x, scaled by c into acc */
+AVX2 static inline __m256 span(__m256 acc, __m256i even, __m256i odd, const int16_t *xp, const float *c) {
+    __m256i v = _mm256_add_epi32(_mm256_madd_epi16(even, LOAD32(xp)), _mm256_madd_epi16(odd, LOAD32(xp + 16)));
+    return _mm256_fmadd_ps(_mm256_broadcast_ss(c), _mm256_cvtepi32_ps(v), acc);
+}
+
+#define EVEN(v, sh, m) _mm256_and_si256(_mm256_srli_epi16(v, sh), m)
+
+AVX2 static __m256 dot_q2(const uint8_t *c8, const int16_t *x, int64_t n, const float *c, __m256 acc) {
+    const __m256i m = _mm256_set1_epi16(3);
+    __m256 a1 = _mm256_setzero_ps(), a2 = a1, a3 = a1;
+    for (int64_t i = 0; i < n; i++, c8 += 32, x += 128, c += 4) {
+        __m256i v = LOAD32(c8);
+        acc = span(acc, _mm256_and_si256(v, m), EVEN(v, 8, m), x, c);
+        a1 = span(a1, EVEN(v, 2, m), EVEN(v, 10, m), x + 32, c + 1);
+        a2 = span(a2, EVEN(v, 4, m), EVEN(v, 12, m), x + 64, c + 2);
+        a3 = span(a3, EVEN(v, 6, m), _mm256_srli_epi16(v, 14), x + 96, c + 3);
+    }
+    return _mm256_add_ps(_mm256_add_ps(acc, a1), _mm256_add_ps(a2, a3));
+}
+
+AVX2 static __m256 dot_q4(const uint8_t *c8, const int16_t *x, int64_t n, const float *c, __m256 acc) {
+    const __m256i m = _mm256_set1_epi16(15);
+    __m256 a1 = _mm256_setzero_ps(), a2 = a1, a3 = a1;
+    int64_t i = 0;
+    for (; i + 2 <= n; i += 2, c8 += 64, x += 128, c += 4) {
+        __m256i v = LOAD32(c8), w = LOAD32(c8 + 32);
+        acc = span(acc, _mm256_and_si256(v, m), EVEN(v, 8, m), x, c);
+        a1 = span(a1, EVEN(v, 4, m), _mm256_srli_epi16(v, 12), x + 32, c + 1);
+        a2 = span(a2, _mm256_and_si256(w, m), EVEN(w, 8, m), x + 64, c + 2);
+        a3 = span(a3, EVEN(w, 4, m), _mm256_srli_epi16(w, 12), x + 96, c + 3);
+    }
+    if (i < n) {
+        __m256i v = LOAD32(c8);
+        acc = span(acc, _mm256_and_si256(v, m), EVEN(v, 8, m), x, c);
+        a1 = span(a1, EVEN(v, 4, m), _mm256_srli_epi16(v, 12), x + 32, c + 1);
+    }
+    return _mm256_add_ps(_mm256_add_ps(acc, a1), _mm256_add_ps(a2, a3));
+}
+
+AVX2 static __m256 dot_q8(const uint8_t *c8, const int16_t *x, int64_t n, const float *c, __m256 acc) {
+    __m256 a[4] = {acc, _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t i = 0; i < n; i++, c8 += 32, x += 32, c += 1) {
+        __m256i v = LOAD32(c8);
+        a[i & 3] = span(a[i & 3], _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8), _mm256_srai_epi16(v, 8), x, c);
+    }
+    return _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
+}
+
+AVX2 static __m256 dot_q6(const uint8_t *c8, const int16_t *x, int64_t n, int64_t lo_bytes, const float *c,
+                          __m256 acc) {
+    const __m256i m15 = _mm256_set1_epi8(15), m48 = _mm256_set1_epi8(48), lo8 = _mm256_set1_epi16(255);
+    __m256 a[4] = {acc, _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t i = 0; i < n; i++, x += 128, c += 4) {
+        __m256i l0 = LOAD32(c8 + 64 * i), l1 = LOAD32(c8 + 64 * i + 32), h = LOAD32(c8 + lo_bytes + 32 * i);
+        __m256i d[4] = {
+            _mm256_or_si256(_mm256_and_si256(l0, m15), _mm256_and_si256(_mm256_slli_epi16(h, 4), m48)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m15), _mm256_and_si256(_mm256_slli_epi16(h, 2), m48)),
+            _mm256_or_si256(_mm256_and_si256(l1, m15), _mm256_and_si256(h, m48)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m15), _mm256_and_si256(_mm256_srli_epi16(h, 2), m48)),
+        };
+        for (int k = 0; k < 4; k++)
+            a[k] = span(a[k], _mm256_and_si256(d[k], lo8), _mm256_srli_epi16(d[k], 8), x + 32 * k, c + k);
+    }
+    return _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
+}
+
+/* trits in 16-bit lanes: u = 3t, digit u >> 8, next t = u & 255 */
+AVX2 static __m256 dot_t1(const uint8_t *c8, const int16_t *x, int64_t n, const float *c, __m256 acc) {
+    const __m256i lo8 = _mm256_set1_epi16(255);
+    __m256 a[5] = {acc, _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t i = 0; i < n; i++, c8 += 32, x += 160, c += 5) {
+        __m256i v = LOAD32(c8);
+        __m256i te = _mm256_and_si256(v, lo8), to = _mm256_srli_epi16(v, 8);
+        for (int k = 0; k < 5; k++) {
+            __m256i ue = _mm256_add_epi16(te, _mm256_add_epi16(te, te));
+            __m256i uo = _mm256_add_epi16(to, _mm256_add_epi16(to, to));
+            a[k] = span(a[k], _mm256_srli_epi16(ue, 8), _mm256_srli_epi16(uo, 8), x + 32 * k, c + k);
+            te = _mm256_and_si256(ue, lo8);
+            to = _mm256_and_si256(uo, lo8);
+        }
+    }
+    return _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])), a[4]);
+}
+
+AVX2 static __m256 dot_q1(const uint8_t *c8, const int16_t *x, int64_t n, const float *c, __m256 acc) {
+    const __m256i m = _mm256_set1_epi16(1);
+    __m256 a[4] = {acc, _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t i = 0; i < n; i++, c8 += 32, x += 256, c += 8) {
+        __m256i v = LOAD32(c8);
+        for (int k = 0; k < 8; k++) a[k & 3] = span(a[k & 3], EVEN(v, k, m), EVEN(v, 8 + k, m), x + 32 * k, c + k);
+    }
+    return _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
+}
+
+/* c[s] = A * mul * xsc[s] and c[nfs + s] = B - z * A for spans 0 .. nfs-1, and the sum of
+   (B - z * A) * xs as the return value,
+   8 spans per step with the spans' (A, B) decoded as vectors */
+AVX2 static float coefs_avx2(const uint8_t *t, const int64_t *g, int64_t r, const float *xsc, const float *xs,
+                             int64_t nfs, float *c) {
+    int kind = (int)g[G_KIND];
+    float mul, z;
+    digit_form(kind, &mul, &z);
+    const uint8_t *po = t + g[G_OFFPAR] + r * g[G_PARROW];
+    const uint8_t *so = t + g[G_OFFSUB] + r * g[G_SUBROW];
+    int64_t npar = g[G_NPAR], nb = nfs / 8;
+    __m256 acc = _mm256_setzero_ps();
+    const __m256 vmul = _mm256_set1_ps(mul), vz = _mm256_set1_ps(z);
+    const __m256i m15 = _mm256_set1_epi32(15), nib = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    for (int64_t b = 0; b < nb; b++) {
+        __m256 A, B;
+        if (kind == K_Q8) {
+            A = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(po + 16 * b)));
+            B = _mm256_setzero_ps();
+        } else if (kind == K_Q2RTN) {
+            __m256 p = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(po + 16 * b)));
+            A = _mm256_permutevar8x32_ps(p, _mm256_setr_epi32(0, 0, 2, 2, 4, 4, 6, 6));
+            B = _mm256_permutevar8x32_ps(p, _mm256_setr_epi32(1, 1, 3, 3, 5, 5, 7, 7));
+        } else {
+            const uint8_t *q = po + 2 * npar * b;
+            __m256 d = _mm256_set1_ps(f16_at(q)), m = _mm256_set1_ps(npar == 2 ? f16_at(q + 2) : 0.0f);
+            if (kind == K_Q2) {
+                __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(so + 8 * b)));
+                A = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(v, m15)));
+                B = _mm256_mul_ps(m, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)));
+            } else if (kind == K_Q4) {
+                __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(so + 16 * b)));
+                A = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(255))));
+                B = _mm256_mul_ps(m, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 8)));
+            } else if (kind == K_Q6) {
+                __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(so + 8 * b)));
+                A = _mm256_mul_ps(d, _mm256_cvtepi32_ps(v));
+                B = _mm256_setzero_ps();
+            } else {            /* t1, q1: eight 4-bit scales in 4 bytes */
+                uint32_t w;
+                memcpy(&w, so + 4 * b, 4);
+                __m256i v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), nib), m15);
+                A = _mm256_mul_ps(d, _mm256_cvtepi32_ps(v));
+                B = m;
+            }
+        }
+        __m256 e = _mm256_fnmadd_ps(vz, A, B);
+        _mm256_storeu_ps(c + 8 * b, _mm256_mul_ps(_mm256_mul_ps(A, vmul), _mm256_loadu_ps(xsc + 8 * b)));
+        _mm256_storeu_ps(c + nfs + 8 * b, e);
+        acc = _mm256_fmadd_ps(e, _mm256_loadu_ps(xs + 8 * b), acc);
+    }
+    float tot = hsum8(acc);
+    for (int64_t s = 8 * nb; s < nfs; s++) {
+        float A, B;
+        span_ab(t, g, r, s, &A, &B);
+        c[s] = A * mul * xsc[s];
+        c[nfs + s] = B - z * A;
+        tot += (B - z * A) * xs[s];
+    }
+    return tot;
+}
+
+/* the whole chunks of one row: sum over spans of A * mul * xsc * isum + (B - z * A) * xs */
+AVX2 static float whole_avx2(const uint8_t *t, const int64_t *g, int64_t r, const uint8_t *codes, const int16_t *xp,
+                             const float *xsc, const float *xs, int64_t done, float *c) {
+    float tot = coefs_avx2(t, g, r, xsc, xs, done / 32, c);
+    __m256 acc = _mm256_setzero_ps();
+    switch ((int)g[G_KIND]) {
+    case K_Q2: case K_Q2RTN: acc = dot_q2(codes, xp, done / 128, c, acc); break;
+    case K_Q4: acc = dot_q4(codes, xp, done / 64, c, acc); break;
+    case K_Q8: acc = dot_q8(codes, xp, done / 32, c, acc); break;
+    case K_Q6: acc = dot_q6(codes, xp, done / 128, q6_lo_bytes(g[G_COLS]), c, acc); break;
+    case K_T1: acc = dot_t1(codes, xp, done / 160, c, acc); break;
+    default: acc = dot_q1(codes, xp, done / 256, c, acc); break;
+    }
+    return tot + hsum8(acc);
+}
+#endif
+
+static int use_avx2;
+
+/* ---------------------------------------------------------------------------------------- one row */
+
+/* the quantised x of column col: natural order (portable path) or de-interleaved (AVX2) */
+static inline int xq_at(const int16_t *xq, const int16_t *xp, int64_t col) {
+    if (!use_avx2) return xq[col];
+    int64_t j = col & 31;
+    return xp[(col & ~(int64_t)31) | ((j & 1) ? 16 + (j >> 1) : (j >> 1))];
+}
+
+static float row_dot(const uint8_t *t, const int64_t *g, int64_t r, const float *x, const int16_t *xq,
+                     const int16_t *xp, const float *xsc, const float *xs, int32_t *isum, atomic_int *bad) {
+    int kind = (int)g[G_KIND];
+    int64_t cols = g[G_COLS], done = full_cols(g), k = g[G_K];
+    const uint8_t *codes = t + g[G_OFFCODE] + r * g[G_CODEROW];
+    float mul, z, tot;
+    digit_form(kind, &mul, &z);
+    if (r + 1 < g[G_ROWS]) {
+        /* the next row's small streams (parameters, scales, outliers): too short and too many for
+           the hardware prefetcher to pick up in time */
+        __builtin_prefetch(t + g[G_OFFPAR] + (r + 1) * g[G_PARROW]);
+        __builtin_prefetch(t + g[G_OFFSUB] + (r + 1) * g[G_SUBROW]);
+        __builtin_prefetch(t + g[G_OFFOCOL] + 2 * (r + 1) * k);
+        __builtin_prefetch(t + g[G_OFFOVAL] + 2 * (r + 1) * k);
+    }
+#if HAVE_X86
+    if (use_avx2)
+        tot = whole_avx2(t, g, r, codes, xp, xsc, xs, done, (float *)isum);
+    else
+#endif
+    {
+        isum_c(codes, g, xq, done, isum);
+        tot = combine_c(t, g, r, xsc, xs, isum, 0, done / 32);
+    }
+    float lev[256];                                             /* a tail is shorter than a chunk */
+    if (done < cols) {
+        tail_levels(codes, g, done, lev);
+        for (int64_t s = done / 32; s < cols / 32; s++) {
+            float A, B, part = 0;
+            span_ab(t, g, r, s, &A, &B);
+            for (int64_t col = 32 * s; col < 32 * s + 32; col++) part += (A * lev[col - done] + B) * x[col];
+            tot += part;
+        }
+    }
+    const uint8_t *oc = t + g[G_OFFOCOL] + 2 * r * k, *ov = t + g[G_OFFOVAL] + 2 * r * k;
+    int64_t prev = -1;
+    for (int64_t i = 0; i < k; i++) {
+        int64_t col = oc[2 * i] | (oc[2 * i + 1] << 8);
+        if (col >= cols || col <= prev) {
+            /* corrupt, unless the row's columns are all zero (a sparse hole of a synthetic file) */
+            for (int64_t i2 = 0; i2 < k; i2++)
+                if (oc[2 * i2] || oc[2 * i2 + 1]) atomic_store(bad, 1);
+            break;
+        }
+        prev = col;
+        float A, B, used;
+        if (col < done) {    /* what the integer sums added for this column */
+            float d = (float)digit_full(kind, codes, col, cols);
+            if (use_avx2) {  /* the span's coefficients are in scratch already */
+                float *c = (float *)isum;
+                used = c[col >> 5] * d * (float)xq_at(xq, xp, col) + c[done / 32 + (col >> 5)] * x[col];
+            } else {
+                span_ab(t, g, r, col >> 5, &A, &B);
+                used = A * (mul * d * (xsc[col >> 5] * (float)xq[col])) + (B - z * A) * x[col];
+            }
+        } else {
+            span_ab(t, g, r, col >> 5, &A, &B);
+            used = (A * lev[col - done] + B) * x[col];
+        }
+        tot += f16_at(ov + 2 * i) * x[col] - used;
+    }
+    return tot;
+}
+
+/* ------------------------------------------------------------------------------------ jobs, threads */
+
+typedef struct {
+    const uint8_t *raw;
+    const int64_t *geoms;
+    const float *xf, *xsc, *xs;
+    const int16_t *xq, *xp;
+    int64_t cols, nspan;
+    const int64_t *jobs;
+    int64_t njobs;
+    float *out;
+    atomic_long next, done;
+    atomic_int bad;
+} task_t;
+
+static void run_jobs(task_t *t) {
+    int32_t *isum = NULL;
+    int64_t cap = 0;
+    for (;;) {
+        int64_t j = atomic_fetch_add(&t->next, 1);
+        if (j >= t->njobs) break;
+        const int64_t *job = t->jobs + JOB_LEN * j;
+        const int64_t *g = t->geoms + G_LEN * job[1];
+        int64_t need = 2 * (g[G_COLS] / 32) + 16;
+        if (need > cap) {
+            free(isum);
+            cap = need;
+            isum = malloc(sizeof(int32_t) * cap);
+            if (!isum) { atomic_store(&t->bad, 2); cap = 0; atomic_fetch_add(&t->done, 1); continue; }
+        }
+        int64_t xi = job[4];
+        const uint8_t *tensor = t->raw + job[0];
+        for (int64_t r = job[2]; r < job[3]; r++)
+            t->out[job[5] + r - job[2]] = row_dot(tensor, g, r, t->xf + xi * t->cols, t->xq + xi * t->cols, t->xp + xi * t->cols,
+                                                  t->xsc + xi * t->nspan, t->xs + xi * t->nspan, isum, &t->bad);
+        atomic_fetch_add(&t->done, 1);
+    }
+    free(isum);
+}
+
+#define MAX_WORKERS 255
+static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_cv = PTHREAD_COND_INITIALIZER;
+static task_t *pool_task;          /* guarded by pool_mu */
+static atomic_long pool_gen;
+static atomic_int pool_active, pool_sleepers;
+static int pool_workers;           /* threads started (the caller is one more) */
+static long spin_ns = 200000;      /* a worker spins this long for the next call before sleeping */
+
+static inline void cpu_relax(void) {
+#if HAVE_X86
+    _mm_pause();
+#endif
+}
+
+static inline long now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1000000000L + ts.tv_nsec;
+}
+
+static void *worker_main(void *arg) {
+    long seen = (long)(intptr_t)arg;
+    for (;;) {
+        long t0 = now_ns();
+        int spins = 0;
+        while (atomic_load_explicit(&pool_gen, memory_order_acquire) == seen) {
+            cpu_relax();
+            if (++spins % 64 == 0 && now_ns() - t0 > spin_ns) {
+                pthread_mutex_lock(&pool_mu);
+                atomic_fetch_add(&pool_sleepers, 1);
+                while (atomic_load(&pool_gen) == seen) pthread_cond_wait(&pool_cv, &pool_mu);
+                atomic_fetch_sub(&pool_sleepers, 1);
+                pthread_mutex_unlock(&pool_mu);
+            }
+        }
+        seen = atomic_load(&pool_gen);
+        pthread_mutex_lock(&pool_mu);
+        task_t *t = pool_task;
+        if (t) atomic_fetch_add(&pool_active, 1);
+        pthread_mutex_unlock(&pool_mu);
+        if (t) {
+            run_jobs(t);
+            atomic_fetch_sub(&pool_active, 1);
+        }
+    }
+    return NULL;
+}
+
+static void pool_after_fork(void) {   /* in a forked child the workers do not exist */
+    pool_workers = 0;
+    pool_task = NULL;
+    atomic_store(&pool_active, 0);
+    atomic_store(&pool_sleepers, 0);
+    pthread_mutex_init(&pool_mu, NULL);
+    pthread_cond_init(&pool_cv, NULL);
+}
+
+static void pool_grow(int n) {
+    pthread_mutex_lock(&pool_mu);
+    while (pool_workers < n && pool_workers < MAX_WORKERS) {
+        pthread_t th;
+        pthread_attr_t at;
+        pthread_attr_init(&at);
+        pthread_attr_setstacksize(&at, 256 * 1024);
+        int rc = pthread_create(&th, &at, worker_main, (void *)(intptr_t)atomic_load(&pool_gen));
+        pthread_attr_destroy(&at);
+        if (rc) break;
+        pthread_detach(th);
+        pool_workers++;
+    }
+    pthread_mutex_unlock(&pool_mu);
+}
+
+static void run_task(task_t *t, int threads) {
+    if (threads > 1 && t->njobs > 1) {
+        pool_grow(threads - 1);
+        pthread_mutex_lock(&pool_mu);
+        pool_task = t;
+        atomic_fetch_add_explicit(&pool_gen, 1, memory_order_release);
+        if (atomic_load(&pool_sleepers)) pthread_cond_broadcast(&pool_cv);
+        pthread_mutex_unlock(&pool_mu);
+        run_jobs(t);
+        while (atomic_load(&t->done) < t->njobs) cpu_relax();
+        pthread_mutex_lock(&pool_mu);
+        pool_task = NULL;
+        pthread_mutex_unlock(&pool_mu);
+        while (atomic_load(&pool_active)) cpu_relax();
+    } else {
+        run_jobs(t);
+    }
+}
+
+/* ------------------------------------------------------------------------------- quantise x */
+
+static void quantize_x(const float *x, int64_t cols, int16_t *xq, float *xsc, float *xs) {
+    const float magic = 12582912.0f;       /* 1.5 * 2^23: adding and subtracting it rounds to nearest even */
+    for (int64_t s = 0; s < cols / 32; s++) {
+        const float *v = x + 32 * s;
+        float amax = 0, tot = 0;
+        for (int j = 0; j < 32; j++) {
+            float a = v[j] < 0 ? -v[j] : v[j];
+            amax = a > amax ? a : amax;
+        }
+        for (int j = 0; j < 32; j++) tot += v[j];
+        xs[s] = tot;
+        xsc[s] = amax / XQ_MAX;
+        float inv = amax > 0 ? XQ_MAX / amax : 0.0f;
+        for (int j = 0; j < 32; j++) xq[32 * s + j] = (int16_t)((v[j] * inv + magic) - magic);
+    }
+}
+
+/* ------------------------------------------------------------------------------- Python interface */
+
+typedef struct { Py_buffer b; int held; } buf_t;
+
+static int get_buf(PyObject *o, buf_t *b, int writable, Py_ssize_t itemsize, const char *what) {
+    if (PyObject_GetBuffer(o, &b->b, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) return -1;
+    b->held = 1;
+    if (itemsize && b->b.len % itemsize) {
+        PyErr_Format(PyExc_ValueError, "%s: size %zd is not a multiple of %zd", what, b->b.len, itemsize);
+        return -1;
+    }
+    return 0;
+}
+
+static void release(buf_t *bs, int n) {
+    for (int i = 0; i < n; i++) if (bs[i].held) PyBuffer_Release(&bs[i].b);
+}
+
+PyDoc_STRVAR(rows_doc,
+"rows(raw, geoms, xf, jobs, out, threads) -> int\n\n"
+"Run mat-vec jobs: each row of jobs (int64 [n, 6]: tensor byte offset in raw, geometry index into\n"
+"geoms (int64 [m, 22]), first row, end row, input row of xf (float32 [k, cols]), output offset)\n"
+"writes x . W[r] for its rows into out (float32). Returns 1 if a tensor's outlier columns are corrupt.");
+
+static PyObject *py_rows(PyObject *self, PyObject *args) {
+    PyObject *o[5];
+    int threads;
+    if (!PyArg_ParseTuple(args, "OOOOOi", &o[0], &o[1], &o[2], &o[3], &o[4], &threads)) return NULL;
+    buf_t b[5];
+    memset(b, 0, sizeof b);
+    PyObject *ret = NULL;
+    int16_t *xq = NULL;
+    float *xsc = NULL, *xs = NULL;
+    if (get_buf(o[0], &b[0], 0, 1, "raw") || get_buf(o[1], &b[1], 0, 8 * G_LEN, "geoms") ||
+        get_buf(o[2], &b[2], 0, 4, "xf") || get_buf(o[3], &b[3], 0, 8 * JOB_LEN, "jobs") ||
+        get_buf(o[4], &b[4], 1, 4, "out"))
+        goto done;
+    const int64_t *geoms = b[1].b.buf, *jobs = b[3].b.buf;
+    int64_t ng = b[1].b.len / (8 * G_LEN), njobs = b[3].b.len / (8 * JOB_LEN);
+    int64_t nraw = b[0].b.len, nout = b[4].b.len / 4, nxf = b[2].b.len / 4;
+    if (!ng) { PyErr_SetString(PyExc_ValueError, "no geometry"); goto done; }
+    int64_t cols = geoms[G_COLS];
+    if (cols <= 0 || cols % 32 || nxf % cols) { PyErr_SetString(PyExc_ValueError, "xf does not match the geometry's columns"); goto done; }
+    int64_t nx = nxf / cols;
+    for (int64_t i = 0; i < ng; i++) {
+        const int64_t *g = geoms + G_LEN * i;
+        if (g[G_COLS] != cols || g[G_KIND] < K_Q8 || g[G_KIND] > K_Q1) {
+            PyErr_SetString(PyExc_ValueError, "geometries must share one column count and a known codec");
+            goto done;
+        }
+    }
+    for (int64_t j = 0; j < njobs; j++) {     /* nothing is read or written outside its buffer */
+        const int64_t *jb = jobs + JOB_LEN * j;
+        if (jb[1] < 0 || jb[1] >= ng) { PyErr_Format(PyExc_ValueError, "job %lld: bad geometry", (long long)j); goto done; }
+        const int64_t *g = geoms + G_LEN * jb[1];
+        if (jb[0] < 0 || jb[0] > nraw - g[G_NBYTES] || jb[2] < 0 || jb[3] < jb[2] || jb[3] > g[G_ROWS] ||
+            jb[4] < 0 || jb[4] >= nx || jb[5] < 0 || jb[5] > nout - (jb[3] - jb[2])) {
+            PyErr_Format(PyExc_ValueError, "job %lld lies outside its buffers", (long long)j);
+            goto done;
+        }
+    }
+    int64_t nspan = cols / 32;
+    xq = malloc(sizeof(int16_t) * 2 * nxf);           /* natural order, then de-interleaved */
+    xsc = malloc(sizeof(float) * nx * nspan);
+    xs = malloc(sizeof(float) * nx * nspan);
+    if (!xq || !xsc || !xs) { PyErr_NoMemory(); goto done; }
+    task_t t = {.raw = b[0].b.buf, .geoms = geoms, .xf = b[2].b.buf, .xsc = xsc, .xs = xs, .xq = xq, .xp = xq + nxf,
+                .cols = cols, .nspan = nspan, .jobs = jobs, .njobs = njobs, .out = b[4].b.buf};
+    atomic_init(&t.next, 0);
+    atomic_init(&t.done, 0);
+    atomic_init(&t.bad, 0);
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t i = 0; i < nx; i++) {
+#if HAVE_X86
+        if (use_avx2) {
+            quantize_avx2(t.xf + i * cols, cols, xq + nxf + i * cols, xsc + i * nspan, xs + i * nspan);
+            continue;
+        }
+#endif
+        quantize_x(t.xf + i * cols, cols, xq + i * cols, xsc + i * nspan, xs + i * nspan);
+    }
+    run_task(&t, threads);
+    Py_END_ALLOW_THREADS
+    if (atomic_load(&t.bad) == 2) { PyErr_NoMemory(); goto done; }
+    ret = PyLong_FromLong(atomic_load(&t.bad));
+done:
+    free(xq); free(xsc); free(xs);
+    release(b, 5);
+    return ret;
+}
+
+static PyObject *py_quantize(PyObject *self, PyObject *args) {
+    PyObject *o[4];
+    if (!PyArg_ParseTuple(args, "OOOO", &o[0], &o[1], &o[2], &o[3])) return NULL;
+    buf_t b[4];
+    memset(b, 0, sizeof b);
+    PyObject *ret = NULL;
+    if (get_buf(o[0], &b[0], 0, 4, "x") || get_buf(o[1], &b[1], 1, 2, "xq") ||
+        get_buf(o[2], &b[2], 1, 4, "xsc") || get_buf(o[3], &b[3], 1, 4, "xs"))
+        goto done;
+    int64_t cols = b[0].b.len / 4;
+    if (cols % 32 || b[1].b.len != 2 * cols || b[2].b.len != cols / 8 || b[3].b.len != cols / 8) {
+        PyErr_SetString(PyExc_ValueError, "quantize: sizes do not match");
+        goto done;
+    }
+    quantize_x(b[0].b.buf, cols, b[1].b.buf, b[2].b.buf, b[3].b.buf);
+    ret = Py_NewRef(Py_None);
+done:
+    release(b, 4);
+    return ret;
+}
+
+static PyObject *py_set_isa(PyObject *self, PyObject *args) {
+    const char *name;
+    if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
+    if (!strcmp(name, "generic")) use_avx2 = 0;
+#if HAVE_X86
+    else if (!strcmp(name, "avx2") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) use_avx2 = 1;
+#endif
+    else return PyErr_Format(PyExc_ValueError, "instruction set %s is not available here", name);
+    return Py_NewRef(Py_None);
+}
+
+static PyObject *py_isa(PyObject *self, PyObject *noargs) {
+    return PyUnicode_FromString(use_avx2 ? "avx2" : "generic");
+}
+
+static PyObject *py_set_spin(PyObject *self, PyObject *args) {
+    long us;
+    if (!PyArg_ParseTuple(args, "l", &us)) return NULL;
+    spin_ns = us * 1000;
+    return Py_NewRef(Py_None);
+}
+
+static PyMethodDef methods[] = {
+    {"rows", py_rows, METH_VARARGS, rows_doc},
+    {"quantize", py_quantize, METH_VARARGS, "quantize(x, xq, xsc, xs): x float32 [cols] -> int16 per 32 values"},
+    {"set_isa", py_set_isa, METH_VARARGS, "set_isa('avx2' | 'generic'): the kernels' instruction set"},
+    {"isa", py_isa, METH_NOARGS, "the instruction set in use"},
+    {"set_spin_us", py_set_spin, METH_VARARGS, "how long idle workers spin before they sleep"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, .m_name = "_qdot", .m_doc = "Integer-dot mat-vec kernels (C).", .m_size = -1,
+    .m_methods = methods};
+
+PyMODINIT_FUNC PyInit__qdot(void) {
+    init_tables();
+#if HAVE_X86
+    __builtin_cpu_init();
+    use_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+    pthread_atfork(NULL, NULL, pool_after_fork);
+    return PyModule_Create(&module);
+}
