@@ -4,5 +4,5 @@ from setuptools import Extension, setup
 
 setup(ext_modules=[Extension(
     "kimistream.runtime._qdot", ["runtime/_qdot.c"],
-    extra_compile_args=["-O3", "-std=gnu11", "-fno-math-errno"],
+    extra_compile_args=["-O3", "-std=gnu11", "-fno-math-errno", "-ffp-contract=off"],
 )])

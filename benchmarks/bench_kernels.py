@@ -3,8 +3,8 @@ measured in the same run, per codec, shape and thread count.
 
 GB/s counts the packed bytes of the weight (codes, scales, outliers). Every call reads a different
 copy of the weight, cycling through --working-set MiB of copies, so the bytes come from DRAM and not
-from a cache, as an expert read from the page cache would. Read bandwidth is a numba loop summing
-the same working set as uint64 (what a kernel that did no arithmetic at all could reach), with the
+from a cache, as an expert read from the page cache would. Read bandwidth is a C loop summing the
+same working set as uint64 words (what a kernel that did no arithmetic at all could reach), on the
 same threads; the ratio column is kernel GB/s over that.
 
     python benchmarks/bench_kernels.py [--shapes 2048x7168,7168x2048,576x7168] [--threads 1,2]
@@ -17,35 +17,19 @@ import argparse
 import os
 import time
 
-import numba
 import numpy as np
-from numba import njit, prange
 
 from kimistream.formats.codecs import get_codec
-from kimistream.runtime import kernels
+from kimistream.runtime import _qdot, kernels
 
 CODECS = ("q2", "t1", "q1", "q4", "q6", "q8", "q2rtn")
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def _read_all(a):
-    n = a.shape[0] // 4096
-    tot = np.uint64(0)
-    for i in prange(n):
-        acc = np.uint64(0)
-        base = np.uint64(i * 4096)
-        for j in range(4096):
-            acc += a[base + np.uint64(j)]
-        tot += acc
-    return tot
-
-
-def read_gbps(buf: np.ndarray, seconds: float) -> float:
-    words = buf.view(np.uint64)
-    _read_all(words)
+def read_gbps(buf: np.ndarray, seconds: float, threads: int) -> float:
+    _qdot.read_sum(buf, threads)
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        _read_all(words)
+        _qdot.read_sum(buf, threads)
         n += 1
     return n * buf.nbytes / (time.perf_counter() - t0) / 1e9
 
@@ -73,7 +57,7 @@ def main():
     ws = args.working_set << 20
     rng = np.random.default_rng(0)
     buf = np.ones(ws, np.uint8)
-    print(f"kernel instruction set {kernels.isa()}, numba {numba.__version__}, threading layer from the first parallel call, cpus {os.cpu_count()}, "
+    print(f"kernel instruction set {kernels.isa()}, cpus {os.cpu_count()}, "
           f"load average {os.getloadavg()[0]:.2f}, working set {args.working_set} MiB, "
           f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}\n")
     print("| codec | shape | bits/weight | " + " | ".join(
@@ -90,16 +74,14 @@ def main():
             copies = [raw.copy() for _ in range(max(1, ws // raw.nbytes))]
             cells = []
             for t in threads:
-                numba.set_num_threads(t)
                 kernels.set_threads(t)
-                rd = read_gbps(buf, args.seconds / 2)        # next to each kernel: the machine drifts
+                rd = read_gbps(buf, args.seconds / 2, t)     # next to each kernel: the machine drifts
                 k = kernel_gbps(name, shape, copies, x, args.seconds)
-                rd = (rd + read_gbps(buf, args.seconds / 2)) / 2
+                rd = (rd + read_gbps(buf, args.seconds / 2, t)) / 2
                 cells.append(f"{k:.2f} | {rd:.1f} | {k / rd:.3f}")
             print(f"| {name} | {shape[0]}x{shape[1]} | {codec.bits_per_weight(shape):.3f} | "
                   + " | ".join(cells) + " |", flush=True)
             del copies
-    print(f"\nthreading layer: {numba.threading_layer()}")
 
 
 if __name__ == "__main__":

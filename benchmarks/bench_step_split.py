@@ -23,7 +23,7 @@ def main():
     ap.add_argument("--prefill-batch", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "KIMI_STREAM_THREADS"):
         os.environ[var] = str(args.threads)
     import numpy as np
     from kimistream.runtime.model import Model

@@ -555,44 +555,227 @@ static float row_dot(const uint8_t *t, const int64_t *g, int64_t r, const float 
     return tot;
 }
 
+/* ------------------------------------------------------------------------------------ dequantize */
+/* Row r into out (float32 [cols]) bit for bit as the reference decoder (formats/quants.py): each
+ * weight is A * level + B in two float32 roundings (the extension is built without FMA contraction),
+ * A * level alone where the codec has no offset (that keeps -0.0), outliers stored as they are.
+ * target_clones: one build for AVX2 (the loops vectorize) and one for any x86-64. */
+#if HAVE_X86
+__attribute__((target_clones("avx2", "default")))
+#endif
+static void deq_row(const uint8_t *t, const int64_t *g, int64_t r, float *out, float *AB) {
+    int kind = (int)g[G_KIND];
+    int64_t cols = g[G_COLS], nsp = cols / 32, done = full_cols(g), k = g[G_K];
+    float *As = AB, *Bs = AB + nsp;
+    for (int64_t s = 0; s < nsp; s++) span_ab(t, g, r, s, As + s, Bs + s);
+    const uint8_t *codes = t + g[G_OFFCODE] + r * g[G_CODEROW];
+    int hasb = !(kind == K_Q8 || kind == K_Q6 || kind == K_T1);
+    float lv[32];
+    for (int64_t s = 0; s < done / 32; s++) {
+        const uint8_t *c;
+        int sh;
+        switch (kind) {
+        case K_Q2: case K_Q2RTN:
+            c = codes + 32 * (s >> 2); sh = 2 * (int)(s & 3);
+            for (int j = 0; j < 32; j++) lv[j] = (float)((c[j] >> sh) & 3);
+            break;
+        case K_Q4:
+            c = codes + 32 * (s >> 1); sh = 4 * (int)(s & 1);
+            for (int j = 0; j < 32; j++) lv[j] = (float)((c[j] >> sh) & 15);
+            break;
+        case K_Q8:
+            c = codes + 32 * s;
+            for (int j = 0; j < 32; j++) lv[j] = (float)(int8_t)c[j];
+            break;
+        case K_Q1:
+            c = codes + 32 * (s >> 3); sh = (int)(s & 7);
+            for (int j = 0; j < 32; j++) lv[j] = (float)(2 * ((c[j] >> sh) & 1) - 1);
+            break;
+        case K_Q6: {
+            const uint8_t *lo = codes + 32 * (s >> 1), *hi = codes + q6_lo_bytes(cols) + 32 * (s >> 2);
+            int sl = 4 * (int)(s & 1), shh = 2 * (int)(s & 3);
+            for (int j = 0; j < 32; j++) lv[j] = (float)((((lo[j] >> sl) & 15) | (((hi[j] >> shh) & 3) << 4)) - 32);
+            break;
+        }
+        default: {   /* t1 */
+            static const int pow3[5] = {1, 3, 9, 27, 81};
+            int64_t ch = s / 5;
+            int m3 = pow3[s - 5 * ch];
+            c = codes + 32 * ch;
+            for (int j = 0; j < 32; j++) lv[j] = (float)(((((int)c[j] * m3) & 255) * 3 >> 8) - 1);
+        }
+        }
+        float a = As[s], b = Bs[s], *o = out + 32 * s;
+        if (hasb) for (int j = 0; j < 32; j++) o[j] = a * lv[j] + b;
+        else for (int j = 0; j < 32; j++) o[j] = a * lv[j];
+    }
+    if (done < cols) {
+        float lev[256];
+        tail_levels(codes, g, done, lev);
+        for (int64_t col = done; col < cols; col++) {
+            float a = As[col >> 5], b = Bs[col >> 5];
+            out[col] = hasb ? a * lev[col - done] + b : a * lev[col - done];
+        }
+    }
+    const uint8_t *oc = t + g[G_OFFOCOL] + 2 * r * k, *ov = t + g[G_OFFOVAL] + 2 * r * k;
+    for (int64_t i = 0; i < k; i++) {
+        int64_t col = oc[2 * i] | (oc[2 * i + 1] << 8);
+        if (col < cols) out[col] = f16_at(ov + 2 * i);     /* never outside the row, whatever the bytes say */
+    }
+}
+
 /* ------------------------------------------------------------------------------------ jobs, threads */
 
-typedef struct {
+typedef struct task task_t;
+struct task {
+    void (*job)(task_t *t, int64_t j, float *scratch);   /* runs job j */
     const uint8_t *raw;
     const int64_t *geoms;
     const float *xf, *xsc, *xs;
     const int16_t *xq, *xp;
-    int64_t cols, nspan;
+    int64_t cols, nspan, n, stride;
     const int64_t *jobs;
     int64_t njobs;
     float *out;
     atomic_long next, done;
     atomic_int bad;
-} task_t;
+    atomic_ullong sum;                                    /* read_sum's result */
+};
+
+/* a mat-vec job: rows [job[2], job[3]) of the tensor at raw + job[0] times input job[4] */
+static void rows_job(task_t *t, int64_t j, float *scratch) {
+    const int64_t *job = t->jobs + JOB_LEN * j;
+    const int64_t *g = t->geoms + G_LEN * job[1];
+    int64_t xi = job[4];
+    const uint8_t *tensor = t->raw + job[0];
+    for (int64_t r = job[2]; r < job[3]; r++)
+        t->out[job[5] + r - job[2]] = row_dot(tensor, g, r, t->xf + xi * t->cols, t->xq + xi * t->cols,
+                                              t->xp + xi * t->cols, t->xsc + xi * t->nspan,
+                                              t->xs + xi * t->nspan, (int32_t *)scratch, &t->bad);
+}
+
+#define DEQ_ROWS 8
+/* a dequantize job: rows r0 + DEQ_ROWS * j .. of the tensor at raw into out (t->n rows from r0) */
+static void deq_job(task_t *t, int64_t j, float *scratch) {
+    int64_t lo = DEQ_ROWS * j, hi = lo + DEQ_ROWS < t->n ? lo + DEQ_ROWS : t->n;
+    for (int64_t i = lo; i < hi; i++) deq_row(t->raw, t->geoms, t->stride + i, t->out + i * t->cols, scratch);
+}
+
+#define SUM_BYTES (1 << 20)
+/* a read job: the sum of one MiB of the buffer as uint64 words (the memory read bandwidth probe) */
+#if HAVE_X86
+__attribute__((target_clones("avx2", "default")))
+#endif
+static void sum_job(task_t *t, int64_t j, float *scratch) {
+    int64_t lo = j * SUM_BYTES, hi = lo + SUM_BYTES < t->n ? lo + SUM_BYTES : t->n;
+    const uint64_t *w = (const uint64_t *)(t->raw + lo);
+    uint64_t acc = 0;
+    for (int64_t i = 0; i < (hi - lo) / 8; i++) acc += w[i];
+    atomic_fetch_add_explicit(&t->sum, acc, memory_order_relaxed);
+}
+
+/* digit j of span s (whole chunks only), for every j: a plain loop per codec that the compiler
+   vectorizes */
+#if HAVE_X86
+__attribute__((target("avx2,fma,f16c")))
+#endif
+static void span_digits(int kind, const uint8_t *codes, int64_t s, int64_t cols, float *d) {
+    switch (kind) {
+    case K_Q2: case K_Q2RTN: {
+        const uint8_t *c = codes + 32 * (s >> 2);
+        int sh = 2 * (int)(s & 3);
+        for (int j = 0; j < 32; j++) d[j] = (float)((c[j] >> sh) & 3);
+        break;
+    }
+    case K_Q4: {
+        const uint8_t *c = codes + 32 * (s >> 1);
+        int sh = 4 * (int)(s & 1);
+        for (int j = 0; j < 32; j++) d[j] = (float)((c[j] >> sh) & 15);
+        break;
+    }
+    case K_Q8:
+        for (int j = 0; j < 32; j++) d[j] = (float)(int8_t)codes[32 * s + j];
+        break;
+    case K_Q1: {
+        const uint8_t *c = codes + 32 * (s >> 3);
+        int sh = (int)(s & 7);
+        for (int j = 0; j < 32; j++) d[j] = (float)((c[j] >> sh) & 1);
+        break;
+    }
+    default:
+        for (int j = 0; j < 32; j++) d[j] = (float)digit_full(kind, codes, 32 * s + j, cols);
+    }
+}
+
+/* a transposed job: out[h] = sum_j v[h, j] * W[h * stride + j] for head h = j, each row taken as
+   A * (mul * digit - z) + B span by span, its outliers exact */
+#if HAVE_X86
+__attribute__((target("avx2,fma,f16c")))
+#endif
+static void heads_t_job(task_t *t, int64_t h, float *scratch) {
+    const int64_t *g = t->geoms;
+    int kind = (int)g[G_KIND];
+    int64_t cols = g[G_COLS], done = full_cols(g), k = g[G_K], nsp = cols / 32;
+    float mul, z, d[32], lev[256];
+    digit_form(kind, &mul, &z);
+    float *acc = t->out + h * cols, *bacc = scratch;
+    memset(acc, 0, sizeof(float) * cols);
+    memset(bacc, 0, sizeof(float) * nsp);
+    for (int64_t j = 0; j < t->n; j++) {
+        float cj = t->xf[h * t->n + j];
+        int64_t r = h * t->stride + j;
+        const uint8_t *codes = t->raw + g[G_OFFCODE] + r * g[G_CODEROW];
+        for (int64_t s = 0; s < done / 32; s++) {
+            float A, B;
+            span_ab(t->raw, g, r, s, &A, &B);
+            float a = cj * A * mul;
+            bacc[s] += cj * (B - z * A);
+            span_digits(kind, codes, s, cols, d);
+            float *o = acc + 32 * s;
+            for (int i = 0; i < 32; i++) o[i] += a * d[i];
+        }
+        if (done < cols) {
+            tail_levels(codes, g, done, lev);
+            for (int64_t col = done; col < cols; col++) {
+                float A, B;
+                span_ab(t->raw, g, r, col >> 5, &A, &B);
+                acc[col] += cj * (A * lev[col - done] + B);
+            }
+        }
+        const uint8_t *oc = t->raw + g[G_OFFOCOL] + 2 * r * k, *ov = t->raw + g[G_OFFOVAL] + 2 * r * k;
+        int64_t prev = -1;
+        for (int64_t i = 0; i < k; i++) {
+            int64_t col = oc[2 * i] | (oc[2 * i + 1] << 8);
+            if (col >= cols || col <= prev) {
+                for (int64_t i2 = 0; i2 < k; i2++)
+                    if (oc[2 * i2] || oc[2 * i2 + 1]) atomic_store(&t->bad, 1);
+                break;
+            }
+            prev = col;
+            float A, B;
+            span_ab(t->raw, g, r, col >> 5, &A, &B);
+            float stored = col < done ? A * (mul * (float)digit_full(kind, codes, col, cols) - z) + B
+                                      : A * lev[col - done] + B;
+            acc[col] += cj * (f16_at(ov + 2 * i) - stored);
+        }
+    }
+    for (int64_t s = 0; s < done / 32; s++)      /* the tail added its offsets above */
+        for (int i = 0; i < 32; i++) acc[32 * s + i] += bacc[s];
+}
 
 static void run_jobs(task_t *t) {
-    int32_t *isum = NULL;
-    int64_t cap = 0;
+    float *scratch = malloc(sizeof(float) * (2 * t->nspan + 16));
+    int64_t finished = 0;
     for (;;) {
-        int64_t j = atomic_fetch_add(&t->next, 1);
+        int64_t j = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed);
         if (j >= t->njobs) break;
-        const int64_t *job = t->jobs + JOB_LEN * j;
-        const int64_t *g = t->geoms + G_LEN * job[1];
-        int64_t need = 2 * (g[G_COLS] / 32) + 16;
-        if (need > cap) {
-            free(isum);
-            cap = need;
-            isum = malloc(sizeof(int32_t) * cap);
-            if (!isum) { atomic_store(&t->bad, 2); cap = 0; atomic_fetch_add(&t->done, 1); continue; }
-        }
-        int64_t xi = job[4];
-        const uint8_t *tensor = t->raw + job[0];
-        for (int64_t r = job[2]; r < job[3]; r++)
-            t->out[job[5] + r - job[2]] = row_dot(tensor, g, r, t->xf + xi * t->cols, t->xq + xi * t->cols, t->xp + xi * t->cols,
-                                                  t->xsc + xi * t->nspan, t->xs + xi * t->nspan, isum, &t->bad);
-        atomic_fetch_add(&t->done, 1);
+        if (scratch) t->job(t, j, scratch);
+        else atomic_store(&t->bad, 2);
+        finished++;
     }
-    free(isum);
+    /* one shared write per thread and call, not per job: the counter's cache line is contended */
+    atomic_fetch_add_explicit(&t->done, finished, memory_order_release);
+    free(scratch);
 }
 
 #define MAX_WORKERS 255
@@ -678,7 +861,7 @@ static void run_task(task_t *t, int threads) {
         if (atomic_load(&pool_sleepers)) pthread_cond_broadcast(&pool_cv);
         pthread_mutex_unlock(&pool_mu);
         run_jobs(t);
-        while (atomic_load(&t->done) < t->njobs) cpu_relax();
+        while (atomic_load_explicit(&t->done, memory_order_acquire) < t->njobs) cpu_relax();
         pthread_mutex_lock(&pool_mu);
         pool_task = NULL;
         pthread_mutex_unlock(&pool_mu);
@@ -773,7 +956,7 @@ static PyObject *py_rows(PyObject *self, PyObject *args) {
     xsc = malloc(sizeof(float) * nx * nspan);
     xs = malloc(sizeof(float) * nx * nspan);
     if (!xq || !xsc || !xs) { PyErr_NoMemory(); goto done; }
-    task_t t = {.raw = b[0].b.buf, .geoms = geoms, .xf = b[2].b.buf, .xsc = xsc, .xs = xs, .xq = xq, .xp = xq + nxf,
+    task_t t = {.job = rows_job, .raw = b[0].b.buf, .geoms = geoms, .xf = b[2].b.buf, .xsc = xsc, .xs = xs, .xq = xq, .xp = xq + nxf,
                 .cols = cols, .nspan = nspan, .jobs = jobs, .njobs = njobs, .out = b[4].b.buf};
     atomic_init(&t.next, 0);
     atomic_init(&t.done, 0);
@@ -796,6 +979,109 @@ done:
     free(xq); free(xsc); free(xs);
     release(b, 5);
     return ret;
+}
+
+PyDoc_STRVAR(heads_t_doc,
+"heads_t(raw, geom, v, stride, out, threads) -> int\n\n"
+"out[h] (float32 [nh, cols]) = sum_j v[h, j] * W[h * stride + j] for v float32 [nh, n], W the tensor\n"
+"at the start of raw with geometry geom (int64 [22]). Returns 1 if its outlier columns are corrupt.");
+
+static PyObject *py_heads_t(PyObject *self, PyObject *args) {
+    PyObject *o[4];
+    Py_ssize_t nh, stride;
+    int threads;
+    if (!PyArg_ParseTuple(args, "OOOnOi", &o[0], &o[1], &o[2], &stride, &o[3], &threads)) return NULL;
+    buf_t b[4];
+    memset(b, 0, sizeof b);
+    PyObject *ret = NULL;
+    if (get_buf(o[0], &b[0], 0, 1, "raw") || get_buf(o[1], &b[1], 0, 8 * G_LEN, "geom") ||
+        get_buf(o[2], &b[2], 0, 4, "v") || get_buf(o[3], &b[3], 1, 4, "out"))
+        goto done;
+    const int64_t *g = b[1].b.buf;
+    int64_t cols = g[G_COLS];
+    if (b[1].b.len != 8 * G_LEN || cols <= 0 || cols % 32 || g[G_KIND] < K_Q8 || g[G_KIND] > K_Q1 ||
+        b[0].b.len < g[G_NBYTES] || b[3].b.len % (4 * cols)) {
+        PyErr_SetString(PyExc_ValueError, "heads_t: buffers do not match the geometry");
+        goto done;
+    }
+    nh = b[3].b.len / (4 * cols);
+    int64_t n = nh ? (b[2].b.len / 4) / nh : 0;
+    if (b[2].b.len != 4 * nh * n || stride < 0 || (nh && (nh - 1) * stride + n > g[G_ROWS])) {
+        PyErr_SetString(PyExc_ValueError, "heads_t: heads lie outside the tensor");
+        goto done;
+    }
+    task_t t = {.job = heads_t_job, .raw = b[0].b.buf, .geoms = g, .xf = b[2].b.buf, .cols = cols,
+                .nspan = cols / 32, .n = n, .stride = stride, .njobs = nh, .out = b[3].b.buf};
+    atomic_init(&t.next, 0);
+    atomic_init(&t.done, 0);
+    atomic_init(&t.bad, 0);
+    Py_BEGIN_ALLOW_THREADS
+    run_task(&t, threads);
+    Py_END_ALLOW_THREADS
+    if (atomic_load(&t.bad) == 2) { PyErr_NoMemory(); goto done; }
+    ret = PyLong_FromLong(atomic_load(&t.bad));
+done:
+    release(b, 4);
+    return ret;
+}
+
+PyDoc_STRVAR(dequantize_doc,
+"dequantize(raw, geom, r0, out, threads)\n\n"
+"Rows r0 .. r0 + len(out) - 1 of the tensor at the start of raw (geometry geom, int64 [22]) into out\n"
+"(float32 [n, cols]), bit for bit as the reference decoder. Outlier columns are not checked here.");
+
+static PyObject *py_dequantize(PyObject *self, PyObject *args) {
+    PyObject *o[3];
+    Py_ssize_t r0;
+    int threads;
+    if (!PyArg_ParseTuple(args, "OOnOi", &o[0], &o[1], &r0, &o[2], &threads)) return NULL;
+    buf_t b[3];
+    memset(b, 0, sizeof b);
+    PyObject *ret = NULL;
+    if (get_buf(o[0], &b[0], 0, 1, "raw") || get_buf(o[1], &b[1], 0, 8 * G_LEN, "geom") ||
+        get_buf(o[2], &b[2], 1, 4, "out"))
+        goto done;
+    const int64_t *g = b[1].b.buf;
+    int64_t cols = g[G_COLS];
+    if (b[1].b.len != 8 * G_LEN || cols <= 0 || cols % 32 || g[G_KIND] < K_Q8 || g[G_KIND] > K_Q1 ||
+        b[0].b.len < g[G_NBYTES] || b[2].b.len % (4 * cols)) {
+        PyErr_SetString(PyExc_ValueError, "dequantize: buffers do not match the geometry");
+        goto done;
+    }
+    int64_t n = b[2].b.len / (4 * cols);
+    if (r0 < 0 || r0 + n > g[G_ROWS]) { PyErr_SetString(PyExc_ValueError, "dequantize: rows outside the tensor"); goto done; }
+    task_t t = {.job = deq_job, .raw = b[0].b.buf, .geoms = g, .cols = cols, .nspan = cols / 32, .n = n,
+                .stride = r0, .njobs = (n + DEQ_ROWS - 1) / DEQ_ROWS, .out = b[2].b.buf};
+    atomic_init(&t.next, 0);
+    atomic_init(&t.done, 0);
+    atomic_init(&t.bad, 0);
+    Py_BEGIN_ALLOW_THREADS
+    run_task(&t, threads);
+    Py_END_ALLOW_THREADS
+    if (atomic_load(&t.bad) == 2) { PyErr_NoMemory(); goto done; }
+    ret = Py_NewRef(Py_None);
+done:
+    release(b, 3);
+    return ret;
+}
+
+static PyObject *py_read_sum(PyObject *self, PyObject *args) {
+    PyObject *o;
+    int threads;
+    if (!PyArg_ParseTuple(args, "Oi", &o, &threads)) return NULL;
+    buf_t b;
+    memset(&b, 0, sizeof b);
+    if (get_buf(o, &b, 0, 8, "buffer")) { release(&b, 1); return NULL; }
+    task_t t = {.job = sum_job, .raw = b.b.buf, .n = b.b.len, .njobs = (b.b.len + SUM_BYTES - 1) / SUM_BYTES};
+    atomic_init(&t.next, 0);
+    atomic_init(&t.done, 0);
+    atomic_init(&t.bad, 0);
+    atomic_init(&t.sum, 0);
+    Py_BEGIN_ALLOW_THREADS
+    run_task(&t, threads);
+    Py_END_ALLOW_THREADS
+    release(&b, 1);
+    return PyLong_FromUnsignedLongLong(atomic_load(&t.sum));
 }
 
 static PyObject *py_quantize(PyObject *self, PyObject *args) {
@@ -843,6 +1129,9 @@ static PyObject *py_set_spin(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"rows", py_rows, METH_VARARGS, rows_doc},
+    {"heads_t", py_heads_t, METH_VARARGS, heads_t_doc},
+    {"dequantize", py_dequantize, METH_VARARGS, dequantize_doc},
+    {"read_sum", py_read_sum, METH_VARARGS, "read_sum(buffer, threads): the buffer's uint64 words summed (reads it all)"},
     {"quantize", py_quantize, METH_VARARGS, "quantize(x, xq, xsc, xs): x float32 [cols] -> int16 per 32 values"},
     {"set_isa", py_set_isa, METH_VARARGS, "set_isa('avx2' | 'generic'): the kernels' instruction set"},
     {"isa", py_isa, METH_NOARGS, "the instruction set in use"},

@@ -64,7 +64,7 @@ def _set_threads(n: int | None) -> None:
     if n is not None:
         if n < 1:
             raise SystemExit("kimi-run: error: --threads must be at least 1")
-        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "KIMI_STREAM_THREADS"):
             os.environ[var] = str(n)
 
 

@@ -303,7 +303,7 @@ class Model:
             if (g.codec, g.shape) != spec_gu or (u.codec, u.shape) != spec_gu or (d.codec, d.shape) != spec_d:
                 return False
             offs[i] = (g.raw.ctypes.data - b0, u.raw.ctypes.data - b0, d.raw.ctypes.data - b0)
-        from . import kernels           # numba: imported only when a file has block codecs
+        from . import kernels           # imported only when a file has block codecs
         kernels.moe_decode(base, offs, spec_gu, spec_d, x, weights, out)
         return True
 

@@ -52,7 +52,7 @@ def plan_config(args, log) -> int:
     args.budget = B.parse_size(args.memory_budget) if args.memory_budget else int(B.DEFAULT_FRACTION * B.mem_available())
     args.max_ctx = args.max_context or min(4096, cfg.max_position_embeddings)
     from .app import _warm_up
-    _warm_up({codec for _, _, tensors in layout for _, _, codec, _ in tensors})   # numba and kernels count too
+    _warm_up({codec for _, _, tensors in layout for _, _, codec, _ in tensors})   # the kernels' code and thread pool count too
     baseline = B.current_rss() + B.RUNTIME_SLACK
     metadata = 4 * cfg.hidden_size * args.prefill_batch_size + 16 * 2 ** 20   # header, tokenizer, rows in flight
     def replan(ctx, chunk):

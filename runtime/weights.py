@@ -33,7 +33,7 @@ class Weight:
         if self._dense is not None:
             return self._dense
         if has_fused_kernel(self.codec):
-            from . import kernels            # the numba decoder: same values, far faster
+            from . import kernels            # the C decoder: same values, far faster
             return kernels.dequantize(self.codec, self.raw, self.shape)
         return get_codec(self.codec).decode(self.raw, self.shape)
 
@@ -53,7 +53,7 @@ class Weight:
         if self._dense is not None:
             return x @ self._dense.T
         if has_fused_kernel(self.codec):
-            from . import kernels        # numba: imported only when a file has block codecs
+            from . import kernels        # imported only when a file has block codecs
             return kernels.linear(x, self.codec, self.raw, self.shape)
         return x @ self.dense().T
 

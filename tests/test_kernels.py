@@ -154,10 +154,35 @@ def test_bad_input_is_refused():
         kernels.dequantize("q2", raw, (2, 2, 1024))
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_heads_of_kv_b(name, isa, monkeypatch):
+    """heads_t (per head, v times a block of rows, transposed) and heads (per head, a block of rows
+    times x) against the reference weight in float64, on a weight with outliers and, for t1, a tail."""
+    monkeypatch.setattr(kernels, "PARALLEL_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(kernels, "_threads", 3)
+    nh, nope, vdim, cols = 3, 16, 8, 512 if name != "t1" else 544
+    shape = (nh * (nope + vdim), cols)
+    c = get_codec(name)
+    w = weight(shape, seed=11)
+    w[5, 7] = 9.0
+    raw = c.encode(w)
+    ref = c.decode(raw, shape).astype(np.float64)
+    rng = np.random.default_rng(4)
+    v = rng.standard_normal((nh, nope)).astype(np.float32)
+    got = kernels.heads_t(name, raw, shape, v, nope + vdim)
+    want = np.stack([v[h] @ ref[h * (nope + vdim):h * (nope + vdim) + nope] for h in range(nh)])
+    assert got.shape == (nh, cols)
+    assert rel(got, want) < 1e-5
+    x = rng.standard_normal((nh, cols)).astype(np.float32)
+    got = kernels.heads(name, raw, shape, x, nope + vdim, nope, vdim)
+    want = np.stack([ref[h * (nope + vdim) + nope:(h + 1) * (nope + vdim)] @ x[h] for h in range(nh)])
+    assert rel(got, want) < 1e-4
+
+
 def test_c_kernel_refuses_jobs_outside_its_buffers():
     c = get_codec("q2")
     shape = (4, 256)
-    raw = kernels._readonly(c.encode(weight(shape, 4)))
+    raw = c.encode(weight(shape, 4))
     g = kernels._geometry_vector(c, shape)[None, :]
     x = np.ones((1, 256), np.float32)
     out = np.empty(4, np.float32)
