@@ -908,6 +908,20 @@ static void release(buf_t *bs, int n) {
     for (int i = 0; i < n; i++) if (bs[i].held) PyBuffer_Release(&bs[i].b);
 }
 
+/* run a task without the GIL; -1 with MemoryError set if a thread could not get its scratch,
+   else the task's bad flag */
+static int run_unlocked(task_t *t, int threads) {
+    atomic_init(&t->next, 0);
+    atomic_init(&t->done, 0);
+    atomic_init(&t->bad, 0);
+    atomic_init(&t->sum, 0);
+    Py_BEGIN_ALLOW_THREADS
+    run_task(t, threads);
+    Py_END_ALLOW_THREADS
+    if (atomic_load(&t->bad) == 2) { PyErr_NoMemory(); return -1; }
+    return atomic_load(&t->bad);
+}
+
 PyDoc_STRVAR(rows_doc,
 "rows(raw, geoms, xf, jobs, out, threads) -> int\n\n"
 "Run mat-vec jobs: each row of jobs (int64 [n, 6]: tensor byte offset in raw, geometry index into\n"
@@ -956,12 +970,9 @@ static PyObject *py_rows(PyObject *self, PyObject *args) {
     xsc = malloc(sizeof(float) * nx * nspan);
     xs = malloc(sizeof(float) * nx * nspan);
     if (!xq || !xsc || !xs) { PyErr_NoMemory(); goto done; }
-    task_t t = {.job = rows_job, .raw = b[0].b.buf, .geoms = geoms, .xf = b[2].b.buf, .xsc = xsc, .xs = xs, .xq = xq, .xp = xq + nxf,
+    task_t t = {.job = rows_job, .raw = b[0].b.buf, .geoms = geoms, .xf = b[2].b.buf, .xsc = xsc, .xs = xs,
+                .xq = xq, .xp = xq + nxf,
                 .cols = cols, .nspan = nspan, .jobs = jobs, .njobs = njobs, .out = b[4].b.buf};
-    atomic_init(&t.next, 0);
-    atomic_init(&t.done, 0);
-    atomic_init(&t.bad, 0);
-    Py_BEGIN_ALLOW_THREADS
     for (int64_t i = 0; i < nx; i++) {
 #if HAVE_X86
         if (use_avx2) {
@@ -971,10 +982,8 @@ static PyObject *py_rows(PyObject *self, PyObject *args) {
 #endif
         quantize_x(t.xf + i * cols, cols, xq + i * cols, xsc + i * nspan, xs + i * nspan);
     }
-    run_task(&t, threads);
-    Py_END_ALLOW_THREADS
-    if (atomic_load(&t.bad) == 2) { PyErr_NoMemory(); goto done; }
-    ret = PyLong_FromLong(atomic_load(&t.bad));
+    int bad = run_unlocked(&t, threads);
+    if (bad >= 0) ret = PyLong_FromLong(bad);
 done:
     free(xq); free(xsc); free(xs);
     release(b, 5);
@@ -1012,14 +1021,8 @@ static PyObject *py_heads_t(PyObject *self, PyObject *args) {
     }
     task_t t = {.job = heads_t_job, .raw = b[0].b.buf, .geoms = g, .xf = b[2].b.buf, .cols = cols,
                 .nspan = cols / 32, .n = n, .stride = stride, .njobs = nh, .out = b[3].b.buf};
-    atomic_init(&t.next, 0);
-    atomic_init(&t.done, 0);
-    atomic_init(&t.bad, 0);
-    Py_BEGIN_ALLOW_THREADS
-    run_task(&t, threads);
-    Py_END_ALLOW_THREADS
-    if (atomic_load(&t.bad) == 2) { PyErr_NoMemory(); goto done; }
-    ret = PyLong_FromLong(atomic_load(&t.bad));
+    int bad = run_unlocked(&t, threads);
+    if (bad >= 0) ret = PyLong_FromLong(bad);
 done:
     release(b, 4);
     return ret;
@@ -1052,14 +1055,7 @@ static PyObject *py_dequantize(PyObject *self, PyObject *args) {
     if (r0 < 0 || r0 + n > g[G_ROWS]) { PyErr_SetString(PyExc_ValueError, "dequantize: rows outside the tensor"); goto done; }
     task_t t = {.job = deq_job, .raw = b[0].b.buf, .geoms = g, .cols = cols, .nspan = cols / 32, .n = n,
                 .stride = r0, .njobs = (n + DEQ_ROWS - 1) / DEQ_ROWS, .out = b[2].b.buf};
-    atomic_init(&t.next, 0);
-    atomic_init(&t.done, 0);
-    atomic_init(&t.bad, 0);
-    Py_BEGIN_ALLOW_THREADS
-    run_task(&t, threads);
-    Py_END_ALLOW_THREADS
-    if (atomic_load(&t.bad) == 2) { PyErr_NoMemory(); goto done; }
-    ret = Py_NewRef(Py_None);
+    if (run_unlocked(&t, threads) >= 0) ret = Py_NewRef(Py_None);
 done:
     release(b, 3);
     return ret;
@@ -1073,15 +1069,9 @@ static PyObject *py_read_sum(PyObject *self, PyObject *args) {
     memset(&b, 0, sizeof b);
     if (get_buf(o, &b, 0, 8, "buffer")) { release(&b, 1); return NULL; }
     task_t t = {.job = sum_job, .raw = b.b.buf, .n = b.b.len, .njobs = (b.b.len + SUM_BYTES - 1) / SUM_BYTES};
-    atomic_init(&t.next, 0);
-    atomic_init(&t.done, 0);
-    atomic_init(&t.bad, 0);
-    atomic_init(&t.sum, 0);
-    Py_BEGIN_ALLOW_THREADS
-    run_task(&t, threads);
-    Py_END_ALLOW_THREADS
+    int rc = run_unlocked(&t, threads);
     release(&b, 1);
-    return PyLong_FromUnsignedLongLong(atomic_load(&t.sum));
+    return rc < 0 ? NULL : PyLong_FromUnsignedLongLong(atomic_load(&t.sum));
 }
 
 static PyObject *py_quantize(PyObject *self, PyObject *args) {
