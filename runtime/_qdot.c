@@ -718,18 +718,30 @@ static void heads_t_job(task_t *t, int64_t h, float *scratch) {
     int64_t cols = g[G_COLS], done = full_cols(g), k = g[G_K], nsp = cols / 32;
     float mul, z, d[32], lev[256];
     digit_form(kind, &mul, &z);
-    float *acc = t->out + h * cols, *bacc = scratch;
+    float *acc = t->out + h * cols, *bacc = scratch, *ce = scratch + nsp, *ones = scratch + 3 * nsp,
+          *zeros = scratch + 4 * nsp;
     memset(acc, 0, sizeof(float) * cols);
     memset(bacc, 0, sizeof(float) * nsp);
+    for (int64_t s = 0; s < nsp; s++) { ones[s] = 1.0f; zeros[s] = 0.0f; }
     for (int64_t j = 0; j < t->n; j++) {
         float cj = t->xf[h * t->n + j];
-        int64_t r = h * t->stride + j;
+        int64_t r = h * t->stride + j, nfs = done / 32;
         const uint8_t *codes = t->raw + g[G_OFFCODE] + r * g[G_CODEROW];
-        for (int64_t s = 0; s < done / 32; s++) {
-            float A, B;
-            span_ab(t->raw, g, r, s, &A, &B);
-            float a = cj * A * mul;
-            bacc[s] += cj * (B - z * A);
+        /* weight = ce[s] * digit + ce[nfs + s] on span s */
+#if HAVE_X86
+        if (use_avx2)
+            coefs_avx2(t->raw, g, r, ones, zeros, nfs, ce);
+        else
+#endif
+            for (int64_t s = 0; s < nfs; s++) {
+                float A, B;
+                span_ab(t->raw, g, r, s, &A, &B);
+                ce[s] = A * mul;
+                ce[nfs + s] = B - z * A;
+            }
+        for (int64_t s = 0; s < nfs; s++) {
+            float a = cj * ce[s];
+            bacc[s] += cj * ce[nfs + s];
             span_digits(kind, codes, s, cols, d);
             float *o = acc + 32 * s;
             for (int i = 0; i < 32; i++) o[i] += a * d[i];
@@ -764,7 +776,7 @@ static void heads_t_job(task_t *t, int64_t h, float *scratch) {
 }
 
 static void run_jobs(task_t *t) {
-    float *scratch = malloc(sizeof(float) * (2 * t->nspan + 16));
+    float *scratch = malloc(sizeof(float) * (5 * t->nspan + 16));
     int64_t finished = 0;
     for (;;) {
         int64_t j = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed);
@@ -785,7 +797,8 @@ static task_t *pool_task;          /* guarded by pool_mu */
 static atomic_long pool_gen;
 static atomic_int pool_active, pool_sleepers;
 static int pool_workers;           /* threads started (the caller is one more) */
-static long spin_ns = 200000;      /* a worker spins this long for the next call before sleeping */
+static long spin_ns = 1000000;     /* a worker spins this long for the next call before sleeping: a
+                                      decode step calls every few hundred microseconds */
 
 static inline void cpu_relax(void) {
 #if HAVE_X86

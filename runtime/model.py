@@ -9,12 +9,17 @@ and the output instead of expanding keys and values for every cached token."""
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
 from kimistream.formats.config import ModelConfig, RopeConfig
 
+from . import blas
 from .weights import ModelWeights, Weight, has_fused_kernel
+
+# every core for prefill's large products (kimi-run --threads sets the variable)
+_THREADS = int(os.environ.get("KIMI_STREAM_THREADS") or len(os.sched_getaffinity(0)))
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -314,6 +319,7 @@ class Model:
         if start + T > self.cache.max_context:
             raise ContextFull(f"context of {self.cache.max_context} tokens is full (raise --max-context)")
         cfg = self.cfg
+        blas.set_threads(1 if T == 1 else _THREADS)   # see runtime/blas.py
         x = self.w.embed_rows(np.asarray(ids))
         for L in self.layers:
             x = x + self._attention(L, rms_norm(x, L["ln1"], cfg.rms_norm_eps), start)
