@@ -39,6 +39,7 @@ enum { G_ROWS, G_COLS, G_NSUB, G_NBLK, G_K, G_PARROW, G_SUBROW, G_CODEROW, G_OFF
 /* codec kinds, as in formats/quants.py */
 enum { K_Q8, K_Q6, K_Q4, K_Q2, K_Q2RTN, K_T1, K_Q1 };
 #define JOB_LEN 6
+#define TOKEN_TILE 32     /* tokens per pass of the several-token kernel */
 #define XQ_MAX 32767.0f
 
 /* ------------------------------------------------------------------------------------------- scalars */
@@ -314,92 +315,75 @@ AVX2 static inline __m256 span(__m256 acc, __m256i even, __m256i odd, const int1
 
 #define EVEN(v, sh, m) _mm256_and_si256(_mm256_srli_epi16(v, sh), m)
 
-AVX2 static __m256 dot_q2(const uint8_t *c8, const int16_t *x, int64_t n, const float *c, __m256 acc) {
-    const __m256i m = _mm256_set1_epi16(3);
-    __m256 a1 = _mm256_setzero_ps(), a2 = a1, a3 = a1;
-    for (int64_t i = 0; i < n; i++, c8 += 32, x += 128, c += 4) {
-        __m256i v = LOAD32(c8);
-        acc = span(acc, _mm256_and_si256(v, m), EVEN(v, 8, m), x, c);
-        a1 = span(a1, EVEN(v, 2, m), EVEN(v, 10, m), x + 32, c + 1);
-        a2 = span(a2, EVEN(v, 4, m), EVEN(v, 12, m), x + 64, c + 2);
-        a3 = span(a3, EVEN(v, 6, m), _mm256_srli_epi16(v, 14), x + 96, c + 3);
+/* The digits of chunk ch as int16 vectors: ev[k], od[k] for its spans k (the even and the odd bytes). */
+AVX2 static inline void chunk_digits(int kind, const uint8_t *codes, int64_t ch, int64_t lo_bytes, __m256i *ev,
+                                     __m256i *od) {
+    switch (kind) {
+    case K_Q2: case K_Q2RTN: {
+        const __m256i m = _mm256_set1_epi16(3);
+        __m256i v = LOAD32(codes + 32 * ch);
+        ev[0] = _mm256_and_si256(v, m); od[0] = EVEN(v, 8, m);
+        ev[1] = EVEN(v, 2, m); od[1] = EVEN(v, 10, m);
+        ev[2] = EVEN(v, 4, m); od[2] = EVEN(v, 12, m);
+        ev[3] = EVEN(v, 6, m); od[3] = _mm256_srli_epi16(v, 14);
+        break;
     }
-    return _mm256_add_ps(_mm256_add_ps(acc, a1), _mm256_add_ps(a2, a3));
-}
-
-AVX2 static __m256 dot_q4(const uint8_t *c8, const int16_t *x, int64_t n, const float *c, __m256 acc) {
-    const __m256i m = _mm256_set1_epi16(15);
-    __m256 a1 = _mm256_setzero_ps(), a2 = a1, a3 = a1;
-    int64_t i = 0;
-    for (; i + 2 <= n; i += 2, c8 += 64, x += 128, c += 4) {
-        __m256i v = LOAD32(c8), w = LOAD32(c8 + 32);
-        acc = span(acc, _mm256_and_si256(v, m), EVEN(v, 8, m), x, c);
-        a1 = span(a1, EVEN(v, 4, m), _mm256_srli_epi16(v, 12), x + 32, c + 1);
-        a2 = span(a2, _mm256_and_si256(w, m), EVEN(w, 8, m), x + 64, c + 2);
-        a3 = span(a3, EVEN(w, 4, m), _mm256_srli_epi16(w, 12), x + 96, c + 3);
+    case K_Q4: {
+        const __m256i m = _mm256_set1_epi16(15);
+        __m256i v = LOAD32(codes + 32 * ch);
+        ev[0] = _mm256_and_si256(v, m); od[0] = EVEN(v, 8, m);
+        ev[1] = EVEN(v, 4, m); od[1] = _mm256_srli_epi16(v, 12);
+        break;
     }
-    if (i < n) {
-        __m256i v = LOAD32(c8);
-        acc = span(acc, _mm256_and_si256(v, m), EVEN(v, 8, m), x, c);
-        a1 = span(a1, EVEN(v, 4, m), _mm256_srli_epi16(v, 12), x + 32, c + 1);
+    case K_Q8: {
+        __m256i v = LOAD32(codes + 32 * ch);
+        ev[0] = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8); od[0] = _mm256_srai_epi16(v, 8);
+        break;
     }
-    return _mm256_add_ps(_mm256_add_ps(acc, a1), _mm256_add_ps(a2, a3));
-}
-
-AVX2 static __m256 dot_q8(const uint8_t *c8, const int16_t *x, int64_t n, const float *c, __m256 acc) {
-    __m256 a[4] = {acc, _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t i = 0; i < n; i++, c8 += 32, x += 32, c += 1) {
-        __m256i v = LOAD32(c8);
-        a[i & 3] = span(a[i & 3], _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8), _mm256_srai_epi16(v, 8), x, c);
-    }
-    return _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
-}
-
-AVX2 static __m256 dot_q6(const uint8_t *c8, const int16_t *x, int64_t n, int64_t lo_bytes, const float *c,
-                          __m256 acc) {
-    const __m256i m15 = _mm256_set1_epi8(15), m48 = _mm256_set1_epi8(48), lo8 = _mm256_set1_epi16(255);
-    __m256 a[4] = {acc, _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t i = 0; i < n; i++, x += 128, c += 4) {
-        __m256i l0 = LOAD32(c8 + 64 * i), l1 = LOAD32(c8 + 64 * i + 32), h = LOAD32(c8 + lo_bytes + 32 * i);
+    case K_Q6: {
+        const __m256i m15 = _mm256_set1_epi8(15), m48 = _mm256_set1_epi8(48), lo8 = _mm256_set1_epi16(255);
+        __m256i l0 = LOAD32(codes + 64 * ch), l1 = LOAD32(codes + 64 * ch + 32), h = LOAD32(codes + lo_bytes + 32 * ch);
         __m256i d[4] = {
             _mm256_or_si256(_mm256_and_si256(l0, m15), _mm256_and_si256(_mm256_slli_epi16(h, 4), m48)),
             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m15), _mm256_and_si256(_mm256_slli_epi16(h, 2), m48)),
             _mm256_or_si256(_mm256_and_si256(l1, m15), _mm256_and_si256(h, m48)),
             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m15), _mm256_and_si256(_mm256_srli_epi16(h, 2), m48)),
         };
-        for (int k = 0; k < 4; k++)
-            a[k] = span(a[k], _mm256_and_si256(d[k], lo8), _mm256_srli_epi16(d[k], 8), x + 32 * k, c + k);
+        for (int k = 0; k < 4; k++) { ev[k] = _mm256_and_si256(d[k], lo8); od[k] = _mm256_srli_epi16(d[k], 8); }
+        break;
     }
-    return _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
-}
-
-/* trits in 16-bit lanes: u = 3t, digit u >> 8, next t = u & 255 */
-AVX2 static __m256 dot_t1(const uint8_t *c8, const int16_t *x, int64_t n, const float *c, __m256 acc) {
-    const __m256i lo8 = _mm256_set1_epi16(255);
-    __m256 a[5] = {acc, _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t i = 0; i < n; i++, c8 += 32, x += 160, c += 5) {
-        __m256i v = LOAD32(c8);
-        __m256i te = _mm256_and_si256(v, lo8), to = _mm256_srli_epi16(v, 8);
+    case K_T1: {
+        const __m256i lo8 = _mm256_set1_epi16(255);
+        __m256i v = LOAD32(codes + 32 * ch), te = _mm256_and_si256(v, lo8), to = _mm256_srli_epi16(v, 8);
         for (int k = 0; k < 5; k++) {
-            __m256i ue = _mm256_add_epi16(te, _mm256_add_epi16(te, te));
-            __m256i uo = _mm256_add_epi16(to, _mm256_add_epi16(to, to));
-            a[k] = span(a[k], _mm256_srli_epi16(ue, 8), _mm256_srli_epi16(uo, 8), x + 32 * k, c + k);
-            te = _mm256_and_si256(ue, lo8);
-            to = _mm256_and_si256(uo, lo8);
+            __m256i ue = _mm256_add_epi16(te, _mm256_add_epi16(te, te)), uo = _mm256_add_epi16(to, _mm256_add_epi16(to, to));
+            ev[k] = _mm256_srli_epi16(ue, 8); od[k] = _mm256_srli_epi16(uo, 8);
+            te = _mm256_and_si256(ue, lo8); to = _mm256_and_si256(uo, lo8);
         }
+        break;
     }
-    return _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])), a[4]);
+    default: {
+        const __m256i m = _mm256_set1_epi16(1);
+        __m256i v = LOAD32(codes + 32 * ch);
+        for (int k = 0; k < 8; k++) { ev[k] = EVEN(v, k, m); od[k] = EVEN(v, 8 + k, m); }
+    }
+    }
 }
 
-AVX2 static __m256 dot_q1(const uint8_t *c8, const int16_t *x, int64_t n, const float *c, __m256 acc) {
-    const __m256i m = _mm256_set1_epi16(1);
+/* the whole chunks of one row for one token: spc spans per chunk (a constant, so the span loop
+   unrolls), four independent accumulators (one fma chain would wait on its own latency) */
+AVX2 static inline __m256 dot_body(int kind, const int spc, const uint8_t *codes, int64_t nch, int64_t lo_bytes,
+                                   const int16_t *x, const float *c, __m256 acc) {
+    __m256i ev[8], od[8];
     __m256 a[4] = {acc, _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t i = 0; i < n; i++, c8 += 32, x += 256, c += 8) {
-        __m256i v = LOAD32(c8);
-        for (int k = 0; k < 8; k++) a[k & 3] = span(a[k & 3], EVEN(v, k, m), EVEN(v, 8 + k, m), x + 32 * k, c + k);
+    for (int k = 0; k < 8; k++) ev[k] = od[k] = _mm256_setzero_si256();
+    for (int64_t ch = 0; ch < nch; ch++, x += 32 * spc, c += spc) {
+        chunk_digits(kind, codes, ch, lo_bytes, ev, od);
+        for (int k = 0; k < spc; k++) a[k & 3] = span(a[k & 3], ev[k], od[k], x + 32 * k, c + k);
     }
     return _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
 }
+
 
 /* c[s] = A * mul * xsc[s] and c[nfs + s] = B - z * A for spans 0 .. nfs-1, and the sum of
    (B - z * A) * xs as the return value,
@@ -468,15 +452,58 @@ AVX2 static float whole_avx2(const uint8_t *t, const int64_t *g, int64_t r, cons
                              const float *xsc, const float *xs, int64_t done, float *c) {
     float tot = coefs_avx2(t, g, r, xsc, xs, done / 32, c);
     __m256 acc = _mm256_setzero_ps();
-    switch ((int)g[G_KIND]) {
-    case K_Q2: case K_Q2RTN: acc = dot_q2(codes, xp, done / 128, c, acc); break;
-    case K_Q4: acc = dot_q4(codes, xp, done / 64, c, acc); break;
-    case K_Q8: acc = dot_q8(codes, xp, done / 32, c, acc); break;
-    case K_Q6: acc = dot_q6(codes, xp, done / 128, q6_lo_bytes(g[G_COLS]), c, acc); break;
-    case K_T1: acc = dot_t1(codes, xp, done / 160, c, acc); break;
-    default: acc = dot_q1(codes, xp, done / 256, c, acc); break;
+    int kind = (int)g[G_KIND];
+    int64_t lb = q6_lo_bytes(g[G_COLS]);
+    switch (kind) {   /* constant spans per chunk */
+    case K_Q2: case K_Q2RTN: acc = dot_body(kind, 4, codes, done / 128, lb, xp, c, acc); break;
+    case K_Q4: acc = dot_body(kind, 2, codes, done / 64, lb, xp, c, acc); break;
+    case K_Q8: acc = dot_body(kind, 1, codes, done / 32, lb, xp, c, acc); break;
+    case K_Q6: acc = dot_body(kind, 4, codes, done / 128, lb, xp, c, acc); break;
+    case K_T1: acc = dot_body(kind, 5, codes, done / 160, lb, xp, c, acc); break;
+    default: acc = dot_body(kind, 8, codes, done / 256, lb, xp, c, acc); break;
     }
     return tot + hsum8(acc);
+}
+
+/* Several tokens through the same rows (prefill): each chunk's digits are taken out of the codes once
+ * and multiplied by every token's activations.
+ * acc[r * ntok + t] += the whole chunks of rows 0 .. nr-1 (codes of row r at codes + r * row_bytes)
+   for tokens 0 .. ntok-1 (x of token t at xp + t * cols), C[(r * ntok + t) * nsp + s] the span
+   coefficients. Chunk by chunk over the whole block of rows: one chunk of every token's x (a few KiB)
+   stays in L1 while all the rows use it. */
+AVX2 static inline void multi_body(int kind, const int spc, const uint8_t *codes, int64_t row_bytes, int nr,
+                                   int64_t nch, int64_t lo_bytes, const int16_t *xp, int64_t cols, int ntok,
+                                   const float *C, int64_t nsp, __m256 *acc) {
+    __m256i ev[8], od[8];
+    for (int k = 0; k < 8; k++) ev[k] = od[k] = _mm256_setzero_si256();
+    for (int64_t ch = 0; ch < nch; ch++) {
+        int64_t s0 = ch * spc;
+        for (int r = 0; r < nr; r++) {
+            chunk_digits(kind, codes + r * row_bytes, ch, lo_bytes, ev, od);
+            __m256 *ar = acc + r * ntok;
+            const float *cr = C + (int64_t)r * ntok * nsp + s0;
+            for (int t = 0; t < ntok; t++) {
+                const int16_t *x = xp + t * cols + 32 * s0;
+                const float *c = cr + t * nsp;
+                __m256 a = ar[t];
+                for (int k = 0; k < spc; k++) a = span(a, ev[k], od[k], x + 32 * k, c + k);
+                ar[t] = a;
+            }
+        }
+    }
+}
+
+AVX2 static void multi_avx2(int kind, const uint8_t *codes, int64_t row_bytes, int nr, int64_t done, int64_t cols,
+                            const int16_t *xp, int ntok, const float *C, int64_t nsp, __m256 *acc) {
+    int64_t lb = q6_lo_bytes(cols);
+    switch (kind) {   /* constant spans per chunk: the span loop unrolls */
+    case K_Q2: case K_Q2RTN: multi_body(kind, 4, codes, row_bytes, nr, done / 128, lb, xp, cols, ntok, C, nsp, acc); break;
+    case K_Q4: multi_body(kind, 2, codes, row_bytes, nr, done / 64, lb, xp, cols, ntok, C, nsp, acc); break;
+    case K_Q8: multi_body(kind, 1, codes, row_bytes, nr, done / 32, lb, xp, cols, ntok, C, nsp, acc); break;
+    case K_Q6: multi_body(kind, 4, codes, row_bytes, nr, done / 128, lb, xp, cols, ntok, C, nsp, acc); break;
+    case K_T1: multi_body(kind, 5, codes, row_bytes, nr, done / 160, lb, xp, cols, ntok, C, nsp, acc); break;
+    default: multi_body(kind, 8, codes, row_bytes, nr, done / 256, lb, xp, cols, ntok, C, nsp, acc); break;
+    }
 }
 #endif
 
@@ -491,30 +518,34 @@ static inline int xq_at(const int16_t *xq, const int16_t *xp, int64_t col) {
     return xp[(col & ~(int64_t)31) | ((j & 1) ? 16 + (j >> 1) : (j >> 1))];
 }
 
-static float row_dot(const uint8_t *t, const int64_t *g, int64_t r, const float *x, const int16_t *xq,
-                     const int16_t *xp, const float *xsc, const float *xs, int32_t *isum, atomic_int *bad) {
+/* how many of row r's outliers apply: all k, or those before the first column that is out of range
+   or not increasing, which flags corrupt data unless the row's columns are all zero (a sparse hole
+   of a synthetic file) */
+static int64_t outliers_valid(const uint8_t *t, const int64_t *g, int64_t r, atomic_int *bad) {
+    int64_t k = g[G_K], cols = g[G_COLS], prev = -1;
+    const uint8_t *oc = t + g[G_OFFOCOL] + 2 * r * k;
+    for (int64_t i = 0; i < k; i++) {
+        int64_t col = oc[2 * i] | (oc[2 * i + 1] << 8);
+        if (col >= cols || col <= prev) {
+            for (int64_t i2 = 0; i2 < k; i2++)
+                if (oc[2 * i2] || oc[2 * i2 + 1]) atomic_store(bad, 1);
+            return i;
+        }
+        prev = col;
+    }
+    return k;
+}
+
+/* the tail (columns past the whole chunks, in float) and the outlier corrections of row r for input
+   x: what to add to the whole chunks' sum. cs, es: the span coefficients the AVX2 sums used
+   (A * mul * xsc and B - z * A), or NULL on the portable path */
+static float row_fixups(const uint8_t *t, const int64_t *g, int64_t r, const uint8_t *codes, const float *x,
+                        const int16_t *xq, const int16_t *xp, const float *xsc, const float *cs, const float *es,
+                        atomic_int *bad) {
     int kind = (int)g[G_KIND];
     int64_t cols = g[G_COLS], done = full_cols(g), k = g[G_K];
-    const uint8_t *codes = t + g[G_OFFCODE] + r * g[G_CODEROW];
-    float mul, z, tot;
+    float mul, z, tot = 0;
     digit_form(kind, &mul, &z);
-    if (r + 1 < g[G_ROWS]) {
-        /* the next row's small streams (parameters, scales, outliers): too short and too many for
-           the hardware prefetcher to pick up in time */
-        __builtin_prefetch(t + g[G_OFFPAR] + (r + 1) * g[G_PARROW]);
-        __builtin_prefetch(t + g[G_OFFSUB] + (r + 1) * g[G_SUBROW]);
-        __builtin_prefetch(t + g[G_OFFOCOL] + 2 * (r + 1) * k);
-        __builtin_prefetch(t + g[G_OFFOVAL] + 2 * (r + 1) * k);
-    }
-#if HAVE_X86
-    if (use_avx2)
-        tot = whole_avx2(t, g, r, codes, xp, xsc, xs, done, (float *)isum);
-    else
-#endif
-    {
-        isum_c(codes, g, xq, done, isum);
-        tot = combine_c(t, g, r, xsc, xs, isum, 0, done / 32);
-    }
     float lev[256];                                             /* a tail is shorter than a chunk */
     if (done < cols) {
         tail_levels(codes, g, done, lev);
@@ -526,22 +557,14 @@ static float row_dot(const uint8_t *t, const int64_t *g, int64_t r, const float 
         }
     }
     const uint8_t *oc = t + g[G_OFFOCOL] + 2 * r * k, *ov = t + g[G_OFFOVAL] + 2 * r * k;
-    int64_t prev = -1;
-    for (int64_t i = 0; i < k; i++) {
+    int64_t n = outliers_valid(t, g, r, bad);
+    for (int64_t i = 0; i < n; i++) {
         int64_t col = oc[2 * i] | (oc[2 * i + 1] << 8);
-        if (col >= cols || col <= prev) {
-            /* corrupt, unless the row's columns are all zero (a sparse hole of a synthetic file) */
-            for (int64_t i2 = 0; i2 < k; i2++)
-                if (oc[2 * i2] || oc[2 * i2 + 1]) atomic_store(bad, 1);
-            break;
-        }
-        prev = col;
         float A, B, used;
         if (col < done) {    /* what the integer sums added for this column */
             float d = (float)digit_full(kind, codes, col, cols);
-            if (use_avx2) {  /* the span's coefficients are in scratch already */
-                float *c = (float *)isum;
-                used = c[col >> 5] * d * (float)xq_at(xq, xp, col) + c[done / 32 + (col >> 5)] * x[col];
+            if (cs) {
+                used = cs[col >> 5] * d * (float)xq_at(xq, xp, col) + es[col >> 5] * x[col];
             } else {
                 span_ab(t, g, r, col >> 5, &A, &B);
                 used = A * (mul * d * (xsc[col >> 5] * (float)xq[col])) + (B - z * A) * x[col];
@@ -553,6 +576,34 @@ static float row_dot(const uint8_t *t, const int64_t *g, int64_t r, const float 
         tot += f16_at(ov + 2 * i) * x[col] - used;
     }
     return tot;
+}
+
+static inline void prefetch_next_row(const uint8_t *t, const int64_t *g, int64_t r) {
+    /* the next row's small streams (parameters, scales, outliers): too short and too many for the
+       hardware prefetcher to pick up in time */
+    if (r + 1 < g[G_ROWS]) {
+        __builtin_prefetch(t + g[G_OFFPAR] + (r + 1) * g[G_PARROW]);
+        __builtin_prefetch(t + g[G_OFFSUB] + (r + 1) * g[G_SUBROW]);
+        __builtin_prefetch(t + g[G_OFFOCOL] + 2 * (r + 1) * g[G_K]);
+        __builtin_prefetch(t + g[G_OFFOVAL] + 2 * (r + 1) * g[G_K]);
+    }
+}
+
+static float row_dot(const uint8_t *t, const int64_t *g, int64_t r, const float *x, const int16_t *xq,
+                     const int16_t *xp, const float *xsc, const float *xs, int32_t *isum, atomic_int *bad) {
+    int64_t done = full_cols(g);
+    const uint8_t *codes = t + g[G_OFFCODE] + r * g[G_CODEROW];
+    prefetch_next_row(t, g, r);
+#if HAVE_X86
+    if (use_avx2) {
+        float *c = (float *)isum;
+        float tot = whole_avx2(t, g, r, codes, xp, xsc, xs, done, c);
+        return tot + row_fixups(t, g, r, codes, x, xq, xp, xsc, c, c + done / 32, bad);
+    }
+#endif
+    isum_c(codes, g, xq, done, isum);
+    float tot = combine_c(t, g, r, xsc, xs, isum, 0, done / 32);
+    return tot + row_fixups(t, g, r, codes, x, xq, xp, xsc, NULL, NULL, bad);
 }
 
 /* ------------------------------------------------------------------------------------ dequantize */
@@ -634,6 +685,8 @@ struct task {
     const float *xf, *xsc, *xs;
     const int16_t *xq, *xp;
     int64_t cols, nspan, n, stride;
+    int64_t ntok, ostride;                                /* rows jobs: tokens per job, output stride */
+    int64_t scratch_floats;                               /* per thread */
     const int64_t *jobs;
     int64_t njobs;
     float *out;
@@ -642,16 +695,101 @@ struct task {
     atomic_ullong sum;                                    /* read_sum's result */
 };
 
-/* a mat-vec job: rows [job[2], job[3]) of the tensor at raw + job[0] times input job[4] */
+#if HAVE_X86
+/* rows_job for several tokens on AVX2: multi_avx2 over each row's whole chunks, then per token the
+   offsets' sum, the tail and the outliers */
+AVX2 static void multi_job_avx2(task_t *t, const int64_t *job, float *scratch) {
+    const int64_t *g = t->geoms + G_LEN * job[1];
+    int kind = (int)g[G_KIND];
+    int64_t ntok = t->ntok, cols = t->cols, nsp = t->nspan, k = g[G_K], r0 = job[2], nr = job[3] - job[2];
+    const uint8_t *tensor = t->raw + job[0];
+    int64_t done = full_cols(g), nfs = done / 32, nb = nfs / 8;
+    int64_t tt = ntok < TOKEN_TILE ? ntok : TOKEN_TILE;
+    /* scratch: acc [nr * tt] vectors (32-byte aligned), ce [nr][2 nsp], ones, zeros, C [nr * tt][nsp] */
+    __m256 *acc = (__m256 *)scratch;
+    float *ce = scratch + 8 * nr * tt, *ones = ce + 2 * nsp * nr, *zeros = ones + nsp, *C = zeros + nsp;
+    float ov[256], od[256];
+    int64_t oc[256];
+    for (int64_t s = 0; s < nsp; s++) { ones[s] = 1.0f; zeros[s] = 0.0f; }
+    for (int64_t i = 0; i < nr; i++)      /* ce[i][s] = A * mul, ce[i][nfs + s] = B - z * A */
+        coefs_avx2(tensor, g, r0 + i, ones, zeros, nfs, ce + 2 * nsp * i);
+    for (int64_t x0 = job[4]; x0 < job[4] + ntok; x0 += tt) {
+        int64_t nt = job[4] + ntok - x0 < tt ? job[4] + ntok - x0 : tt;
+        for (int64_t i = 0; i < nr; i++) {
+            const float *cei = ce + 2 * nsp * i;
+            for (int64_t tk = 0; tk < nt; tk++) {              /* C = A * mul * xsc; the offsets' sum */
+                const float *xsc = t->xsc + (x0 + tk) * nsp, *xs = t->xs + (x0 + tk) * nsp;
+                float *Ct = C + (i * nt + tk) * nsp;
+                __m256 b = _mm256_setzero_ps();
+                for (int64_t q = 0; q < nb; q++) {
+                    _mm256_storeu_ps(Ct + 8 * q, _mm256_mul_ps(_mm256_loadu_ps(cei + 8 * q), _mm256_loadu_ps(xsc + 8 * q)));
+                    b = _mm256_fmadd_ps(_mm256_loadu_ps(cei + nfs + 8 * q), _mm256_loadu_ps(xs + 8 * q), b);
+                }
+                float rest = 0;
+                for (int64_t s = 8 * nb; s < nfs; s++) { Ct[s] = cei[s] * xsc[s]; rest += cei[nfs + s] * xs[s]; }
+                acc[i * nt + tk] = _mm256_add_ps(b, _mm256_setr_ps(rest, 0, 0, 0, 0, 0, 0, 0));
+            }
+        }
+        multi_avx2(kind, tensor + g[G_OFFCODE] + r0 * g[G_CODEROW], g[G_CODEROW], (int)nr, done, cols,
+                   t->xp + x0 * cols, (int)nt, C, nsp, acc);
+        for (int64_t i = 0; i < nr; i++) {
+            int64_t r = r0 + i;
+            const uint8_t *codes = tensor + g[G_OFFCODE] + r * g[G_CODEROW];
+            const float *cei = ce + 2 * nsp * i;
+            float *dst = t->out + job[5] + (x0 - job[4]) * t->ostride + i;
+            if (done < cols || k > 256) {                      /* a tail (t1): the general fix-ups */
+                for (int64_t tk = 0; tk < nt; tk++)
+                    dst[tk * t->ostride] =
+                        hsum8(acc[i * nt + tk]) + row_fixups(tensor, g, r, codes, t->xf + (x0 + tk) * cols,
+                                                             t->xq + (x0 + tk) * cols, t->xp + (x0 + tk) * cols,
+                                                             t->xsc + (x0 + tk) * nsp, C + (i * nt + tk) * nsp,
+                                                             cei + nfs, &t->bad);
+                continue;
+            }
+            /* outliers decoded once per row, then applied to every token */
+            const uint8_t *pc = tensor + g[G_OFFOCOL] + 2 * r * k, *pv = tensor + g[G_OFFOVAL] + 2 * r * k;
+            int64_t n = outliers_valid(tensor, g, r, &t->bad);
+            for (int64_t q = 0; q < n; q++) {
+                oc[q] = pc[2 * q] | (pc[2 * q + 1] << 8);
+                ov[q] = f16_at(pv + 2 * q);
+                od[q] = (float)digit_full(kind, codes, oc[q], cols);
+            }
+            for (int64_t tk = 0; tk < nt; tk++) {
+                const float *x = t->xf + (x0 + tk) * cols, *Ct = C + (i * nt + tk) * nsp;
+                const int16_t *xp = t->xp + (x0 + tk) * cols;
+                float corr = 0;
+                for (int64_t q = 0; q < n; q++) {
+                    int64_t col = oc[q], s = col >> 5, j = col & 31;
+                    float xq = (float)xp[(col & ~(int64_t)31) | ((j & 1) ? 16 + (j >> 1) : (j >> 1))];
+                    corr += ov[q] * x[col] - (Ct[s] * od[q] * xq + cei[nfs + s] * x[col]);
+                }
+                dst[tk * t->ostride] = hsum8(acc[i * nt + tk]) + corr;
+            }
+        }
+    }
+}
+#endif
+
+/* a mat-vec job: rows [job[2], job[3]) of the tensor at raw + job[0] times inputs job[4] ..
+   job[4] + ntok - 1, written to out[job[5] + t * ostride + row - job[2]] */
 static void rows_job(task_t *t, int64_t j, float *scratch) {
     const int64_t *job = t->jobs + JOB_LEN * j;
     const int64_t *g = t->geoms + G_LEN * job[1];
-    int64_t xi = job[4];
+    int64_t x0 = job[4], ntok = t->ntok, cols = t->cols, nsp = t->nspan;
     const uint8_t *tensor = t->raw + job[0];
-    for (int64_t r = job[2]; r < job[3]; r++)
-        t->out[job[5] + r - job[2]] = row_dot(tensor, g, r, t->xf + xi * t->cols, t->xq + xi * t->cols,
-                                              t->xp + xi * t->cols, t->xsc + xi * t->nspan,
-                                              t->xs + xi * t->nspan, (int32_t *)scratch, &t->bad);
+#if HAVE_X86
+    if (use_avx2 && ntok > 1) {
+        multi_job_avx2(t, job, scratch);
+        return;
+    }
+#endif
+    for (int64_t tk = 0; tk < ntok; tk++) {
+        int64_t xi = x0 + tk;
+        for (int64_t r = job[2]; r < job[3]; r++)
+            t->out[job[5] + tk * t->ostride + r - job[2]] =
+                row_dot(tensor, g, r, t->xf + xi * cols, t->xq + xi * cols, t->xp + xi * cols, t->xsc + xi * nsp,
+                        t->xs + xi * nsp, (int32_t *)scratch, &t->bad);
+    }
 }
 
 #define DEQ_ROWS 8
@@ -755,15 +893,9 @@ static void heads_t_job(task_t *t, int64_t h, float *scratch) {
             }
         }
         const uint8_t *oc = t->raw + g[G_OFFOCOL] + 2 * r * k, *ov = t->raw + g[G_OFFOVAL] + 2 * r * k;
-        int64_t prev = -1;
-        for (int64_t i = 0; i < k; i++) {
+        int64_t n = outliers_valid(t->raw, g, r, &t->bad);
+        for (int64_t i = 0; i < n; i++) {
             int64_t col = oc[2 * i] | (oc[2 * i + 1] << 8);
-            if (col >= cols || col <= prev) {
-                for (int64_t i2 = 0; i2 < k; i2++)
-                    if (oc[2 * i2] || oc[2 * i2 + 1]) atomic_store(&t->bad, 1);
-                break;
-            }
-            prev = col;
             float A, B;
             span_ab(t->raw, g, r, col >> 5, &A, &B);
             float stored = col < done ? A * (mul * (float)digit_full(kind, codes, col, cols) - z) + B
@@ -776,7 +908,8 @@ static void heads_t_job(task_t *t, int64_t h, float *scratch) {
 }
 
 static void run_jobs(task_t *t) {
-    float *scratch = malloc(sizeof(float) * (5 * t->nspan + 16));
+    size_t nscr = t->scratch_floats ? (size_t)t->scratch_floats : (size_t)(5 * t->nspan + 16);
+    float *scratch = aligned_alloc(32, (nscr * sizeof(float) + 31) / 32 * 32);
     int64_t finished = 0;
     for (;;) {
         int64_t j = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed);
@@ -936,15 +1069,19 @@ static int run_unlocked(task_t *t, int threads) {
 }
 
 PyDoc_STRVAR(rows_doc,
-"rows(raw, geoms, xf, jobs, out, threads) -> int\n\n"
+"rows(raw, geoms, xf, jobs, out, threads, ntok=1, ostride=0) -> int\n\n"
 "Run mat-vec jobs: each row of jobs (int64 [n, 6]: tensor byte offset in raw, geometry index into\n"
-"geoms (int64 [m, 22]), first row, end row, input row of xf (float32 [k, cols]), output offset)\n"
-"writes x . W[r] for its rows into out (float32). Returns 1 if a tensor's outlier columns are corrupt.");
+"geoms (int64 [m, 22]), first row, end row, first input row of xf (float32 [k, cols]), output offset)\n"
+"writes x_t . W[r] for its rows and its ntok inputs into out (float32) at offset + t * ostride + row.\n"
+"Returns 1 if a tensor's outlier columns are corrupt.");
 
 static PyObject *py_rows(PyObject *self, PyObject *args) {
     PyObject *o[5];
     int threads;
-    if (!PyArg_ParseTuple(args, "OOOOOi", &o[0], &o[1], &o[2], &o[3], &o[4], &threads)) return NULL;
+    Py_ssize_t ntok = 1, ostride = 0;
+    if (!PyArg_ParseTuple(args, "OOOOOi|nn", &o[0], &o[1], &o[2], &o[3], &o[4], &threads, &ntok, &ostride))
+        return NULL;
+    if (ntok < 1 || ostride < 0) { PyErr_SetString(PyExc_ValueError, "rows: ntok >= 1, ostride >= 0"); return NULL; }
     buf_t b[5];
     memset(b, 0, sizeof b);
     PyObject *ret = NULL;
@@ -968,15 +1105,17 @@ static PyObject *py_rows(PyObject *self, PyObject *args) {
             goto done;
         }
     }
+    int64_t max_rows = 1;
     for (int64_t j = 0; j < njobs; j++) {     /* nothing is read or written outside its buffer */
         const int64_t *jb = jobs + JOB_LEN * j;
         if (jb[1] < 0 || jb[1] >= ng) { PyErr_Format(PyExc_ValueError, "job %lld: bad geometry", (long long)j); goto done; }
         const int64_t *g = geoms + G_LEN * jb[1];
         if (jb[0] < 0 || jb[0] > nraw - g[G_NBYTES] || jb[2] < 0 || jb[3] < jb[2] || jb[3] > g[G_ROWS] ||
-            jb[4] < 0 || jb[4] >= nx || jb[5] < 0 || jb[5] > nout - (jb[3] - jb[2])) {
+            jb[4] < 0 || jb[4] > nx - ntok || jb[5] < 0 || jb[5] + (ntok - 1) * ostride > nout - (jb[3] - jb[2])) {
             PyErr_Format(PyExc_ValueError, "job %lld lies outside its buffers", (long long)j);
             goto done;
         }
+        if (jb[3] - jb[2] > max_rows) max_rows = jb[3] - jb[2];
     }
     int64_t nspan = cols / 32;
     xq = malloc(sizeof(int16_t) * 2 * nxf);           /* natural order, then de-interleaved */
@@ -985,7 +1124,8 @@ static PyObject *py_rows(PyObject *self, PyObject *args) {
     if (!xq || !xsc || !xs) { PyErr_NoMemory(); goto done; }
     task_t t = {.job = rows_job, .raw = b[0].b.buf, .geoms = geoms, .xf = b[2].b.buf, .xsc = xsc, .xs = xs,
                 .xq = xq, .xp = xq + nxf,
-                .cols = cols, .nspan = nspan, .jobs = jobs, .njobs = njobs, .out = b[4].b.buf};
+                .cols = cols, .nspan = nspan, .jobs = jobs, .njobs = njobs, .out = b[4].b.buf, .ntok = ntok,
+                .ostride = ostride, .scratch_floats = max_rows * (8 * TOKEN_TILE + (2 + TOKEN_TILE) * nspan) + 7 * nspan + 16};
     for (int64_t i = 0; i < nx; i++) {
 #if HAVE_X86
         if (use_avx2) {

@@ -6,8 +6,9 @@ C otherwise). It quantises x once per call (16-bit integers per 32 values, exact
 multiplies each codec's stored digits by them in int32 lanes, applies each span's scale and offset
 once, and corrects outliers exactly; nothing is dequantized. Every caller hands it a list of row jobs
 (a linear, all routed experts of a token, kv_b's heads), shared out over a small thread pool.
-A few tokens: that, token by token. More (prefill): rows are dequantized 64 at a time into a
-cache-sized block (bit for bit as the reference decoder) and BLAS multiplies.
+Several tokens (prefill, or the tokens routed to one expert): the same kernel takes each chunk's
+digits out once and multiplies them by every token. Many tokens: rows are dequantized 64 at a time
+into a cache-sized block (bit for bit as the reference decoder) and BLAS multiplies.
 `dequantize` equals the numpy reference decoder bit for bit (no fastmath there); tests hold it to it.
 """
 
@@ -26,7 +27,9 @@ from kimistream.runtime import _qdot
 # Below this many weights a mat-vec runs on the calling thread alone: splitting a small weight saves less than a busy second core costs (q4 512x1024: 163 us on
 # one thread; 143 us on two when both cores are idle, 740 us when the other one is busy).
 PARALLEL_MIN_WEIGHTS = 1 << 20
-BLAS_MIN_TOKENS = 6       # from this many tokens on, dequantized row blocks + BLAS beat T mat-vecs
+# From this many tokens on, dequantized row blocks + BLAS beat the several-token integer kernel
+# (benchmarks/RESULTS.md: at 24 tokens q2 2048x7168 takes 10 ms against 25; at 48 they are even).
+BLAS_MIN_TOKENS = 32
 BLOCK_ROWS = 64           # rows per dequantized block: 64 x 7168 floats = 1.8 MB
 XQ_MAX = 32767            # activations are quantised to -XQ_MAX .. XQ_MAX per 32 values
 XQ_DTYPE = np.int16
@@ -148,9 +151,9 @@ def _jobs(t0s, gi: int, first: int, rows: int, xis, outs, cols: int) -> np.ndarr
 
 
 @functools.lru_cache(maxsize=1024)
-def _linear_jobs(rows: int, cols: int, T: int) -> np.ndarray:
-    """Jobs of T tokens through one weight, shared by every call of this shape."""
-    return _jobs(np.zeros(T), 0, 0, rows, np.arange(T), np.arange(T) * rows, cols)
+def _linear_jobs(rows: int, cols: int) -> np.ndarray:
+    """Jobs covering one weight, shared by every call of this shape (the tokens are the kernel's)."""
+    return _jobs([0], 0, 0, rows, [0], [0], cols)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -158,11 +161,11 @@ def _head_jobs(nh: int, stride: int, first: int, n: int, cols: int) -> np.ndarra
     return np.concatenate([_jobs([0], 0, h * stride + first, n, [h], [h * n], cols) for h in range(nh)])
 
 
-def _run(raw, geoms, xf, jobs, out, weights: int, what: str) -> None:
+def _run(raw, geoms, xf, jobs, out, weights: int, what: str, ntok: int = 1, ostride: int = 0) -> None:
     """Run the jobs in the C kernel (which quantises the inputs xf [n, cols] itself), on the calling
     thread alone for a small amount of work."""
     threads = _threads if weights >= PARALLEL_MIN_WEIGHTS else 1
-    if _qdot.rows(raw, geoms, xf, jobs, out, threads):
+    if _qdot.rows(raw, geoms, xf, jobs, out, threads, ntok, ostride):
         raise CodecError(f"{what}: corrupt data: outlier columns out of range or not increasing")
 
 
@@ -183,10 +186,8 @@ def linear(x: np.ndarray, codec: str, raw, shape: tuple) -> np.ndarray:
     y = np.empty((T, rows), np.float32)
     if rows and T:
         if T < BLAS_MIN_TOKENS:
-            jobs = _linear_jobs(rows, cols, T)
-            # a few tokens come from prefill, where BLAS's spinning threads sit next to every call:
-            # there a parallel region waits for a core, so only a single token gets both
-            _run(raw, g[None, :], x2, jobs, y.reshape(-1), rows * cols if T == 1 else 0, codec)
+            # every token through each block of rows in one pass (the digits are taken out once)
+            _run(raw, g[None, :], x2, _linear_jobs(rows, cols), y.reshape(-1), rows * cols * T, codec, T, rows)
         else:
             _dequantized_matmul(x2, raw, g, rows, cols, y, codec)
     return y[0] if squeeze else y

@@ -1,7 +1,8 @@
 """Fused kernels (runtime/kernels.py) against the numpy reference decoders (formats/quants.py), for
 every block codec, full and tail chunks, rows with outliers, 1-row weights:
 - `dequantize` bit for bit;
-- the integer mat-vec (T < BLAS_MIN_TOKENS) equals the reference weight times x in float64 to within
+- the integer mat-vec (one token, or several through the same rows: T < BLAS_MIN_TOKENS) equals
+  the reference weight times x in float64 to within
   the int8 rounding of x: |y - W x| <= sum_j |W_j - O_j| |x_j - x^_j| + 1e-5 |W| |x|, where x^ is the
   rounded activation and O_j the value the weight would have with code 0 (the part of each weight
   that multiplies exact span sums), outlier columns excluded (they are corrected exactly);
@@ -90,14 +91,14 @@ def test_dequantize_bit_exact_and_linear_matches(name, shape, parallel, isa, mon
     assert got.dtype == np.float32 and got.shape == shape
     np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
     rng = np.random.default_rng(1)
-    for T in (1, 3):                                    # integer mat-vecs, token by token
+    for T in (1, 3, 7):                                 # integer mat-vecs, one or several tokens
         x = rng.standard_normal((T, shape[1])).astype(np.float32)
         y = kernels.linear(x, name, raw, shape)
         assert y.shape == (T, shape[0]) and y.dtype == np.float32
         for t in range(T):
             assert_int8_close(y[t], name, raw, shape, x[t])
         assert rel(y, x @ ref.T) < 0.05                 # and the bound is not vacuous
-    x = rng.standard_normal((7, shape[1])).astype(np.float32)   # row blocks + BLAS: exact weights
+    x = rng.standard_normal((kernels.BLAS_MIN_TOKENS, shape[1])).astype(np.float32)   # row blocks + BLAS
     assert rel(kernels.linear(x, name, raw, shape), x @ ref.T) < 1e-5
     x1 = rng.standard_normal(shape[1]).astype(np.float32)
     assert kernels.linear(x1, name, raw.tobytes(), shape).shape == (shape[0],)
