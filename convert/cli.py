@@ -19,8 +19,9 @@ from kimistream.formats.constants import DEFAULT_ALIGNMENT, MAX_ALIGNMENT, ROUTE
 from . import fetch as F
 from . import hub as H
 from . import calibration as C
-from .converter import ConversionError, convert_checkpoint
+from .converter import ConversionError, check_output_apart, convert_checkpoint
 from .plan import PRESETS, PrecisionPlan
+from .source import HFCheckpoint
 
 
 
@@ -260,6 +261,13 @@ def _main(args, err: Console) -> int:
         if not args.json:
             err.print(report.describe(), highlight=False, soft_wrap=True, markup=False)
         args.source = str(report.directory)
+    if Path(args.source).is_dir():
+        # before anything is written: -o must not be any file the conversion reads
+        ckpt = HFCheckpoint(args.source, allow_missing_shards=True)
+        try:
+            check_output_apart(ckpt, out, [args.imatrix] if args.imatrix else [])
+        finally:
+            ckpt.close()
     imatrix = None
     described = C.describe(args, calibration)
     if calibration:

@@ -18,7 +18,7 @@ from kimistream.formats.quants import clear_factor_cache
 from kimistream.formats.weightfile import WeightFileWriter
 
 from .plan import PrecisionPlan
-from .source import HFCheckpoint, SourceError
+from .source import INDEX_FILE, HFCheckpoint, SourceError
 
 MANIFEST_NAME = "kimi-stream.sha256"   # written by a verified download; saves re-hashing sources
 
@@ -115,6 +115,22 @@ def source_record(ckpt: HFCheckpoint) -> dict:
                       for n in names}}
 
 
+def check_output_apart(ckpt: HFCheckpoint, out, extra_inputs=()) -> None:
+    """ConversionError unless the output and its .partial / .journal side files are none of the files
+    the conversion reads (through symlinks and hard links too): `-o` must never overwrite a source."""
+    out = Path(out)
+    outputs = [out, out.with_name(out.name + ".partial"), out.with_name(out.name + ".partial.journal")]
+    names = ["config.json", INDEX_FILE, *ckpt.shard_names, *ckpt.tokenizer_files().keys()]
+    inputs = [ckpt.dir / n for n in names if (ckpt.dir / n).exists()] + [Path(p) for p in extra_inputs]
+    for o in outputs:
+        for i in inputs:
+            same = o.resolve() == i.resolve() or (o.exists() and i.exists() and o.samefile(i))
+            if same:
+                raise ConversionError(f"{out}: the output would overwrite the source file {i} (choose another -o)")
+    if out.resolve() == ckpt.dir.resolve():
+        raise ConversionError(f"{out}: the output is the source directory (choose another -o)")
+
+
 def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_ALIGNMENT,
                        progress=None, delete_source: bool = False, imatrix=None,
                        calibration: str | None = None) -> Summary:
@@ -131,6 +147,7 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
         ckpt = HFCheckpoint(src, allow_missing_shards=delete_source)
     except SourceError as e:
         raise ConversionError(str(e)) from None
+    check_output_apart(ckpt, out)
     cfg = ckpt.config
     expected = model_shapes(cfg)
     missing = [n for n in expected if not ckpt.has(n)]

@@ -23,6 +23,37 @@ class SourceError(ValueError):
     pass
 
 
+def read_index(path: Path) -> dict[str, str]:
+    """The weight_map of a model.safetensors.index.json: tensor name -> shard file, every shard a
+    relative path that stays inside the index's directory (no absolute path, no '..'): a conversion
+    reads those files and, with --delete-source, deletes them. SourceError (one line) otherwise."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise SourceError(f"{path}: not readable JSON ({e})") from None
+    wmap = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(wmap, dict):
+        raise SourceError(f"{path}: malformed index (no weight_map object)")
+    for tensor, shard in wmap.items():
+        if not isinstance(shard, str):
+            raise SourceError(f"{path}: malformed index (shard of {tensor} is not a file name)")
+        problem = shard_name_problem(shard)
+        if problem:
+            raise SourceError(f"{path}: shard {shard!r} of {tensor} {problem}")
+    return wmap
+
+
+def shard_name_problem(name: str) -> str | None:
+    """Why `name` cannot be a shard path relative to its checkpoint directory, or None."""
+    if not name or "\0" in name:
+        return "is empty or not text"
+    if name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":"):
+        return "is an absolute path (shards must lie inside the checkpoint directory)"
+    if "\\" in name or any(p in ("", ".", "..") for p in name.split("/")):
+        return "leaves the checkpoint directory ('..', '.', an empty part or a backslash)"
+    return None
+
+
 class HFCheckpoint:
     def __init__(self, directory, allow_missing_shards: bool = False):
         """`allow_missing_shards`: shards named by the index may be gone (deleted by a conversion
@@ -68,10 +99,7 @@ class HFCheckpoint:
         idx = self.dir / INDEX_FILE
         self.index_map = None
         if idx.exists():
-            try:
-                self.index_map = json.loads(idx.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
-                raise SourceError(f"{idx}: malformed index ({e})") from None
+            self.index_map = read_index(idx)
             names = sorted(set(self.index_map.values()), key=_shard_key)
             missing = [n for n in names if not (self.dir / n).is_file()]
             self.missing_shards = set(missing) if self.allow_missing_shards else set()

@@ -5,7 +5,6 @@ git blob ids), including the source hashes a weight file records. One row per fi
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -17,7 +16,7 @@ from kimistream.formats.safetensors import SafetensorsError, SafetensorsFile
 from kimistream.formats.weightfile import WeightFile, WeightFileError
 
 from .converter import MANIFEST_NAME
-from .source import INDEX_FILE
+from .source import INDEX_FILE, SourceError, read_index, shard_name_problem
 
 OK, MISSING, CORRUPT, UNVERIFIABLE, EXTRA = "ok", "missing", "corrupt", "unverifiable", "extra"
 EXIT_CODES = {MISSING: 3, CORRUPT: 4, UNVERIFIABLE: 5}   # checked in this order
@@ -96,9 +95,9 @@ def expected_files(directory: Path) -> list[str]:
     if idx.is_file():
         names.append(INDEX_FILE)
         try:
-            names += sorted(set(json.loads(idx.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
-            pass
+            names += sorted(set(read_index(idx).values()))
+        except SourceError:
+            pass                       # reported on the index's own row
     else:
         names += sorted(p.name for p in directory.glob("*.safetensors"))
     return names + [n for n in TOKENIZER_FILES if (directory / n).is_file()]
@@ -111,19 +110,22 @@ def verify_directory(directory: Path, manifest: dict[str, str] | None, workers: 
     directory = Path(directory)
     sizes, git_blobs = sizes or {}, git_blobs or {}
     names = expected_files(directory)
-    idx_ok = True
+    idx_problem = None
     if (directory / INDEX_FILE).is_file():
         try:
-            json.loads((directory / INDEX_FILE).read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
-            idx_ok = False
+            read_index(directory / INDEX_FILE)
+        except SourceError as e:
+            idx_problem = str(e).removeprefix(f"{directory / INDEX_FILE}: ")
     manifest = manifest or {}
     for extra in (manifest, sizes, git_blobs):
         names += [n for n in extra if n not in names]
 
     def check(name: str) -> Row:
-        p = directory / name
         exp = manifest.get(name, "")
+        problem = shard_name_problem(name)
+        if problem:                    # a name from a manifest or listing: never read outside the directory
+            return Row(name, None, exp, "", CORRUPT, f"file name {problem}")
+        p = directory / name
         blob = git_blobs.get(name, "")
         if not p.is_file():
             return Row(name, None, exp or blob, "", MISSING, "file not found")
@@ -131,8 +133,8 @@ def verify_directory(directory: Path, manifest: dict[str, str] | None, workers: 
         if name in sizes and size != sizes[name]:
             kind = "truncated" if size < sizes[name] else "too long"
             return Row(name, size, exp or blob, "", CORRUPT, f"{kind}: {size:,} bytes, expected {sizes[name]:,}")
-        if name == INDEX_FILE and not idx_ok:
-            return Row(name, size, exp, "", CORRUPT, "index is not valid JSON with a weight_map")
+        if name == INDEX_FILE and idx_problem:
+            return Row(name, size, exp, "", CORRUPT, idx_problem)
         if name.endswith(".safetensors"):
             try:
                 SafetensorsFile(p).close()
