@@ -161,10 +161,14 @@ static void tail_levels(const uint8_t *codes, const int64_t *g, int64_t start, f
     const uint8_t *tail = codes + (start / (32 * p)) * 32;
     for (int64_t k = 0; k < p; k++) {
         int64_t o = k * lane, jn = n - o < lane ? n - o : lane;
-        for (int64_t j = 0; j < jn; j++) {
-            int d = bits == 0 ? ((((int)tail[j] * pow3[k]) & 255) * 3) >> 8
-                  : kind == K_Q8 ? (int8_t)tail[j] : (tail[j] >> (k * bits)) & ((1 << bits) - 1);
-            lev[o + j] = mul * (float)d - z;
+        if (bits == 0) {
+            int m3 = pow3[k];
+            for (int64_t j = 0; j < jn; j++) lev[o + j] = mul * (float)(((((int)tail[j] * m3) & 255) * 3) >> 8) - z;
+        } else if (kind == K_Q8) {
+            for (int64_t j = 0; j < jn; j++) lev[o + j] = (float)(int8_t)tail[j];
+        } else {
+            int sh = (int)(k * bits), mask = (1 << bits) - 1;
+            for (int64_t j = 0; j < jn; j++) lev[o + j] = mul * (float)((tail[j] >> sh) & mask) - z;
         }
     }
 }
@@ -518,6 +522,20 @@ static inline int xq_at(const int16_t *xq, const int16_t *xp, int64_t col) {
     return xp[(col & ~(int64_t)31) | ((j & 1) ? 16 + (j >> 1) : (j >> 1))];
 }
 
+static const float ones32[32] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+                                 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+
+/* a . b over 32 floats in eight independent partial sums (one running sum would wait on the
+   latency of every add) */
+static inline float dot32(const float *a, const float *b) {
+    float p0 = 0, p1 = 0, p2 = 0, p3 = 0, p4 = 0, p5 = 0, p6 = 0, p7 = 0;
+    for (int j = 0; j < 32; j += 8) {
+        p0 += a[j] * b[j]; p1 += a[j + 1] * b[j + 1]; p2 += a[j + 2] * b[j + 2]; p3 += a[j + 3] * b[j + 3];
+        p4 += a[j + 4] * b[j + 4]; p5 += a[j + 5] * b[j + 5]; p6 += a[j + 6] * b[j + 6]; p7 += a[j + 7] * b[j + 7];
+    }
+    return ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7));
+}
+
 /* how many of row r's outliers apply: all k, or those before the first column that is out of range
    or not increasing, which flags corrupt data unless the row's columns are all zero (a sparse hole
    of a synthetic file) */
@@ -550,10 +568,9 @@ static float row_fixups(const uint8_t *t, const int64_t *g, int64_t r, const uin
     if (done < cols) {
         tail_levels(codes, g, done, lev);
         for (int64_t s = done / 32; s < cols / 32; s++) {
-            float A, B, part = 0;
+            float A, B;
             span_ab(t, g, r, s, &A, &B);
-            for (int64_t col = 32 * s; col < 32 * s + 32; col++) part += (A * lev[col - done] + B) * x[col];
-            tot += part;
+            tot += A * dot32(lev + 32 * s - done, x + 32 * s) + B * dot32(ones32, x + 32 * s);
         }
     }
     const uint8_t *oc = t + g[G_OFFOCOL] + 2 * r * k, *ov = t + g[G_OFFOVAL] + 2 * r * k;
@@ -737,7 +754,7 @@ AVX2 static void multi_job_avx2(task_t *t, const int64_t *job, float *scratch) {
             const uint8_t *codes = tensor + g[G_OFFCODE] + r * g[G_CODEROW];
             const float *cei = ce + 2 * nsp * i;
             float *dst = t->out + job[5] + (x0 - job[4]) * t->ostride + i;
-            if (done < cols || k > 256) {                      /* a tail (t1): the general fix-ups */
+            if (k > 256) {                                     /* more outliers than the buffers: the general path */
                 for (int64_t tk = 0; tk < nt; tk++)
                     dst[tk * t->ostride] =
                         hsum8(acc[i * nt + tk]) + row_fixups(tensor, g, r, codes, t->xf + (x0 + tk) * cols,
@@ -746,22 +763,34 @@ AVX2 static void multi_job_avx2(task_t *t, const int64_t *job, float *scratch) {
                                                              cei + nfs, &t->bad);
                 continue;
             }
-            /* outliers decoded once per row, then applied to every token */
+            /* the tail's levels and span parameters, and the outliers, decoded once per row */
+            float lev[256], tA[8], tB[8];
+            if (done < cols) {
+                tail_levels(codes, g, done, lev);
+                for (int64_t s = nfs; s < nsp; s++) span_ab(tensor, g, r, s, tA + s - nfs, tB + s - nfs);
+            }
             const uint8_t *pc = tensor + g[G_OFFOCOL] + 2 * r * k, *pv = tensor + g[G_OFFOVAL] + 2 * r * k;
             int64_t n = outliers_valid(tensor, g, r, &t->bad);
             for (int64_t q = 0; q < n; q++) {
                 oc[q] = pc[2 * q] | (pc[2 * q + 1] << 8);
                 ov[q] = f16_at(pv + 2 * q);
-                od[q] = (float)digit_full(kind, codes, oc[q], cols);
+                od[q] = oc[q] < done ? (float)digit_full(kind, codes, oc[q], cols) : lev[oc[q] - done];
             }
             for (int64_t tk = 0; tk < nt; tk++) {
                 const float *x = t->xf + (x0 + tk) * cols, *Ct = C + (i * nt + tk) * nsp;
+                const float *xs = t->xs + (x0 + tk) * nsp;
                 const int16_t *xp = t->xp + (x0 + tk) * cols;
                 float corr = 0;
+                for (int64_t s = nfs; s < nsp; s++)              /* the tail, in float: A * sum(lev x) + B * sum(x) */
+                    corr += tA[s - nfs] * dot32(lev + 32 * (s - nfs), x + 32 * s) + tB[s - nfs] * xs[s];
                 for (int64_t q = 0; q < n; q++) {
                     int64_t col = oc[q], s = col >> 5, j = col & 31;
-                    float xq = (float)xp[(col & ~(int64_t)31) | ((j & 1) ? 16 + (j >> 1) : (j >> 1))];
-                    corr += ov[q] * x[col] - (Ct[s] * od[q] * xq + cei[nfs + s] * x[col]);
+                    if (col < done) {
+                        float xq = (float)xp[(col & ~(int64_t)31) | ((j & 1) ? 16 + (j >> 1) : (j >> 1))];
+                        corr += ov[q] * x[col] - (Ct[s] * od[q] * xq + cei[nfs + s] * x[col]);
+                    } else {
+                        corr += (ov[q] - (tA[s - nfs] * od[q] + tB[s - nfs])) * x[col];
+                    }
                 }
                 dst[tk * t->ostride] = hsum8(acc[i * nt + tk]) + corr;
             }
@@ -907,9 +936,23 @@ static void heads_t_job(task_t *t, int64_t h, float *scratch) {
         for (int i = 0; i < 32; i++) acc[32 * s + i] += bacc[s];
 }
 
+/* each thread's scratch, kept between calls (a fresh allocation of a few hundred KiB per call would
+   be mapped, faulted in and unmapped every time) */
+static __thread float *tls_scratch;
+static __thread size_t tls_cap;
+
+static float *thread_scratch(size_t nfloats) {
+    if (nfloats > tls_cap) {
+        free(tls_scratch);
+        tls_cap = (nfloats + 1023) & ~(size_t)1023;
+        tls_scratch = aligned_alloc(32, tls_cap * sizeof(float));
+        if (!tls_scratch) tls_cap = 0;
+    }
+    return tls_scratch;
+}
+
 static void run_jobs(task_t *t) {
-    size_t nscr = t->scratch_floats ? (size_t)t->scratch_floats : (size_t)(5 * t->nspan + 16);
-    float *scratch = aligned_alloc(32, (nscr * sizeof(float) + 31) / 32 * 32);
+    float *scratch = thread_scratch(t->scratch_floats ? (size_t)t->scratch_floats : (size_t)(5 * t->nspan + 16));
     int64_t finished = 0;
     for (;;) {
         int64_t j = atomic_fetch_add_explicit(&t->next, 1, memory_order_relaxed);
@@ -920,7 +963,6 @@ static void run_jobs(task_t *t) {
     }
     /* one shared write per thread and call, not per job: the counter's cache line is contended */
     atomic_fetch_add_explicit(&t->done, finished, memory_order_release);
-    free(scratch);
 }
 
 #define MAX_WORKERS 255
@@ -1117,7 +1159,7 @@ static PyObject *py_rows(PyObject *self, PyObject *args) {
         }
         if (jb[3] - jb[2] > max_rows) max_rows = jb[3] - jb[2];
     }
-    int64_t nspan = cols / 32;
+    int64_t nspan = cols / 32, tile = ntok < TOKEN_TILE ? ntok : TOKEN_TILE;
     xq = malloc(sizeof(int16_t) * 2 * nxf);           /* natural order, then de-interleaved */
     xsc = malloc(sizeof(float) * nx * nspan);
     xs = malloc(sizeof(float) * nx * nspan);
@@ -1125,7 +1167,7 @@ static PyObject *py_rows(PyObject *self, PyObject *args) {
     task_t t = {.job = rows_job, .raw = b[0].b.buf, .geoms = geoms, .xf = b[2].b.buf, .xsc = xsc, .xs = xs,
                 .xq = xq, .xp = xq + nxf,
                 .cols = cols, .nspan = nspan, .jobs = jobs, .njobs = njobs, .out = b[4].b.buf, .ntok = ntok,
-                .ostride = ostride, .scratch_floats = max_rows * (8 * TOKEN_TILE + (2 + TOKEN_TILE) * nspan) + 7 * nspan + 16};
+                .ostride = ostride, .scratch_floats = max_rows * (8 * tile + (2 + tile) * nspan) + 7 * nspan + 16};
     for (int64_t i = 0; i < nx; i++) {
 #if HAVE_X86
         if (use_avx2) {

@@ -26,6 +26,8 @@ from .telemetry import Telemetry, plot_trace, vm_hwm
 from .tokenizer import Tokenizer, TokenizerError
 from .weights import ModelWeights
 
+SAMPLING_LANES = 8      # --calibration self: sequences sampled side by side at most
+
 
 class RunError(Exception):
     pass
@@ -376,9 +378,14 @@ def _quality(args, log) -> int:
             if args.self_tokens < 2 or args.max_ctx < 8:
                 raise RunError("--calibration self needs --self-tokens of at least 2 and --max-context of at least 8")
             stop = {i for i in (s.tok.eos_id, *s.cfg.eos_token_ids) if i is not None}
+            # several sequences side by side, as many as the budget holds the KV cache of (up to 8):
+            # each forward step then serves them all
+            per_seq = B.kv_bytes(s.cfg, args.max_ctx, 2 if args.kv_dtype == "f16" else 4)
+            spare = s.plan.budget - s.plan.fixed - s.plan.min_cache_experts * s.plan.expert_bytes
+            lanes = int(max(1, min(SAMPLING_LANES, spare // max(per_seq, 1))))
             with _token_progress("sampling", args.self_tokens, args.quiet) as advance:
                 chunks = sample_sequences(s.model, start, stop, args.self_tokens, args.max_ctx,
-                                          args.prefill_batch_size, args.seed or 0, progress=advance)
+                                          args.prefill_batch_size, args.seed or 0, progress=advance, lanes=lanes)
         else:
             chunks = list(windows(s.tok.encode(_read_text(args.calibration)), args.max_ctx))
         with _token_progress("calibrating", sum(map(len, chunks)), args.quiet) as advance:

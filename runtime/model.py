@@ -98,17 +98,18 @@ def resident_copies_bytes(wf) -> int:
 
 
 class KVCache:
-    """Per layer: the normalised KV latent [max_context, kv_lora_rank] and rotated key part
-    [max_context, qk_rope_head_dim], float32 (exact) or float16 (half the memory)."""
+    """Per layer: the normalised KV latent [batch, max_context, kv_lora_rank] and rotated key part
+    [batch, max_context, qk_rope_head_dim], float32 (exact) or float16 (half the memory); `batch`
+    sequences advance together (one, except when calibration samples several at once)."""
 
-    def __init__(self, cfg: ModelConfig, max_context: int, dtype: str = "f32"):
+    def __init__(self, cfg: ModelConfig, max_context: int, dtype: str = "f32", batch: int = 1):
         if dtype not in ("f32", "f16"):
             raise ValueError(f"unknown --kv-dtype {dtype!r} (f32, f16)")
-        self.max_context = max_context
+        self.max_context, self.batch, self.dtype = max_context, batch, dtype
         dt = np.float32 if dtype == "f32" else np.float16
         L = cfg.num_hidden_layers
-        self.latent = [np.zeros((max_context, cfg.kv_lora_rank), dt) for _ in range(L)]
-        self.k_rot = [np.zeros((max_context, cfg.qk_rope_head_dim), dt) for _ in range(L)]
+        self.latent = [np.zeros((batch, max_context, cfg.kv_lora_rank), dt) for _ in range(L)]
+        self.k_rot = [np.zeros((batch, max_context, cfg.qk_rope_head_dim), dt) for _ in range(L)]
         self.length = 0
 
     @staticmethod
@@ -185,13 +186,15 @@ class Model:
         return linear(x, w)
 
     def _attention(self, L: dict, h: np.ndarray, start: int) -> np.ndarray:
-        cfg, T = self.cfg, h.shape[0]
+        """h [B * T, hidden]: B sequences (the cache's batch), T new tokens each."""
+        cfg, B = self.cfg, self.cache.batch
+        T = h.shape[0] // B
         nh, nope = cfg.num_attention_heads, cfg.qk_nope_head_dim
         if cfg.q_lora_rank:
             q = self._lin(rms_norm(self._lin(h, L["q_a"]), L["q_ln"], cfg.rms_norm_eps), L["q_b"])
         else:
             q = self._lin(h, L["q"])
-        q = q.reshape(T, nh, cfg.qk_head_dim)
+        q = q.reshape(B * T, nh, cfg.qk_head_dim)
         q_nope, q_rot = q[..., :nope], q[..., nope:]
         ckv = self._lin(h, L["kv_a"])
         latent = rms_norm(ckv[:, :cfg.kv_lora_rank], L["kv_ln"], cfg.rms_norm_eps)
@@ -199,7 +202,7 @@ class Model:
             self.observer(f"model.layers.{L['index']}.self_attn.kv_b_proj.weight", latent)
         k_rot = ckv[:, cfg.kv_lora_rank:]
 
-        pos = np.arange(start, start + T, dtype=np.float32)
+        pos = np.tile(np.arange(start, start + T, dtype=np.float32), B)     # every sequence at the same positions
         freqs = pos[:, None] * self.inv_freq[None, :]
         cos = (np.cos(freqs) * self.rope_amp).astype(np.float32)
         sin = (np.sin(freqs) * self.rope_amp).astype(np.float32)
@@ -207,36 +210,40 @@ class Model:
         k_rot = apply_rope(k_rot, cos, sin, cfg.rope.interleave)
 
         i = L["index"]
-        C, K = self.cache.latent[i], self.cache.k_rot[i]
-        C[start:start + T] = latent
-        K[start:start + T] = k_rot
+        C, K = self.cache.latent[i], self.cache.k_rot[i]                    # [B, context, r], [B, context, rope]
+        C[:, start:start + T] = latent.reshape(B, T, -1)
+        K[:, start:start + T] = k_rot.reshape(B, T, -1)
         S = start + T
+        # [B, nh, T, d]
+        q_nope = q_nope.reshape(B, T, nh, nope).transpose(0, 2, 1, 3)
+        q_rot = q_rot.reshape(B, T, nh, -1).transpose(0, 2, 1, 3)
         kv_b = L["kv_b"]
-        packed = "w_k" not in L and T == 1 and has_fused_kernel(kv_b.codec)
+        packed = "w_k" not in L and B * T == 1 and has_fused_kernel(kv_b.codec)
         if packed:
             # one token: kv_b stays packed, its key rows applied transposed and its value rows as
             # mat-vecs, head by head (no float32 copy of the whole matrix at every step)
             from . import kernels
             stride = nope + cfg.v_head_dim
-            q_lat = kernels.heads_t(kv_b.codec, kv_b.raw, kv_b.shape, q_nope[0], stride)[:, None, :]
+            q_lat = kernels.heads_t(kv_b.codec, kv_b.raw, kv_b.shape, q_nope[0, :, 0], stride)[None, :, None, :]
         else:
             w_k, w_v_t = (L["w_k"], L["w_v_t"]) if "w_k" in L else self._split_kv_b(kv_b.dense())
-            q_lat = np.matmul(q_nope.transpose(1, 0, 2), w_k)             # [nh, T, r]
-        scores = np.matmul(q_lat, C[:S].T) + np.matmul(q_rot.transpose(1, 0, 2), K[:S].T)  # [nh, T, S]
-        scores *= self.softmax_scale
+            q_lat = np.matmul(q_nope, w_k)                                     # [B, nh, T, r]
+        Ct, Kt = C[:, None, :S], K[:, None, :S]
+        scores = np.matmul(q_lat, Ct.transpose(0, 1, 3, 2)) + np.matmul(q_rot, Kt.transpose(0, 1, 3, 2))
+        scores *= self.softmax_scale                                           # [B, nh, T, S]
         if T > 1:
             causal = np.arange(S)[None, :] > (start + np.arange(T))[:, None]
-            scores[:, causal] = -np.inf
+            scores[..., causal] = -np.inf
         scores -= scores.max(axis=-1, keepdims=True)
         probs = np.exp(scores)
         probs /= probs.sum(axis=-1, keepdims=True)
-        o_lat = np.matmul(probs, C[:S])                                    # [nh, T, r]
+        o_lat = np.matmul(probs, Ct)                                           # [B, nh, T, r]
         if packed:
-            o = kernels.heads(kv_b.codec, kv_b.raw, kv_b.shape, o_lat[:, 0, :], stride, nope,
-                              cfg.v_head_dim)[:, None, :]
+            o = kernels.heads(kv_b.codec, kv_b.raw, kv_b.shape, o_lat[0, :, 0, :], stride, nope,
+                              cfg.v_head_dim)[None, :, None, :]
         else:
-            o = np.matmul(o_lat, w_v_t)                                    # [nh, T, v]
-        return self._lin(o.transpose(1, 0, 2).reshape(T, nh * cfg.v_head_dim), L["o"])
+            o = np.matmul(o_lat, w_v_t)                                        # [B, nh, T, v]
+        return self._lin(o.transpose(0, 2, 1, 3).reshape(B * T, nh * cfg.v_head_dim), L["o"])
 
     def _mlp(self, x: np.ndarray, gate: Weight, up: Weight, down: Weight) -> np.ndarray:
         return self._lin(silu(self._lin(x, gate)) * self._lin(x, up), down)
@@ -314,21 +321,31 @@ class Model:
 
     # ------------------------------------------------------------------ forward
     def forward(self, ids, all_logits: bool = False) -> np.ndarray:
-        """Run tokens `ids` at the next positions of the cache; logits [T, vocab] or [1, vocab]."""
-        T, start = len(ids), self.cache.length
+        """Run tokens `ids` at the next positions of the cache; logits [T, vocab] or [1, vocab]. With a
+        cache of several sequences, `ids` is [batch, T] and the logits [batch * T, vocab] or [batch, vocab]
+        (each sequence's last)."""
+        ids = np.asarray(ids)
+        B = self.cache.batch
+        ids2 = ids.reshape(B, -1)
+        T, start = ids2.shape[1], self.cache.length
         if start + T > self.cache.max_context:
             raise ContextFull(f"context of {self.cache.max_context} tokens is full (raise --max-context)")
         cfg = self.cfg
-        blas.set_threads(1 if T == 1 else _THREADS)   # see runtime/blas.py
-        x = self.w.embed_rows(np.asarray(ids))
+        blas.set_threads(1 if T == 1 else _THREADS)   # see runtime/blas.py: decode steps, one or several sequences
+        x = self.w.embed_rows(ids2.reshape(-1))
         for L in self.layers:
             x = x + self._attention(L, rms_norm(x, L["ln1"], cfg.rms_norm_eps), start)
             h = rms_norm(x, L["ln2"], cfg.rms_norm_eps)
             x = x + (self._moe(L, h, x) if L["moe"] else self._mlp(h, *L["mlp"]))
         self.cache.length = start + T
         if not all_logits:
-            x = x[-1:]
+            x = x.reshape(B, T, -1)[:, -1]
         return self._lin(rms_norm(x, self.final_norm, cfg.rms_norm_eps), self.lm_head)
+
+    def sequences(self, batch: int):
+        """A context in which the model runs `batch` sequences side by side in a cache of their own
+        (forward takes [batch, T]); the single-sequence cache is restored after."""
+        return _Sequences(self, batch)
 
     def prefill(self, ids, batch: int, all_logits: bool = False) -> np.ndarray:
         """Feed the prompt in chunks of `batch` tokens; logits of every position or of the last."""
@@ -341,6 +358,20 @@ class Model:
 
     def reset(self):
         self.cache.length = 0
+
+
+class _Sequences:
+    def __init__(self, model: Model, batch: int):
+        self.model, self.batch = model, batch
+
+    def __enter__(self):
+        m = self.model
+        self.saved = m.cache
+        m.cache = KVCache(m.cfg, m.cache.max_context, m.cache.dtype, self.batch)
+        return m
+
+    def __exit__(self, *exc):
+        self.model.cache = self.saved
 
 
 class ContextFull(RuntimeError):

@@ -138,19 +138,52 @@ def collect_importance(model: Model, chunks, batch: int, progress=None,
 
 
 def sample_sequences(model: Model, start: list[int], stop_ids, n_tokens: int, window: int, batch: int,
-                     seed: int, progress=None) -> list[list[int]]:
+                     seed: int, progress=None, lanes: int = 1) -> list[list[int]]:
     """Calibration text for users without any: sequences the model samples itself at temperature 1
-    from `start` (the BOS token), each up to `window` tokens or an end token, `n_tokens` in all."""
-    sampler = Sampler(1.0, 1.0, seed)
+    from `start` (the BOS token), each up to `window` tokens or an end token, `n_tokens` in all.
+    Up to `lanes` sequences are sampled side by side, one forward step for all of them (each lane
+    draws from its own generator, lane 0 from `seed`); one lane samples exactly as `generate` does."""
+    stop = set(stop_ids)
+    samplers = [Sampler(1.0, 1.0, seed if i == 0 else [seed, i]) for i in range(max(1, lanes))]
     sequences, total = [], 0
     while total < n_tokens:
-        model.reset()
-        seq = list(start)
-        room = max(1, min(window, n_tokens - total) - len(start))        # sampled after the start
-        for t in generate(model, start, room, sampler, batch, stop_ids):
-            seq.append(t)
-            if progress:
-                progress(1)
-        sequences.append(seq[:window])
-        total += len(sequences[-1])
+        # this round's sequences: lane i fills up to `window` of what is left after the lanes before it
+        targets = []
+        for i in range(len(samplers)):
+            left = n_tokens - total - sum(targets)
+            if left <= 0 or (targets and left <= len(start)):
+                break
+            targets.append(max(len(start) + 1, min(window, left)))
+        if len(targets) == 1:
+            model.reset()
+            seq = list(start)
+            for t in generate(model, start, targets[0] - len(start), samplers[0], batch, stop):
+                seq.append(t)
+                if progress:
+                    progress(1)
+            sequences.append(seq[:window])
+        else:
+            sequences += _sample_lanes(model, start, stop, targets, samplers, progress)
+        total += sum(len(s) for s in sequences[-len(targets):])
     return sequences
+
+
+def _sample_lanes(model: Model, start, stop, targets, samplers, progress) -> list[list[int]]:
+    """Sequences of the given lengths (or up to an end token), sampled side by side."""
+    n = len(targets)
+    seqs = [list(start) for _ in range(n)]
+    with model.sequences(n) as m:
+        logits = m.forward(np.tile(np.asarray(start), (n, 1)))             # [n, vocab]
+        alive = [True] * n
+        while True:
+            toks = [samplers[i](logits[i]) for i in range(n)]
+            for i in range(n):
+                if alive[i]:
+                    seqs[i].append(toks[i])
+                    if progress:
+                        progress(1)
+                    alive[i] = toks[i] not in stop and len(seqs[i]) < targets[i]
+            if not any(alive) or m.cache.length >= m.cache.max_context:
+                break
+            logits = m.forward(np.asarray(toks)[:, None])
+    return seqs

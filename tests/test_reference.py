@@ -66,3 +66,29 @@ def test_bf16_checkpoint_converts_exactly(tmp_path):
     ref = refmodels.reference_logits(ckpt, ids)
     got = Model(ModelWeights(out), 64).prefill(ids, 8, all_logits=True)
     assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+def test_sequences_side_by_side_equal_one_at_a_time(tiny_kst):
+    """Model.sequences(B): B sequences advancing together (self-calibration samples this way) give
+    each sequence the logits it gets alone; sample_sequences with lanes fills n_tokens in windows."""
+    from kimistream.runtime.quality import sample_sequences
+    w = ModelWeights(tiny_kst)
+    w.load_resident()
+    m = Model(w, 32)
+    seqs = [[1, 5, 9, 3, 2], [2, 7, 7, 1, 4], [4, 4, 8, 6, 6]]
+    alone = []
+    for s in seqs:
+        m.reset()
+        m.forward(s[:2])
+        alone.append([m.forward([t])[0] for t in s[2:]])
+    with m.sequences(3) as mb:
+        mb.reset()
+        mb.forward(np.array([s[:2] for s in seqs]))
+        side = [mb.forward(np.array([[s[j]] for s in seqs])) for j in range(2, 5)]
+    assert m.cache.batch == 1                              # the single-sequence cache is back
+    for i in range(3):
+        for j in range(3):
+            np.testing.assert_allclose(side[j][i], alone[i][j], rtol=1e-4, atol=1e-5)
+    out = sample_sequences(m, [1], set(), 50, 16, 8, seed=3, lanes=4)
+    assert sum(map(len, out)) == 50 and all(len(s) <= 16 and s[0] == 1 for s in out)
+    assert out == sample_sequences(m, [1], set(), 50, 16, 8, seed=3, lanes=4)     # reproducible
