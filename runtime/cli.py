@@ -20,7 +20,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
     p.add_argument("--max-context", type=int, default=None,
                    help="KV cache length in tokens (default: min(4096, the model's maximum))")
-    p.add_argument("--prefill-batch-size", type=int, default=64, help="prompt tokens per forward chunk (default 64)")
+    p.add_argument("--prefill-batch-size", type=int, default=None,
+                   help="prompt tokens per forward chunk (default: 256 when the budget has room for it "
+                        "without shrinking the expert cache by more than a tenth, else 64 or the largest "
+                        "that fits)")
     p.add_argument("--json", action="store_true", help="print one JSON object with ids, text and stats")
     p.add_argument("--dump-logits", metavar="PATH", help="save the prompt's logits [n_prompt, vocab] as float32 .npy")
     p.add_argument("--quiet", action="store_true", help="no startup log")

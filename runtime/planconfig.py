@@ -54,12 +54,16 @@ def plan_config(args, log) -> int:
     from .app import _warm_up
     _warm_up({codec for _, _, tensors in layout for _, _, codec, _ in tensors})   # the kernels' code and thread pool count too
     baseline = B.current_rss() + B.RUNTIME_SLACK
-    metadata = 4 * cfg.hidden_size * args.prefill_batch_size + 16 * 2 ** 20   # header, tokenizer, rows in flight
     def replan(ctx, chunk):
+        metadata = 4 * cfg.hidden_size * chunk + 16 * 2 ** 20   # header, tokenizer, rows in flight
         return B.make_plan(cfg, budget=args.budget, baseline=baseline, resident=resident + copies,
                            metadata=metadata, expert_bytes=expert, total_experts=n_experts, max_context=ctx,
                            chunk=chunk, expert_scratch=scratch, prefetch=args.prefetch != "off",
                            kv_itemsize=2 if args.kv_dtype == "f16" else 4)
+    if args.prefill_batch_size is None:
+        from .app import _auto_prefill_batch
+        args.prefill_batch_size = _auto_prefill_batch(lambda b: replan(args.max_ctx, b))
+        log(f"prefill batch: {args.prefill_batch_size} tokens (--prefill-batch-size to choose)")
     plan = replan(args.max_ctx, args.prefill_batch_size)
     total = sum(size.values())
     log(f"{path}: {cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts × {len(cfg.moe_layers)} MoE layers, "
