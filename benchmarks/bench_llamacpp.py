@@ -17,7 +17,7 @@ with the same geometry skips straight to the measurements):
 3. kimi-stream: `kimi-convert CHECKPOINT -o OUT.kst --quant q2 --calibration none`;
 4. `llama-bench -m Q2_K.gguf -t T -p P -n G -r 1 -o json` (pp and tg tok/s; it warms up itself)
    and `kimi-run --weights OUT.kst --prompt TEXT --max-tokens G --json --threads T --quiet`, after
-   one kimi-run to warm the page cache and numba's compile cache: R rounds of one run of each,
+   one kimi-run to warm the page cache: R rounds of one run of each,
    alternating, so load from elsewhere on the machine falls on both alike; mean, sd and median of
    the R samples. kimi-run's prefill = prompt tokens / prefill seconds, its decode = decode steps /
    decode seconds (the first generated token belongs to the prefill), as it reports them. llama-bench's
@@ -307,7 +307,7 @@ def summarise(samples: list[tuple[float, float]]) -> dict:
 
 
 def measure(theirs: LlamaBench, ours: KimiRun, repeats: int) -> tuple[dict, dict]:
-    """A warm-up run of kimi-run (page cache, numba's compile cache), then the two engines alternately,
+    """A warm-up run of kimi-run (page cache), then the two engines alternately,
     one run each per round, so that load from elsewhere on the machine falls on both alike."""
     log(f"kimi-run warm-up: {ours.shown}")
     ours.once()

@@ -1,4 +1,4 @@
-"""Quality per bit for issue 3: every low-bit preset against the f32 conversion of each trained
+"""Quality per bit: every low-bit preset against the f32 conversion of each trained
 model, on held-out text, converted by kimi-convert as a user runs it: self-calibrated (the default
 for 1-2-bit presets: text the model samples itself), calibrated on training-split text
 (`--calibration FILE`) and data-free (`--calibration none`); printed as a markdown table.

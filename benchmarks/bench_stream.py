@@ -1,4 +1,4 @@
-"""Streaming benchmarks for issue 5, each printing one JSON object (figures go to RESULTS.md):
+"""Streaming benchmarks, each printing one JSON object (figures go to RESULTS.md):
 
   cold     cold-cache decode of an I/O-bound synthetic model against the bound
            bytes_missed_per_token / sequential_read_bandwidth, both measured in this run; prefetch
