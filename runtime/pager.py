@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kimistream.formats.checksum import extent_digest
 from kimistream.formats.layout import EXPERT_PROJS, expert_extent, expert_tensor
 from kimistream.formats.weightfile import WeightFile
 
@@ -87,6 +88,7 @@ class ExpertPager:
         self._predicted: dict[int, set] = {}
         self._freq: dict[tuple, int] = {}
         self._prefetched: set[tuple] = set()     # prefetched, not yet used
+        self._verified: set[tuple] = set()       # experts whose bytes matched their checksum once
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="kimi-prefetch")
         self.cached_bytes = 0
@@ -194,6 +196,18 @@ class ExpertPager:
     def _load(self, key) -> _Entry:
         raise NotImplementedError
 
+    def _verify(self, key, data) -> None:
+        """The first time an expert's bytes are read, check them against the extent's checksum
+        (xxh3 hashes far faster than a disk reads): a corrupted file stops the run, naming the
+        extent, before its bytes are used."""
+        if key in self._verified:
+            return
+        ext = self.wf.extent_by_name[expert_extent(*key)]
+        if extent_digest(data) != ext.checksum:
+            raise ExpertReadError(f"{self.wf.path}: extent {ext.name} fails its checksum (the file is corrupted; "
+                                  f"kimi-verify {self.wf.path} checks all of it)")
+        self._verified.add(key)
+
     def _start_prefetch(self, key, speculative: bool = True) -> None:
         raise NotImplementedError
 
@@ -230,6 +244,7 @@ class MmapPager(ExpertPager):
         except OSError as e:
             raise ExpertReadError(f"{self.wf.path}: reading expert {key[0]}.{key[1]} "
                                   f"(bytes {off}..{off + n}): {e.strerror}") from None
+        self._verify(key, self._all[off:off + n])
         self.stats.bytes_read += n
         with self._lock:
             self._inflight.pop(key, None)
@@ -300,6 +315,7 @@ class PreadPager(ExpertPager):
                                       f"{ent.offset + got} (file truncated or changed since it was opened?)")
             got += n
         base = ent.slot * self.slot_bytes
+        self._verify(ent.key, self._buf[base:base + ent.nbytes])
         ent.views = self._views(ent.key, self._buf[base:base + ent.nbytes], ent.offset)
 
     def _take_slot(self, nbytes) -> int:

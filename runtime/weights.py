@@ -9,10 +9,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kimistream.formats.checksum import extent_digest
 from kimistream.formats.codecs import get_codec
 from kimistream.formats.config import ModelConfig
 from kimistream.formats.constants import EXTENT_EMBEDDING, EXTENT_EXPERT, EXTENT_RESIDENT
-from kimistream.formats.weightfile import WeightFile
+from kimistream.formats.weightfile import WeightFile, WeightFileError
 
 from .pager import ExpertPager, make_pager
 
@@ -96,15 +97,17 @@ class ModelWeights:
             self.file.mm.madvise(mmap.MADV_RANDOM, lo, hi - lo)
 
     def load_resident(self) -> int:
-        """Fault in every resident extent (WILLNEED, then touch each page); returns bytes."""
+        """Fault in every resident extent (WILLNEED, then read it all) and check each against its
+        checksum on the way: a corrupted file stops here, before any of its bytes are used."""
         total = 0
         for ext in self._extents(EXTENT_RESIDENT):
             if not ext.nbytes:
                 continue
             if hasattr(mmap, "MADV_WILLNEED"):
                 self.file.mm.madvise(mmap.MADV_WILLNEED, ext.offset // PAGE * PAGE, ext.nbytes + ext.offset % PAGE)
-            view = self.file.extent_bytes(ext)
-            int(view[::PAGE].sum())       # one byte per page: the pages are now mapped
+            if extent_digest(self.file.extent_bytes(ext)) != ext.checksum:
+                raise WeightFileError(f"{self.file.path}: extent {ext.name} fails its checksum (the file is "
+                                      f"corrupted; kimi-verify {self.file.path} checks all of it)")
             total += ext.nbytes
         self.resident_bytes = total
         return total

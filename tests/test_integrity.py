@@ -1,0 +1,58 @@
+"""kimi-run checks what it reads: every resident extent against its checksum when it is loaded, and
+every expert extent the first time its bytes are read (mmap and pread alike). A flipped byte stops
+the run with one line naming the file and the extent, a non-zero exit and no traceback, before the
+bytes are used; an intact file runs as before."""
+
+import shutil
+
+import pytest
+
+from kimistream.formats.constants import EXTENT_EXPERT, EXTENT_RESIDENT
+from kimistream.formats.weightfile import WeightFile
+from test_cli import kimi_run
+
+
+def corrupt(src, dst, kind):
+    """A copy of src with one byte flipped in the middle of every extent of `kind`; their names."""
+    shutil.copy(src, dst)
+    with WeightFile(dst) as wf:
+        targets = [(e.name, e.offset + e.nbytes // 2) for e in wf.extents if e.kind == kind and e.nbytes]
+    with open(dst, "r+b") as f:
+        for _, at in targets:
+            f.seek(at)
+            b = f.read(1)[0]
+            f.seek(at)
+            f.write(bytes([b ^ 0x5A]))
+    return [n for n, _ in targets]
+
+
+def one_line_error(proc, *words):
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1, proc.stderr
+    for w in words:
+        assert w in errors[0], errors[0]
+
+
+@pytest.mark.parametrize("io", ["mmap", "pread"])
+def test_corrupted_expert_is_caught_before_use(tiny_kst, tmp_path, io):
+    bad = tmp_path / "bad.kst"
+    names = corrupt(tiny_kst, bad, EXTENT_EXPERT)
+    assert names
+    proc = kimi_run("--weights", bad, "--prompt", "hello world", "--max-tokens", "2", "--io", io, check=False)
+    one_line_error(proc, str(bad), "fails its checksum", "kimi-verify")
+    assert any(n in proc.stderr for n in names)
+
+
+def test_corrupted_resident_extent_is_caught_at_load(tiny_kst, tmp_path):
+    bad = tmp_path / "bad.kst"
+    names = corrupt(tiny_kst, bad, EXTENT_RESIDENT)
+    proc = kimi_run("--weights", bad, "--prompt", "hello", "--max-tokens", "1", check=False)
+    one_line_error(proc, str(bad), "fails its checksum")
+    assert any(n in proc.stderr for n in names)
+
+
+def test_intact_file_runs(tiny_kst):
+    proc = kimi_run("--weights", tiny_kst, "--prompt", "hello world", "--max-tokens", "2", "--io", "pread")
+    assert proc.returncode == 0
