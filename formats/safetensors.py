@@ -10,6 +10,7 @@ import json
 import math
 import mmap
 import os
+import stat
 import struct
 from pathlib import Path
 
@@ -50,7 +51,10 @@ class SafetensorsFile:
         self.path = Path(path)
         self._mm = None
         try:
-            self.size = self.path.stat().st_size
+            st = self.path.stat()
+            if not stat.S_ISREG(st.st_mode):
+                self._fail("not a regular file")      # a FIFO or a device would block or never end
+            self.size = st.st_size
             with open(self.path, "rb") as f:
                 raw = f.read(8)
                 if len(raw) < 8:

@@ -8,10 +8,12 @@ treats the header as untrusted input and checks every offset before anything is 
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -163,6 +165,7 @@ class WeightFileWriter:
         self._zero_digests: dict[int, str] = {}
         fingerprint = hashlib.sha256(self._header_bytes()).hexdigest()
         self.tmp_path.parent.mkdir(parents=True, exist_ok=True)
+        self._take_lock()
         resumed = resume and self._resume(fingerprint)
         if not resumed:
             self._file = open(self.tmp_path, "w+b")
@@ -178,6 +181,29 @@ class WeightFileWriter:
             self._file.write(data)
             ext.checksum = checksum.extent_digest(data)
         return len(self._written)
+
+    @property
+    def lock_path(self) -> Path:
+        return self.path.with_name(self.path.name + ".lock")
+
+    def _take_lock(self) -> None:
+        """One writer per output: a second conversion to the same file (which would interleave
+        writes into one .partial) is refused while the first runs. The kernel drops the lock when
+        its holder exits, however it exits."""
+        self._lock_fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+            raise WeightFileError(f"{self.path}: another conversion is writing this file (lock {self.lock_path})") from None
+
+    def _drop_lock(self) -> None:
+        fd = getattr(self, "_lock_fd", None)
+        if fd is not None:
+            self.lock_path.unlink(missing_ok=True)
+            os.close(fd)
+            self._lock_fd = None
 
     def _resume(self, fingerprint: str) -> bool:
         try:
@@ -283,6 +309,7 @@ class WeightFileWriter:
         os.replace(self.tmp_path, self.path)
         self._journal.close()
         self.journal_path.unlink(missing_ok=True)
+        self._drop_lock()
         return self.path
 
     def abort(self) -> None:
@@ -292,6 +319,7 @@ class WeightFileWriter:
             self._file = None
         if getattr(self, "_journal", None) is not None:
             self._journal.close()
+        self._drop_lock()
 
 
 # --------------------------------------------------------------------------------------- reader
@@ -302,11 +330,15 @@ class WeightFile:
     def __init__(self, path):
         self.path = Path(path)
         try:
-            self._fd = os.open(self.path, os.O_RDONLY)
+            # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer
+            self._fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
         except OSError as e:
             raise WeightFileError(f"{self.path}: cannot open: {e.strerror}") from None
         try:
-            self.size = os.fstat(self._fd).st_size
+            st = os.fstat(self._fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise WeightFileError(f"{self.path}: not a regular file")
+            self.size = st.st_size
             self._parse_prefix_and_header()
             self.mm = mmap.mmap(self._fd, self.size, access=mmap.ACCESS_READ) if self.size else None
         except Exception:
@@ -327,7 +359,7 @@ class WeightFile:
             self._fail(f"unsupported format version {version} (this build reads version {VERSION})")
         if alignment < 4096 or alignment > MAX_ALIGNMENT or alignment & (alignment - 1):
             self._fail(f"invalid alignment {alignment}")
-        if hoff != PREFIX_SIZE or hlen > MAX_HEADER_BYTES or hoff + hlen > data_start:
+        if hoff != PREFIX_SIZE or hlen > MAX_HEADER_BYTES or hoff + hlen > data_start or data_start % alignment:
             self._fail(f"invalid header placement (offset {hoff}, length {hlen}, data at {data_start})")
         if file_size != self.size:
             what = "truncated" if self.size < file_size else "longer than written"

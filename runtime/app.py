@@ -117,6 +117,19 @@ def _largest_fitting(lo: int, hi: int, fits) -> int | None:
     return lo
 
 
+def context_length(args, cfg, log) -> int:
+    """--max-context, checked: at least 1, and a warning past the positions the model was trained on;
+    by default 4096 or the model's own limit if lower."""
+    if args.max_context is None:
+        return min(4096, cfg.max_position_embeddings)
+    if args.max_context < 1:
+        raise RunError("--max-context must be at least 1")
+    if args.max_context > cfg.max_position_embeddings:
+        log(f"warning: --max-context {args.max_context} is past the model's max_position_embeddings "
+            f"({cfg.max_position_embeddings}); positions beyond it were never trained")
+    return args.max_context
+
+
 def _auto_prefill_batch(plan_with) -> int:
     """The default prompt chunk: 256 tokens when that costs the expert cache at most a tenth of what it
     holds at 64 (larger chunks let each expert's rows serve more tokens: 75 against 45 tok/s of
@@ -216,9 +229,7 @@ def open_session(args, log, weights_path=None, describe: bool = True) -> Session
             log(f"no --memory-budget: using {int(B.DEFAULT_FRACTION * 100)}% of available memory")
     with WeightFile(path) as wf:
         cfg = ModelConfig.from_dict(wf.header["config"])
-        args.max_ctx = args.max_context or min(4096, cfg.max_position_embeddings)
-        if args.max_ctx < 1:
-            raise RunError("--max-context must be >= 1")
+        args.max_ctx = context_length(args, cfg, log)
         if args.prefill_batch_size is None:
             args.prefill_batch_size = _auto_prefill_batch(lambda b: plan_for_file(wf, args, baseline, None, b))
             log(f"prefill batch: {args.prefill_batch_size} tokens (--prefill-batch-size to choose)")

@@ -50,8 +50,8 @@ def plan_config(args, log) -> int:
     scratch = max((4 * math.prod(shape) for _, _, tensors in layout for tname, _, codec, shape in tensors
                    if tname.endswith("kv_b_proj.weight") and codec != "f32"), default=0)
     args.budget = B.parse_size(args.memory_budget) if args.memory_budget else int(B.DEFAULT_FRACTION * B.mem_available())
-    args.max_ctx = args.max_context or min(4096, cfg.max_position_embeddings)
-    from .app import _warm_up
+    from .app import _warm_up, context_length
+    args.max_ctx = context_length(args, cfg, log)
     _warm_up({codec for _, _, tensors in layout for _, _, codec, _ in tensors})   # the kernels' code and thread pool count too
     baseline = B.current_rss() + B.RUNTIME_SLACK
     def replan(ctx, chunk):

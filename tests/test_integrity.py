@@ -1,15 +1,19 @@
 """kimi-run checks what it reads: every resident extent against its checksum when it is loaded, and
 every expert extent the first time its bytes are read (mmap and pread alike). A flipped byte stops
 the run with one line naming the file and the extent, a non-zero exit and no traceback, before the
-bytes are used; an intact file runs as before."""
+bytes are used; an intact file runs as before. Odd inputs get the same treatment: a FIFO given as a
+weight file or a shard (it would block), --max-context 0, a second conversion to the same output."""
 
+import fcntl
+import json
+import os
 import shutil
 
 import pytest
 
 from kimistream.formats.constants import EXTENT_EXPERT, EXTENT_RESIDENT
 from kimistream.formats.weightfile import WeightFile
-from test_cli import kimi_run
+from test_cli import convert, kimi_run
 
 
 def corrupt(src, dst, kind):
@@ -56,3 +60,41 @@ def test_corrupted_resident_extent_is_caught_at_load(tiny_kst, tmp_path):
 def test_intact_file_runs(tiny_kst):
     proc = kimi_run("--weights", tiny_kst, "--prompt", "hello world", "--max-tokens", "2", "--io", "pread")
     assert proc.returncode == 0
+
+
+def test_fifo_weight_file_is_refused(tmp_path):
+    fifo = tmp_path / "w.kst"
+    os.mkfifo(fifo)
+    proc = kimi_run("--weights", fifo, "--prompt", "x", check=False)    # returns: nothing waits on the FIFO
+    one_line_error(proc, str(fifo), "not a regular file")
+
+
+def test_fifo_shard_is_refused(tiny_ckpt, tmp_path):
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_ckpt, ck)
+    (ck / "model.safetensors").unlink()
+    os.mkfifo(ck / "model.safetensors")
+    proc = convert(ck, "-o", tmp_path / "m.kst", "--quant", "f32", "--calibration", "none", check=False)
+    one_line_error(proc, "model.safetensors", "not a regular file")
+
+
+def test_max_context_is_checked(tiny_kst):
+    proc = kimi_run("--weights", tiny_kst, "--prompt", "x", "--max-context", "0", check=False)
+    one_line_error(proc, "--max-context")
+    with WeightFile(tiny_kst) as wf:
+        limit = wf.header["config"]["max_position_embeddings"]
+    proc = kimi_run("--weights", tiny_kst, "--prompt", "x", "--max-tokens", "1", "--max-context", limit + 1)
+    assert "past the model's max_position_embeddings" in proc.stderr
+
+
+def test_second_conversion_to_one_output_is_refused(tiny_ckpt, tmp_path):
+    out = tmp_path / "m.kst"
+    fd = os.open(tmp_path / "m.kst.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)                 # as a first conversion still running would hold it
+    try:
+        proc = convert(tiny_ckpt, "-o", out, "--quant", "f32", "--calibration", "none", check=False)
+        one_line_error(proc, str(out), "another conversion")
+    finally:
+        os.close(fd)
+    proc = convert(tiny_ckpt, "-o", out, "--quant", "f32", "--calibration", "none", "--json")
+    assert json.loads(proc.stdout)["total"] and out.exists() and not (tmp_path / "m.kst.lock").exists()
