@@ -215,16 +215,25 @@ class WeightFileWriter:
         except (OSError, ValueError, IndexError, AttributeError):
             return False
         index = {e.name: i for i, e in enumerate(self.extents)}
-        for line in lines[1:]:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                break                      # a torn last line: everything before it holds
-            if "t" in rec and rec["t"] in self.tensors and rec["t"] not in self._written:
-                self._written.add(rec["t"])
-                self._pending[self.tensors[rec["t"]].extent] -= 1
-            elif "e" in rec and rec["e"] in index:
-                self.extents[index[rec["e"]]].checksum = rec["c"]
+        extent_sums = {}
+        with open(self.tmp_path, "rb") as part:
+            for line in lines[1:]:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    break                      # a torn last line: everything before it holds
+                name = rec.get("t") if isinstance(rec, dict) else None
+                if name in self.tensors and name not in self._written:
+                    # kept only if the .partial still holds the bytes the journal vouches for
+                    t = self.tensors[name]
+                    if rec.get("c") == checksum.extent_digest(os.pread(part.fileno(), t.nbytes, t.offset)):
+                        self._written.add(name)
+                        self._pending[t.extent] -= 1
+                elif isinstance(rec, dict) and rec.get("e") in index:
+                    extent_sums[index[rec["e"]]] = rec.get("c")
+        for i, c in extent_sums.items():
+            if not self._pending[i] and isinstance(c, str):
+                self.extents[i].checksum = c
         self._file = open(self.tmp_path, "r+b")
         self._journal = open(self.journal_path, "a")
         for ext, pending in zip(self.extents, self._pending):
@@ -251,7 +260,8 @@ class WeightFileWriter:
         self._file.seek(t.offset)
         self._file.write(buf)
         self._file.flush()
-        self._log({"t": name})
+        os.fdatasync(self._file.fileno())     # on disk before the journal says so
+        self._log({"t": name, "c": checksum.extent_digest(buf)})
         self._pending[t.extent] -= 1
         if self._pending[t.extent] == 0:
             self._hash_extent(self.extents[t.extent])

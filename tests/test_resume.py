@@ -104,3 +104,29 @@ def test_missing_shard_without_journal_is_an_error(tiny_ckpt, tmp_path):
     (src / "model-00002-of-00003.safetensors").unlink()
     with pytest.raises(ConversionError, match="no interrupted conversion"):
         convert_checkpoint(src, tmp_path / "m.kst", PLAN, delete_source=True)
+
+
+def test_resume_rewrites_what_the_partial_no_longer_holds(tiny_ckpt, reference, tmp_path):
+    """A resumed conversion keeps only the journaled tensors whose bytes in the .partial still match
+    the checksum the journal recorded; a damaged one is written again, and the result is the same
+    file as an uninterrupted conversion."""
+    import json
+    from kimistream.formats.weightfile import WeightFile
+    out = tmp_path / "m.kst"
+    with pytest.raises(Stop):
+        convert_checkpoint(tiny_ckpt, out, PLAN, progress=_stop_after(30))
+    part, journal = tmp_path / "m.kst.partial", tmp_path / "m.kst.partial.journal"
+    first = next(json.loads(line)["t"] for line in journal.read_text().splitlines()[1:] if '"t"' in line)
+    (tmp_path / "ref.kst").write_bytes(reference)              # the same layout: find the tensor's bytes
+    with WeightFile(tmp_path / "ref.kst") as wf:
+        t = wf.tensors[first]
+    with open(part, "r+b") as f:
+        f.seek(t.offset + t.nbytes // 2)
+        b = f.read(1)[0]
+        f.seek(t.offset + t.nbytes // 2)
+        f.write(bytes([b ^ 0xFF]))
+    events = []
+    convert_checkpoint(tiny_ckpt, out, PLAN, progress=lambda k, **i: events.append((k, i)))
+    assert events[0][1]["resumed"] == 29                       # the damaged tensor was not kept
+    assert any(k == "tensor" and i.get("name") == first for k, i in events)
+    assert out.read_bytes() == reference
