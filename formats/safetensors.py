@@ -44,6 +44,10 @@ _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "I64": 8, "I
              "I8": 1, "U8": 1, "BOOL": 1}
 
 
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
 class SafetensorsFile:
     """One .safetensors file: header parsed and checked; tensors read lazily."""
 
@@ -71,22 +75,38 @@ class SafetensorsFile:
         if not isinstance(header, dict):
             self._fail("header is not a JSON object")
         self.metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(self.metadata, dict) or not all(isinstance(v, str) for v in self.metadata.values()):
+            self._fail("__metadata__ is not an object of strings")
         self.data_start = 8 + n
         self.entries: dict[str, dict] = {}
         for name, e in header.items():
-            try:
-                dtype, shape, (b, end) = e["dtype"], [int(s) for s in e["shape"]], e["data_offsets"]
-            except (KeyError, TypeError, ValueError):
-                self._fail(f"tensor {name}: malformed header entry")
+            dtype = e.get("dtype") if isinstance(e, dict) else None
+            shape = e.get("shape") if isinstance(e, dict) else None
+            offs = e.get("data_offsets") if isinstance(e, dict) else None
+            if (not isinstance(dtype, str) or not isinstance(shape, list) or not all(_is_count(d) for d in shape)
+                    or not isinstance(offs, list) or len(offs) != 2 or not all(_is_count(o) for o in offs)):
+                self._fail(f"tensor {name}: malformed header entry (dtype, shape of non-negative integers, "
+                           f"data_offsets [begin, end])")
             if dtype not in _ITEMSIZE:
                 self._fail(f"tensor {name}: unsupported dtype {dtype}")
+            b, end = offs
             expect = math.prod(shape) * _ITEMSIZE[dtype]
-            if end - b != expect or b < 0:
+            if end < b or end - b != expect:
                 self._fail(f"tensor {name}: data_offsets [{b}, {end}] do not match {dtype}{shape} ({expect} bytes)")
             if self.data_start + end > self.size:
                 self._fail(f"tensor {name}: data ends at byte {self.data_start + end}, past the end of the "
                            f"file ({self.size} bytes) — truncated download?")
             self.entries[name] = {"dtype": dtype, "shape": shape, "begin": b, "end": end}
+        # As the format requires (and the safetensors library checks): the tensors tile the data
+        # buffer exactly, in offset order, with no overlap, gap or trailing bytes.
+        at = 0
+        for name, e in sorted(self.entries.items(), key=lambda kv: (kv[1]["begin"], kv[1]["end"])):
+            if e["begin"] != at:
+                what = "overlaps the tensor before it" if e["begin"] < at else f"leaves a gap after byte {at}"
+                self._fail(f"tensor {name}: data_offsets [{e['begin']}, {e['end']}] {what}")
+            at = e["end"]
+        if self.data_start + at != self.size:
+            self._fail(f"the tensors cover {at} bytes of data but the file holds {self.size - self.data_start}")
         self._mm = None
 
     def _fail(self, msg):
