@@ -67,8 +67,10 @@ class HFCheckpoint:
             self.hf_config = json.loads(cfg_path.read_text())
         except FileNotFoundError:
             raise SourceError(f"{cfg_path}: missing (not a Hugging Face checkpoint directory?)") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise SourceError(f"{cfg_path}: not valid JSON ({e})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise SourceError(f"{cfg_path}: not valid JSON ({type(e).__name__})") from None
+        if not isinstance(self.hf_config, dict):
+            raise SourceError(f"{cfg_path}: not a JSON object")
         try:
             self.config = ModelConfig.from_hf(self.hf_config)
         except ConfigError as e:

@@ -127,9 +127,29 @@ class ModelConfig:
         def need(cond, msg):
             if not cond:
                 raise ConfigError(msg)
-        for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
-                  "qk_rope_head_dim", "v_head_dim"):
-            need(isinstance(getattr(self, k), int) and getattr(self, k) > 0, f"{k} must be a positive integer")
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "max_position_embeddings", "moe_layer_freq",
+                  "n_group", "topk_group"):
+            need(is_int(getattr(self, k)) and getattr(self, k) > 0, f"{k} must be a positive integer")
+        for k in ("qk_nope_head_dim", "first_k_dense_replace", "n_routed_experts", "n_shared_experts",
+                  "num_experts_per_tok", "moe_intermediate_size"):
+            need(is_int(getattr(self, k)) and getattr(self, k) >= 0, f"{k} must be a non-negative integer")
+        need(self.q_lora_rank is None or (is_int(self.q_lora_rank) and self.q_lora_rank > 0),
+             "q_lora_rank must be a positive integer or null")
+        for k in ("routed_scaling_factor", "rms_norm_eps"):
+            need(is_num(getattr(self, k)) and getattr(self, k) > 0, f"{k} must be a positive number")
+        for k in ("norm_topk_prob", "tie_word_embeddings"):
+            need(isinstance(getattr(self, k), bool), f"{k} must be true or false")
+        for k in ("bos_token_id",):
+            need(getattr(self, k) is None or is_int(getattr(self, k)), f"{k} must be an integer or null")
+        e = self.eos_token_id
+        need(e is None or is_int(e) or (isinstance(e, list) and all(is_int(i) for i in e)),
+             "eos_token_id must be an integer, a list of integers or null")
         need(self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim must be even")
         need(self.hidden_act == "silu", f"unsupported hidden_act {self.hidden_act!r} (only silu)")
         if self.n_routed_experts:
@@ -144,7 +164,19 @@ class ModelConfig:
 
 
 def _rope_from_hf(hf: dict) -> RopeConfig:
+    for k in ("rope_parameters", "rope_scaling"):
+        if hf.get(k) is not None and not isinstance(hf[k], dict):
+            raise ConfigError(f"{k} must be an object, not {type(hf[k]).__name__}")
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    try:
+        return _rope_params(hf, params)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"rope parameters: a value is not a number ({e})") from None
+
+
+def _rope_params(hf: dict, params: dict) -> RopeConfig:
     if any(isinstance(v, dict) for v in params.values()):
         raise ConfigError("per-layer-type rope_parameters are not supported")
     rtype = params.get("rope_type") or params.get("type") or "default"
@@ -153,6 +185,8 @@ def _rope_from_hf(hf: dict) -> RopeConfig:
     if rtype == "yarn":
         if params.get("attention_factor") is not None:
             raise ConfigError("yarn attention_factor overrides are not supported")
+        if params.get("factor") is None:
+            raise ConfigError("rope scaling of type yarn needs a factor")
         rope.factor = float(params["factor"])
         rope.original_max_position_embeddings = int(
             params.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")

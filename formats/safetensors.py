@@ -68,7 +68,7 @@ class SafetensorsFile:
                     self._fail(f"header length {n} does not fit in the file ({self.size} bytes)")
                 try:
                     header = json.loads(f.read(n))
-                except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
                     self._fail(f"header is not valid JSON ({e})")
         except OSError as e:
             raise SafetensorsError(f"{self.path}: cannot read: {e.strerror}") from None

@@ -379,8 +379,8 @@ class WeightFile:
             self._fail("header checksum mismatch (file changed or corrupted since it was written)")
         try:
             self.header = json.loads(header)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            self._fail(f"header is not valid JSON: {e}")
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            self._fail(f"header is not valid JSON: {type(e).__name__}")
         self.alignment = alignment
         self.data_start = data_start
         self.header_digest = hdigest.hex()
