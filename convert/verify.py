@@ -13,7 +13,7 @@ from pathlib import Path
 from kimistream.formats.checksum import extent_digest
 from kimistream.formats.constants import TOKENIZER_FILES
 from kimistream.formats.safetensors import SafetensorsError, SafetensorsFile
-from kimistream.formats.weightfile import WeightFile, WeightFileError
+from kimistream.formats.weightfile import WeightFile, WeightFileError, check_model
 
 from .converter import MANIFEST_NAME
 from .source import INDEX_FILE, SourceError, read_index, shard_name_problem
@@ -170,6 +170,11 @@ def verify_weight_file(path: Path, workers: int = 2, on_bytes=None, sources: dic
     except WeightFileError as e:
         missing = not Path(path).exists()
         return [Row(str(path), None, "", "", MISSING if missing else CORRUPT, str(e).removeprefix(f"{path}: "))]
+    try:
+        check_model(wf)                # the header as a model, not only as a container
+    except WeightFileError as e:
+        wf.close()
+        return [Row(str(path), wf.size, "", "", CORRUPT, str(e).removeprefix(f"{path}: "))]
     rows = [Row(f"{Path(path).name} [header]", wf.size, "", wf.header_digest, OK)]
 
     def check(ext):

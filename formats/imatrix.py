@@ -148,6 +148,8 @@ def save_imatrix(path, vectors: dict[str, np.ndarray], config: dict, tokens: int
 def load_imatrix(path, config: dict, shapes: dict[str, tuple]) -> Imatrix:
     """Vectors and moments by tensor name, checked against the model they will quantize."""
     path = Path(path)
+    if not zipfile.is_zipfile(path):
+        raise ImatrixError(f"{path}: not an importance matrix (a .npz written by kimi-run --imatrix-out)")
     try:
         with np.load(path) as z:
             meta = json.loads(bytes(z["__meta__"]).decode())

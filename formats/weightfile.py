@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from . import checksum
+from .config import ConfigError, ModelConfig
+from .layout import model_shapes
 from .codecs import CodecError, get_codec
 from .constants import (DEFAULT_ALIGNMENT, EXTENT_KINDS, MAGIC, MAX_ALIGNMENT, MAX_HEADER_BYTES,
                         PREFIX_SIZE, TENSOR_ALIGNMENT, TENSOR_CLASSES, VERSION)
@@ -495,3 +497,26 @@ def _int(v) -> int:
     if type(v) is not int:
         raise TypeError(f"not an integer: {v!r}")
     return v
+
+
+def check_model(wf: WeightFile) -> ModelConfig:
+    """A weight file as a model: its header's documents are what the runtime needs, and its config
+    agrees with the tensor directory (every tensor the config implies is there, with that shape).
+    The container checks of WeightFile come first; kimi-run and kimi-verify both call this."""
+    h = wf.header
+    if not isinstance(h.get("config"), dict):
+        wf._fail("the header's config is not an object")
+    try:
+        cfg = ModelConfig.from_dict(h["config"])
+    except ConfigError as e:
+        wf._fail(f"the header's config: {e}")
+    for key in ("tokenizer", "plan"):
+        if key in h and not isinstance(h[key], dict):
+            wf._fail(f"the header's {key} is not an object")
+    for name, shape in model_shapes(cfg).items():
+        t = wf.tensors.get(name)
+        if t is None:
+            wf._fail(f"tensor {name}, which the header's config requires, is not in the file")
+        if tuple(t.shape) != tuple(shape):
+            wf._fail(f"tensor {name} has shape {list(t.shape)}, the header's config implies {list(shape)}")
+    return cfg

@@ -14,7 +14,7 @@ import numpy as np
 
 from kimistream.formats.config import ModelConfig
 from kimistream.formats.constants import EXTENT_EXPERT, EXTENT_RESIDENT
-from kimistream.formats.weightfile import WeightFile, WeightFileError
+from kimistream.formats.weightfile import WeightFile, WeightFileError, check_model
 
 from . import budget as B
 from .bundled import BundledModelError, default_weights
@@ -228,7 +228,7 @@ def open_session(args, log, weights_path=None, describe: bool = True) -> Session
             args.budget = int(B.DEFAULT_FRACTION * B.mem_available())
             log(f"no --memory-budget: using {int(B.DEFAULT_FRACTION * 100)}% of available memory")
     with WeightFile(path) as wf:
-        cfg = ModelConfig.from_dict(wf.header["config"])
+        cfg = check_model(wf)
         args.max_ctx = context_length(args, cfg, log)
         if args.prefill_batch_size is None:
             args.prefill_batch_size = _auto_prefill_batch(lambda b: plan_for_file(wf, args, baseline, None, b))

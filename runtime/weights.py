@@ -11,9 +11,8 @@ import numpy as np
 
 from kimistream.formats.checksum import extent_digest
 from kimistream.formats.codecs import get_codec
-from kimistream.formats.config import ModelConfig
 from kimistream.formats.constants import EXTENT_EMBEDDING, EXTENT_EXPERT, EXTENT_RESIDENT
-from kimistream.formats.weightfile import WeightFile, WeightFileError
+from kimistream.formats.weightfile import WeightFile, WeightFileError, check_model
 
 from .pager import ExpertPager, make_pager
 
@@ -68,7 +67,11 @@ class ModelWeights:
                  direct: bool = False):
         self.file = WeightFile(path)
         self.header = self.file.header
-        self.config = ModelConfig.from_dict(self.header["config"])
+        try:
+            self.config = check_model(self.file)
+        except WeightFileError:
+            self.file.close()
+            raise
         self.experts_touched: set[tuple[int, int]] = set()
         self.expert_bytes_touched = 0
         self.resident_bytes = 0
