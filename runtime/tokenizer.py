@@ -141,14 +141,28 @@ class Tokenizer:
         """The prompt text, rendered as transformers' `apply_chat_template(..., tokenize=False)` does."""
         if not self.chat_template:
             raise TokenizerError("this model's tokenizer has no chat template (drop --chat)")
-        from jinja2.exceptions import TemplateError
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        limit = TEMPLATE_MAX_CHARS + 4 * sum(len(str(m.get("content", ""))) for m in messages)
         try:
-            return _chat_env().from_string(self.chat_template).render(
-                messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
-                **self.named_tokens)
-        except TemplateError as e:
-            raise TokenizerError(f"chat template: {e}") from None
+            template = _chat_env(limit).from_string(self.chat_template)
+            pieces, size = [], 0
+            with _deadline(TEMPLATE_SECONDS):
+                for piece in template.generate(messages=messages, tools=None, documents=None,
+                                               add_generation_prompt=add_generation_prompt, **self.named_tokens):
+                    size += len(piece)
+                    if size > limit:
+                        raise TokenizerError(f"chat template: output exceeds {limit} characters")
+                    pieces.append(piece)
+            return "".join(pieces)
+        except TokenizerError:
+            raise
+        except _TemplateTimeout:
+            raise TokenizerError(f"chat template: rendering took longer than {TEMPLATE_SECONDS} s") from None
+        except RecursionError:
+            raise TokenizerError("chat template: recursion too deep") from None
+        except Exception as e:       # a template is untrusted code: whatever it raises is its error
+            msg = " ".join(str(e).split())[:200]
+            raise TokenizerError(f"chat template: {type(e).__name__}: {msg}") from None
 
 
 def _default_template(template):
@@ -160,13 +174,64 @@ def _default_template(template):
     return template
 
 
-def _chat_env():
-    """A jinja2 sandbox with the filters and globals transformers gives chat templates."""
+# A chat template is code from the model's files: it runs in a sandbox, and also within bounds of
+# time and of the size of anything it builds.
+TEMPLATE_SECONDS = 2.0
+TEMPLATE_MAX_CHARS = 1 << 20
+
+
+class _TemplateTimeout(Exception):
+    pass
+
+
+class _deadline:
+    """Raise _TemplateTimeout in the rendering code once `seconds` have passed: a trace function,
+    so it works on any thread and interrupts loops that print nothing."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def __enter__(self):
+        import sys
+        import time
+        end = time.monotonic() + self.seconds
+
+        def tracer(frame, event, arg):
+            if time.monotonic() > end:
+                raise _TemplateTimeout
+            return tracer
+        self.previous = sys.gettrace()
+        sys.settrace(tracer)
+
+    def __exit__(self, *exc):
+        import sys
+        sys.settrace(self.previous)
+
+
+def _chat_env(limit: int = TEMPLATE_MAX_CHARS):
+    """A jinja2 sandbox with the filters and globals transformers gives chat templates, where no
+    string or list a template builds may exceed `limit` items."""
     from datetime import datetime
 
     import jinja2.ext
     from jinja2.exceptions import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Bounded(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset(["*", "**", "+"])
+
+        def call_binop(self, context, operator, left, right):
+            sized = (str, list, tuple)
+            if operator == "*" and (isinstance(left, sized) or isinstance(right, sized)):
+                seq, n = (left, right) if isinstance(left, sized) else (right, left)
+                if isinstance(n, int) and len(seq) * max(n, 0) > limit:
+                    raise TemplateError(f"a template value would exceed {limit} items")
+            if operator == "**" and isinstance(right, (int, float)) and abs(right) > 1024:
+                raise TemplateError("a template exponent is too large")
+            if operator == "+" and isinstance(left, sized) and isinstance(right, sized):
+                if len(left) + len(right) > limit:
+                    raise TemplateError(f"a template value would exceed {limit} items")
+            return super().call_binop(context, operator, left, right)
 
     def raise_exception(msg):
         raise TemplateError(msg)
@@ -174,7 +239,7 @@ def _chat_env():
     def tojson(v, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(v, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -148,3 +148,33 @@ def test_tiktoken_ranks_must_be_dense():
 def test_malformed_config():
     with pytest.raises(TokenizerError, match="tokenizer_config.json: not valid JSON"):
         Tokenizer("tiktoken", {"tiktoken.model": b"YQ== 0\n", "tokenizer_config.json": b"{"})
+
+
+HOSTILE_TEMPLATES = {
+    "a loop that prints nothing": ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+                                   "longer than"),
+    "unbounded recursion": ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "recursion"),
+    "division by zero": ("{{ 1 / 0 }}", "ZeroDivisionError"),
+    "a huge string": ("{{ 'x' * 1000000000 }}", "exceed"),
+    "a huge output": ("{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}", "output exceeds"),
+    "a huge power": ("{{ 10 ** 10000000 }}", "exponent"),
+    "a syntax error": ("{% for %}", "TemplateSyntaxError"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_TEMPLATES))
+def test_hostile_chat_templates_are_bounded(hf, case):
+    """A chat template is code from the model's files: whatever it does, rendering ends within the
+    time bound with one line saying why."""
+    import time
+    ours, _ = hf
+    template, words = HOSTILE_TEMPLATES[case]
+    saved = ours.chat_template
+    ours.chat_template = template
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TokenizerError, match=words) as e:
+            ours.render_chat([{"role": "user", "content": "hi"}])
+        assert time.monotonic() - t0 < 10 and "\n" not in str(e.value)
+    finally:
+        ours.chat_template = saved
