@@ -1,8 +1,29 @@
-"""The one compiled part: the integer-dot mat-vec kernel (runtime/_qdot.c). Everything else is in
+"""The one compiled part (the kernels, runtime/_qdot.c) and the files a wheel must carry besides the
+code: the bundled models, the checksum manifests and the held-out text, copied into
+kimistream/formats/bundled/ (found there by formats/bundled_data.py). Everything else is in
 pyproject.toml."""
-from setuptools import Extension, setup
+import shutil
+from pathlib import Path
 
-setup(ext_modules=[Extension(
-    "kimistream.runtime._qdot", ["runtime/_qdot.c"],
-    extra_compile_args=["-O3", "-std=gnu11", "-fno-math-errno", "-ffp-contract=off"],
-)])
+from setuptools import Extension, setup
+from setuptools.command.build_py import build_py
+
+BUNDLED = ("models", "checksums", "data")
+
+
+class BuildWithData(build_py):
+    def run(self):
+        super().run()
+        dest = Path(self.build_lib) / "kimistream" / "formats" / "bundled"
+        for name in BUNDLED:
+            if Path(name).is_dir():
+                shutil.copytree(name, dest / name, dirs_exist_ok=True)
+
+
+setup(
+    cmdclass={"build_py": BuildWithData},
+    ext_modules=[Extension(
+        "kimistream.runtime._qdot", ["runtime/_qdot.c"],
+        extra_compile_args=["-O3", "-std=gnu11", "-fno-math-errno", "-ffp-contract=off"],
+    )],
+)

@@ -16,6 +16,7 @@ from huggingface_hub import constants as hf_constants
 from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, HFValidationError, RepositoryNotFoundError,
                                     RevisionNotFoundError)
 
+from kimistream.formats.bundled_data import root
 from kimistream.formats.constants import TOKENIZER_FILES
 
 from .source import INDEX_FILE
@@ -26,7 +27,7 @@ SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 # Everything a conversion reads besides the shards (formats/constants.TOKENIZER_FILES: tokenizer.json,
 # tokenizer_config.json, tiktoken.model, special_tokens_map.json, chat_template.jinja, generation_config.json).
 SMALL_FILES = ("config.json", INDEX_FILE, *TOKENIZER_FILES)
-CHECKSUMS_DIR = Path(__file__).resolve().parent.parent / "checksums"
+CHECKSUMS_DIR = root() / "checksums"
 
 
 class HubError(ValueError):

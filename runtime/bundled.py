@@ -11,7 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from kimistream.formats.bundled_data import root
+
 DEFAULT_MODEL = "stdlib-moe"
 
 
@@ -26,11 +27,11 @@ def cache_dir() -> Path:
 
 
 def checkpoint_dir(name: str = DEFAULT_MODEL) -> Path:
-    return REPO / "models" / name
+    return root() / "models" / name
 
 
 def manifest_path(name: str = DEFAULT_MODEL) -> Path:
-    return REPO / "checksums" / f"{name}.sha256"
+    return root() / "checksums" / f"{name}.sha256"
 
 
 def verify_checkpoint(name: str = DEFAULT_MODEL) -> str:
