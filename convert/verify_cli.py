@@ -145,6 +145,9 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as e:
         print(f"kimi-verify: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("kimi-verify: interrupted", file=sys.stderr)
+        return 130
     code = V.exit_code(all_rows)
     if args.json:
         print(json.dumps({"ok": code == 0, "exit_code": code, "expected_from": sources,

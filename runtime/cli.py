@@ -74,13 +74,17 @@ def _set_threads(n: int | None) -> None:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     _set_threads(args.threads)
-    from .app import run
     try:
+        from .app import run
         return run(args)
     except BrokenPipeError:
         # stdout closed early (e.g. piped into `head`): stop quietly like other Unix tools.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except KeyboardInterrupt:
+        # Ctrl-C before generation started (planning, loading): nothing to keep, say so and stop
+        sys.stderr.write("kimi-run: interrupted\n")
+        return 130
 
 
 if __name__ == "__main__":

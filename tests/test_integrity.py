@@ -98,3 +98,4 @@ def test_second_conversion_to_one_output_is_refused(tiny_ckpt, tmp_path):
         os.close(fd)
     proc = convert(tiny_ckpt, "-o", out, "--quant", "f32", "--calibration", "none", "--json")
     assert json.loads(proc.stdout)["total"] and out.exists() and not (tmp_path / "m.kst.lock").exists()
+
