@@ -273,7 +273,7 @@ def _generate(args, log) -> int:
     if s is None:
         return 0
     cfg, plan, weights, model, tok, resident = s.cfg, s.plan, s.weights, s.model, s.tok, s.resident
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = _prompt_text(args.prompt)
     if args.chat:
         prompt_ids = tok.encode(tok.render_chat([{"role": "user", "content": prompt}]), add_special_tokens=False)
     else:
@@ -358,6 +358,22 @@ def print_summary(stats: GenerationStats, report: dict, tele: dict, plan: B.Memo
 
 
 # ------------------------------------------------------------------------------------ quality
+
+def _prompt_text(arg: str) -> str:
+    """--prompt TEXT, or standard input for "-": valid UTF-8 or a one-line error (the command line
+    carries undecodable bytes as lone surrogates, which no tokenizer can take)."""
+    if arg == "-":
+        data = sys.stdin.buffer.read()
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise RunError(f"standard input is not valid UTF-8 (byte {e.start})") from None
+    try:
+        arg.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RunError(f"--prompt is not valid UTF-8 (character {e.start})") from None
+    return arg
+
 
 def _read_text(path: str) -> str:
     try:

@@ -99,3 +99,13 @@ def test_second_conversion_to_one_output_is_refused(tiny_ckpt, tmp_path):
     proc = convert(tiny_ckpt, "-o", out, "--quant", "f32", "--calibration", "none", "--json")
     assert json.loads(proc.stdout)["total"] and out.exists() and not (tmp_path / "m.kst.lock").exists()
 
+
+
+def test_prompt_that_is_not_utf8(tiny_kst):
+    import subprocess
+    import sys
+    cmd = [sys.executable, "-m", "kimistream.runtime.cli", "--weights", str(tiny_kst), "--max-tokens", "1"]
+    for args, stdin in (([b"--prompt", b"\xff\xfe abc"], None), ([b"--prompt", b"-"], b"ok \xff\xfe")):
+        proc = subprocess.run([c.encode() for c in cmd] + args, input=stdin, capture_output=True, timeout=300)
+        err = proc.stderr.decode(errors="replace")
+        assert proc.returncode != 0 and "Traceback" not in err and "not valid UTF-8" in err, err
