@@ -1185,6 +1185,19 @@ done:
     return ret;
 }
 
+/* the geometry of a single-tensor call, checked against the tensor's bytes and an output of whole
+   rows of cols floats; NULL with ValueError set otherwise */
+static const int64_t *tensor_geometry(const buf_t *raw, const buf_t *geom, const buf_t *out, const char *what) {
+    const int64_t *g = geom->b.buf;
+    int64_t cols = geom->b.len == 8 * G_LEN ? g[G_COLS] : 0;
+    if (cols <= 0 || cols % 32 || g[G_KIND] < K_Q8 || g[G_KIND] > K_Q1 || raw->b.len < g[G_NBYTES] ||
+        out->b.len % (4 * cols)) {
+        PyErr_Format(PyExc_ValueError, "%s: buffers do not match the geometry", what);
+        return NULL;
+    }
+    return g;
+}
+
 PyDoc_STRVAR(heads_t_doc,
 "heads_t(raw, geom, v, stride, out, threads) -> int\n\n"
 "out[h] (float32 [nh, cols]) = sum_j v[h, j] * W[h * stride + j] for v float32 [nh, n], W the tensor\n"
@@ -1201,13 +1214,9 @@ static PyObject *py_heads_t(PyObject *self, PyObject *args) {
     if (get_buf(o[0], &b[0], 0, 1, "raw") || get_buf(o[1], &b[1], 0, 8 * G_LEN, "geom") ||
         get_buf(o[2], &b[2], 0, 4, "v") || get_buf(o[3], &b[3], 1, 4, "out"))
         goto done;
-    const int64_t *g = b[1].b.buf;
+    const int64_t *g = tensor_geometry(&b[0], &b[1], &b[3], "heads_t");
+    if (!g) goto done;
     int64_t cols = g[G_COLS];
-    if (b[1].b.len != 8 * G_LEN || cols <= 0 || cols % 32 || g[G_KIND] < K_Q8 || g[G_KIND] > K_Q1 ||
-        b[0].b.len < g[G_NBYTES] || b[3].b.len % (4 * cols)) {
-        PyErr_SetString(PyExc_ValueError, "heads_t: buffers do not match the geometry");
-        goto done;
-    }
     nh = b[3].b.len / (4 * cols);
     int64_t n = nh ? (b[2].b.len / 4) / nh : 0;
     if (b[2].b.len != 4 * nh * n || stride < 0 || (nh && (nh - 1) * stride + n > g[G_ROWS])) {
@@ -1239,13 +1248,9 @@ static PyObject *py_dequantize(PyObject *self, PyObject *args) {
     if (get_buf(o[0], &b[0], 0, 1, "raw") || get_buf(o[1], &b[1], 0, 8 * G_LEN, "geom") ||
         get_buf(o[2], &b[2], 1, 4, "out"))
         goto done;
-    const int64_t *g = b[1].b.buf;
+    const int64_t *g = tensor_geometry(&b[0], &b[1], &b[2], "dequantize");
+    if (!g) goto done;
     int64_t cols = g[G_COLS];
-    if (b[1].b.len != 8 * G_LEN || cols <= 0 || cols % 32 || g[G_KIND] < K_Q8 || g[G_KIND] > K_Q1 ||
-        b[0].b.len < g[G_NBYTES] || b[2].b.len % (4 * cols)) {
-        PyErr_SetString(PyExc_ValueError, "dequantize: buffers do not match the geometry");
-        goto done;
-    }
     int64_t n = b[2].b.len / (4 * cols);
     if (r0 < 0 || r0 + n > g[G_ROWS]) { PyErr_SetString(PyExc_ValueError, "dequantize: rows outside the tensor"); goto done; }
     task_t t = {.job = deq_job, .raw = b[0].b.buf, .geoms = g, .cols = cols, .nspan = cols / 32, .n = n,
