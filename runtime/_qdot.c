@@ -145,8 +145,24 @@ static inline int digit_full(int kind, const uint8_t *codes, int64_t col, int64_
     }
 }
 
+/* The AVX2 kernels take digits out with masks where the portable code shifts, so span s's digits come
+   out multiplied by this power of two (the mask's position); the span's coefficient divides it out, and
+   both steps are exact in float. */
+static inline float digit_scale(int kind, int64_t s) {
+    switch (kind) {
+    case K_Q2: case K_Q2RTN: return (float)(1 << (2 * (s & 3)));
+    case K_Q4: return (float)(1 << (4 * (s & 1)));
+    case K_Q1: return (float)(1 << (s & 7));
+    case K_T1: return 256.0f;
+    default: return 1.0f;
+    }
+}
+
 /* levels of the tail (columns start .. cols-1, fewer than one chunk) into lev: field k of the tail
    bytes holds columns k * lane .. k * lane + lane - 1, lane = ceil(n / per_byte) */
+#if HAVE_X86
+__attribute__((target_clones("avx2", "default")))
+#endif
 static void tail_levels(const uint8_t *codes, const int64_t *g, int64_t start, float *lev) {
     static const int pow3[5] = {1, 3, 9, 27, 81};
     int kind = (int)g[G_KIND];
@@ -317,26 +333,22 @@ AVX2 static inline __m256 span(__m256 acc, __m256i even, __m256i odd, const int1
     return _mm256_fmadd_ps(_mm256_broadcast_ss(c), _mm256_cvtepi32_ps(v), acc);
 }
 
-#define EVEN(v, sh, m) _mm256_and_si256(_mm256_srli_epi16(v, sh), m)
-
-/* The digits of chunk ch as int16 vectors: ev[k], od[k] for its spans k (the even and the odd bytes). */
-AVX2 static inline void chunk_digits(int kind, const uint8_t *codes, int64_t ch, int64_t lo_bytes, __m256i *ev,
-                                     __m256i *od) {
+/* The digits of chunk ch as int16 vectors: ev[k], od[k] for its spans k (the even and the odd bytes),
+   each times digit_scale(kind, k): one shift per chunk brings the odd bytes down, then a mask per span
+   (masks run on more ports than shifts). */
+#define MASK(v, m) _mm256_and_si256(v, _mm256_set1_epi16(m))
+AVX2 static inline __attribute__((always_inline)) void chunk_digits(const int kind, const uint8_t *codes, int64_t ch,
+                                                                  int64_t lo_bytes, __m256i *ev, __m256i *od) {
     switch (kind) {
     case K_Q2: case K_Q2RTN: {
-        const __m256i m = _mm256_set1_epi16(3);
-        __m256i v = LOAD32(codes + 32 * ch);
-        ev[0] = _mm256_and_si256(v, m); od[0] = EVEN(v, 8, m);
-        ev[1] = EVEN(v, 2, m); od[1] = EVEN(v, 10, m);
-        ev[2] = EVEN(v, 4, m); od[2] = EVEN(v, 12, m);
-        ev[3] = EVEN(v, 6, m); od[3] = _mm256_srli_epi16(v, 14);
+        __m256i v = LOAD32(codes + 32 * ch), vo = _mm256_srli_epi16(v, 8);
+        for (int k = 0; k < 4; k++) { ev[k] = MASK(v, 3 << (2 * k)); od[k] = MASK(vo, 3 << (2 * k)); }
         break;
     }
     case K_Q4: {
-        const __m256i m = _mm256_set1_epi16(15);
-        __m256i v = LOAD32(codes + 32 * ch);
-        ev[0] = _mm256_and_si256(v, m); od[0] = EVEN(v, 8, m);
-        ev[1] = EVEN(v, 4, m); od[1] = _mm256_srli_epi16(v, 12);
+        __m256i v = LOAD32(codes + 32 * ch), vo = _mm256_srli_epi16(v, 8);
+        ev[0] = MASK(v, 15); od[0] = MASK(vo, 15);
+        ev[1] = MASK(v, 240); od[1] = MASK(vo, 240);
         break;
     }
     case K_Q8: {
@@ -356,27 +368,25 @@ AVX2 static inline void chunk_digits(int kind, const uint8_t *codes, int64_t ch,
         for (int k = 0; k < 4; k++) { ev[k] = _mm256_and_si256(d[k], lo8); od[k] = _mm256_srli_epi16(d[k], 8); }
         break;
     }
-    case K_T1: {
-        const __m256i lo8 = _mm256_set1_epi16(255);
-        __m256i v = LOAD32(codes + 32 * ch), te = _mm256_and_si256(v, lo8), to = _mm256_srli_epi16(v, 8);
+    case K_T1: {   /* trit k of byte b is the high byte of 3 * (b * 3^k mod 256) */
+        __m256i v = LOAD32(codes + 32 * ch), te = MASK(v, 255), to = _mm256_srli_epi16(v, 8);
         for (int k = 0; k < 5; k++) {
             __m256i ue = _mm256_add_epi16(te, _mm256_add_epi16(te, te)), uo = _mm256_add_epi16(to, _mm256_add_epi16(to, to));
-            ev[k] = _mm256_srli_epi16(ue, 8); od[k] = _mm256_srli_epi16(uo, 8);
-            te = _mm256_and_si256(ue, lo8); to = _mm256_and_si256(uo, lo8);
+            ev[k] = MASK(ue, 0xFF00); od[k] = MASK(uo, 0xFF00);
+            te = MASK(ue, 255); to = MASK(uo, 255);
         }
         break;
     }
     default: {
-        const __m256i m = _mm256_set1_epi16(1);
-        __m256i v = LOAD32(codes + 32 * ch);
-        for (int k = 0; k < 8; k++) { ev[k] = EVEN(v, k, m); od[k] = EVEN(v, 8 + k, m); }
+        __m256i v = LOAD32(codes + 32 * ch), vo = _mm256_srli_epi16(v, 8);
+        for (int k = 0; k < 8; k++) { ev[k] = MASK(v, 1 << k); od[k] = MASK(vo, 1 << k); }
     }
     }
 }
 
 /* the whole chunks of one row for one token: spc spans per chunk (a constant, so the span loop
    unrolls), four independent accumulators (one fma chain would wait on its own latency) */
-AVX2 static inline __m256 dot_body(int kind, const int spc, const uint8_t *codes, int64_t nch, int64_t lo_bytes,
+AVX2 static inline __attribute__((always_inline)) __m256 dot_body(const int kind, const int spc, const uint8_t *codes, int64_t nch, int64_t lo_bytes,
                                    const int16_t *x, const float *c, __m256 acc) {
     __m256i ev[8], od[8];
     __m256 a[4] = {acc, _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -389,54 +399,84 @@ AVX2 static inline __m256 dot_body(int kind, const int spc, const uint8_t *codes
 }
 
 
-/* c[s] = A * mul * xsc[s] and c[nfs + s] = B - z * A for spans 0 .. nfs-1, and the sum of
-   (B - z * A) * xs as the return value,
-   8 spans per step with the spans' (A, B) decoded as vectors */
-AVX2 static float coefs_avx2(const uint8_t *t, const int64_t *g, int64_t r, const float *xsc, const float *xs,
-                             int64_t nfs, float *c) {
-    int kind = (int)g[G_KIND];
+/* (A, B) of spans 8b .. 8b+7 as vectors: F16C for the binary16 parameters, one layout per codec */
+AVX2 static inline __attribute__((always_inline)) void params8(const int kind, const uint8_t *po, const uint8_t *so,
+                                                             int64_t b, __m256 *A, __m256 *B) {
+    const __m256i m15 = _mm256_set1_epi32(15);
+    __m128 dm;
+    switch (kind) {
+    case K_Q8:
+        *A = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(po + 16 * b)));
+        *B = _mm256_setzero_ps();
+        return;
+    case K_Q2RTN: {
+        __m256 p = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(po + 16 * b)));
+        *A = _mm256_permutevar8x32_ps(p, _mm256_setr_epi32(0, 0, 2, 2, 4, 4, 6, 6));
+        *B = _mm256_permutevar8x32_ps(p, _mm256_setr_epi32(1, 1, 3, 3, 5, 5, 7, 7));
+        return;
+    }
+    case K_Q6: case K_T1: {   /* d per super-block */
+        uint16_t h;
+        memcpy(&h, po + 2 * b, 2);
+        __m256 d = _mm256_set1_ps(_cvtsh_ss(h));
+        __m256i v;
+        if (kind == K_Q6) {
+            v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(so + 8 * b)));
+        } else {              /* eight 4-bit scales in 4 bytes */
+            uint32_t w;
+            memcpy(&w, so + 4 * b, 4);
+            v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)), m15);
+        }
+        *A = _mm256_mul_ps(d, _mm256_cvtepi32_ps(v));
+        *B = _mm256_setzero_ps();
+        return;
+    }
+    default: {                /* q2, q4, q1: d, m per super-block */
+        uint32_t w;
+        memcpy(&w, po + 4 * b, 4);
+        dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)w));
+        __m256 d = _mm256_broadcastss_ps(dm), m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+        if (kind == K_Q2) {
+            __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(so + 8 * b)));
+            *A = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(v, m15)));
+            *B = _mm256_mul_ps(m, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)));
+        } else if (kind == K_Q4) {
+            __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(so + 16 * b)));
+            *A = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(255))));
+            *B = _mm256_mul_ps(m, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 8)));
+        } else {              /* q1 */
+            uint32_t w4;
+            memcpy(&w4, so + 4 * b, 4);
+            __m256i v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w4), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)), m15);
+            *A = _mm256_mul_ps(d, _mm256_cvtepi32_ps(v));
+            *B = m;
+        }
+    }
+    }
+}
+
+/* c[s] = A * mul * xsc[s] / scale(s) and c[nfs + s] = B - z * A for spans 0 .. nfs-1, and the sum of
+   (B - z * A) * xs as the return value; scale(s) is digit_scale (the AVX2 digits' power of two) if
+   `scaled`, else 1. Eight spans per step. */
+AVX2 static inline __attribute__((always_inline)) float coefs_kind(const int kind, const uint8_t *t, const int64_t *g,
+                                                                 int64_t r, const float *xsc, const float *xs,
+                                                                 int64_t nfs, float *c, int scaled) {
     float mul, z;
     digit_form(kind, &mul, &z);
     const uint8_t *po = t + g[G_OFFPAR] + r * g[G_PARROW];
     const uint8_t *so = t + g[G_OFFSUB] + r * g[G_SUBROW];
-    int64_t npar = g[G_NPAR], nb = nfs / 8;
-    __m256 acc = _mm256_setzero_ps();
-    const __m256 vmul = _mm256_set1_ps(mul), vz = _mm256_set1_ps(z);
-    const __m256i m15 = _mm256_set1_epi32(15), nib = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    int64_t nb = nfs / 8;
+    __m256 acc = _mm256_setzero_ps(), vz = _mm256_set1_ps(z), vm = _mm256_set1_ps(mul);
+    if (scaled) {
+        float inv[8];
+        for (int k = 0; k < 8; k++) inv[k] = 1.0f / digit_scale(kind, k);
+        vm = _mm256_mul_ps(vm, _mm256_loadu_ps(inv));
+    }
     for (int64_t b = 0; b < nb; b++) {
         __m256 A, B;
-        if (kind == K_Q8) {
-            A = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(po + 16 * b)));
-            B = _mm256_setzero_ps();
-        } else if (kind == K_Q2RTN) {
-            __m256 p = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(po + 16 * b)));
-            A = _mm256_permutevar8x32_ps(p, _mm256_setr_epi32(0, 0, 2, 2, 4, 4, 6, 6));
-            B = _mm256_permutevar8x32_ps(p, _mm256_setr_epi32(1, 1, 3, 3, 5, 5, 7, 7));
-        } else {
-            const uint8_t *q = po + 2 * npar * b;
-            __m256 d = _mm256_set1_ps(f16_at(q)), m = _mm256_set1_ps(npar == 2 ? f16_at(q + 2) : 0.0f);
-            if (kind == K_Q2) {
-                __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(so + 8 * b)));
-                A = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(v, m15)));
-                B = _mm256_mul_ps(m, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)));
-            } else if (kind == K_Q4) {
-                __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(so + 16 * b)));
-                A = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(255))));
-                B = _mm256_mul_ps(m, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 8)));
-            } else if (kind == K_Q6) {
-                __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(so + 8 * b)));
-                A = _mm256_mul_ps(d, _mm256_cvtepi32_ps(v));
-                B = _mm256_setzero_ps();
-            } else {            /* t1, q1: eight 4-bit scales in 4 bytes */
-                uint32_t w;
-                memcpy(&w, so + 4 * b, 4);
-                __m256i v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), nib), m15);
-                A = _mm256_mul_ps(d, _mm256_cvtepi32_ps(v));
-                B = m;
-            }
-        }
+        params8(kind, po, so, b, &A, &B);
         __m256 e = _mm256_fnmadd_ps(vz, A, B);
-        _mm256_storeu_ps(c + 8 * b, _mm256_mul_ps(_mm256_mul_ps(A, vmul), _mm256_loadu_ps(xsc + 8 * b)));
+        _mm256_storeu_ps(c + 8 * b, _mm256_mul_ps(_mm256_mul_ps(A, vm), _mm256_loadu_ps(xsc + 8 * b)));
         _mm256_storeu_ps(c + nfs + 8 * b, e);
         acc = _mm256_fmadd_ps(e, _mm256_loadu_ps(xs + 8 * b), acc);
     }
@@ -444,29 +484,41 @@ AVX2 static float coefs_avx2(const uint8_t *t, const int64_t *g, int64_t r, cons
     for (int64_t s = 8 * nb; s < nfs; s++) {
         float A, B;
         span_ab(t, g, r, s, &A, &B);
-        c[s] = A * mul * xsc[s];
+        c[s] = A * (mul / (scaled ? digit_scale(kind, s) : 1.0f)) * xsc[s];
         c[nfs + s] = B - z * A;
         tot += (B - z * A) * xs[s];
     }
     return tot;
 }
 
-/* the whole chunks of one row: sum over spans of A * mul * xsc * isum + (B - z * A) * xs */
+AVX2 static float coefs_avx2(const uint8_t *t, const int64_t *g, int64_t r, const float *xsc, const float *xs,
+                             int64_t nfs, float *c, int scaled) {
+    switch ((int)g[G_KIND]) {
+    case K_Q8: return coefs_kind(K_Q8, t, g, r, xsc, xs, nfs, c, scaled);
+    case K_Q6: return coefs_kind(K_Q6, t, g, r, xsc, xs, nfs, c, scaled);
+    case K_Q4: return coefs_kind(K_Q4, t, g, r, xsc, xs, nfs, c, scaled);
+    case K_Q2: return coefs_kind(K_Q2, t, g, r, xsc, xs, nfs, c, scaled);
+    case K_Q2RTN: return coefs_kind(K_Q2RTN, t, g, r, xsc, xs, nfs, c, scaled);
+    case K_T1: return coefs_kind(K_T1, t, g, r, xsc, xs, nfs, c, scaled);
+    default: return coefs_kind(K_Q1, t, g, r, xsc, xs, nfs, c, scaled);
+    }
+}
+
+/* the whole chunks of one row: sum over spans of A * mul * xsc * isum + (B - z * A) * xs; the codec a
+   constant in each copy (q2rtn's digits are q2's) */
 AVX2 static float whole_avx2(const uint8_t *t, const int64_t *g, int64_t r, const uint8_t *codes, const int16_t *xp,
                              const float *xsc, const float *xs, int64_t done, float *c) {
-    float tot = coefs_avx2(t, g, r, xsc, xs, done / 32, c);
-    __m256 acc = _mm256_setzero_ps();
-    int kind = (int)g[G_KIND];
-    int64_t lb = q6_lo_bytes(g[G_COLS]);
-    switch (kind) {   /* constant spans per chunk */
-    case K_Q2: case K_Q2RTN: acc = dot_body(kind, 4, codes, done / 128, lb, xp, c, acc); break;
-    case K_Q4: acc = dot_body(kind, 2, codes, done / 64, lb, xp, c, acc); break;
-    case K_Q8: acc = dot_body(kind, 1, codes, done / 32, lb, xp, c, acc); break;
-    case K_Q6: acc = dot_body(kind, 4, codes, done / 128, lb, xp, c, acc); break;
-    case K_T1: acc = dot_body(kind, 5, codes, done / 160, lb, xp, c, acc); break;
-    default: acc = dot_body(kind, 8, codes, done / 256, lb, xp, c, acc); break;
+    int64_t lb = q6_lo_bytes(g[G_COLS]), nfs = done / 32;
+    __m256 z = _mm256_setzero_ps();
+    switch ((int)g[G_KIND]) {
+    case K_Q2: return coefs_kind(K_Q2, t, g, r, xsc, xs, nfs, c, 1) + hsum8(dot_body(K_Q2, 4, codes, done / 128, lb, xp, c, z));
+    case K_Q2RTN: return coefs_kind(K_Q2RTN, t, g, r, xsc, xs, nfs, c, 1) + hsum8(dot_body(K_Q2, 4, codes, done / 128, lb, xp, c, z));
+    case K_Q4: return coefs_kind(K_Q4, t, g, r, xsc, xs, nfs, c, 1) + hsum8(dot_body(K_Q4, 2, codes, done / 64, lb, xp, c, z));
+    case K_Q8: return coefs_kind(K_Q8, t, g, r, xsc, xs, nfs, c, 1) + hsum8(dot_body(K_Q8, 1, codes, done / 32, lb, xp, c, z));
+    case K_Q6: return coefs_kind(K_Q6, t, g, r, xsc, xs, nfs, c, 1) + hsum8(dot_body(K_Q6, 4, codes, done / 128, lb, xp, c, z));
+    case K_T1: return coefs_kind(K_T1, t, g, r, xsc, xs, nfs, c, 1) + hsum8(dot_body(K_T1, 5, codes, done / 160, lb, xp, c, z));
+    default: return coefs_kind(K_Q1, t, g, r, xsc, xs, nfs, c, 1) + hsum8(dot_body(K_Q1, 8, codes, done / 256, lb, xp, c, z));
     }
-    return tot + hsum8(acc);
 }
 
 /* Several tokens through the same rows (prefill): each chunk's digits are taken out of the codes once
@@ -475,7 +527,7 @@ AVX2 static float whole_avx2(const uint8_t *t, const int64_t *g, int64_t r, cons
    for tokens 0 .. ntok-1 (x of token t at xp + t * cols), C[(r * ntok + t) * nsp + s] the span
    coefficients. Chunk by chunk over the whole block of rows: one chunk of every token's x (a few KiB)
    stays in L1 while all the rows use it. */
-AVX2 static inline void multi_body(int kind, const int spc, const uint8_t *codes, int64_t row_bytes, int nr,
+AVX2 static inline __attribute__((always_inline)) void multi_body(const int kind, const int spc, const uint8_t *codes, int64_t row_bytes, int nr,
                                    int64_t nch, int64_t lo_bytes, const int16_t *xp, int64_t cols, int ntok,
                                    const float *C, int64_t nsp, __m256 *acc) {
     __m256i ev[8], od[8];
@@ -501,12 +553,12 @@ AVX2 static void multi_avx2(int kind, const uint8_t *codes, int64_t row_bytes, i
                             const int16_t *xp, int ntok, const float *C, int64_t nsp, __m256 *acc) {
     int64_t lb = q6_lo_bytes(cols);
     switch (kind) {   /* constant spans per chunk: the span loop unrolls */
-    case K_Q2: case K_Q2RTN: multi_body(kind, 4, codes, row_bytes, nr, done / 128, lb, xp, cols, ntok, C, nsp, acc); break;
-    case K_Q4: multi_body(kind, 2, codes, row_bytes, nr, done / 64, lb, xp, cols, ntok, C, nsp, acc); break;
-    case K_Q8: multi_body(kind, 1, codes, row_bytes, nr, done / 32, lb, xp, cols, ntok, C, nsp, acc); break;
-    case K_Q6: multi_body(kind, 4, codes, row_bytes, nr, done / 128, lb, xp, cols, ntok, C, nsp, acc); break;
-    case K_T1: multi_body(kind, 5, codes, row_bytes, nr, done / 160, lb, xp, cols, ntok, C, nsp, acc); break;
-    default: multi_body(kind, 8, codes, row_bytes, nr, done / 256, lb, xp, cols, ntok, C, nsp, acc); break;
+    case K_Q2: case K_Q2RTN: multi_body(K_Q2, 4, codes, row_bytes, nr, done / 128, lb, xp, cols, ntok, C, nsp, acc); break;
+    case K_Q4: multi_body(K_Q4, 2, codes, row_bytes, nr, done / 64, lb, xp, cols, ntok, C, nsp, acc); break;
+    case K_Q8: multi_body(K_Q8, 1, codes, row_bytes, nr, done / 32, lb, xp, cols, ntok, C, nsp, acc); break;
+    case K_Q6: multi_body(K_Q6, 4, codes, row_bytes, nr, done / 128, lb, xp, cols, ntok, C, nsp, acc); break;
+    case K_T1: multi_body(K_T1, 5, codes, row_bytes, nr, done / 160, lb, xp, cols, ntok, C, nsp, acc); break;
+    default: multi_body(K_Q1, 8, codes, row_bytes, nr, done / 256, lb, xp, cols, ntok, C, nsp, acc); break;
     }
 }
 #endif
@@ -556,7 +608,10 @@ static int64_t outliers_valid(const uint8_t *t, const int64_t *g, int64_t r, ato
 
 /* the tail (columns past the whole chunks, in float) and the outlier corrections of row r for input
    x: what to add to the whole chunks' sum. cs, es: the span coefficients the AVX2 sums used
-   (A * mul * xsc and B - z * A), or NULL on the portable path */
+   (A * mul * xsc / digit_scale and B - z * A), or NULL on the portable path */
+#if HAVE_X86
+__attribute__((target_clones("avx2", "default")))
+#endif
 static float row_fixups(const uint8_t *t, const int64_t *g, int64_t r, const uint8_t *codes, const float *x,
                         const int16_t *xq, const int16_t *xp, const float *xsc, const float *cs, const float *es,
                         atomic_int *bad) {
@@ -581,7 +636,7 @@ static float row_fixups(const uint8_t *t, const int64_t *g, int64_t r, const uin
         if (col < done) {    /* what the integer sums added for this column */
             float d = (float)digit_full(kind, codes, col, cols);
             if (cs) {
-                used = cs[col >> 5] * d * (float)xq_at(xq, xp, col) + es[col >> 5] * x[col];
+                used = cs[col >> 5] * (d * digit_scale(kind, col >> 5)) * (float)xq_at(xq, xp, col) + es[col >> 5] * x[col];
             } else {
                 span_ab(t, g, r, col >> 5, &A, &B);
                 used = A * (mul * d * (xsc[col >> 5] * (float)xq[col])) + (B - z * A) * x[col];
@@ -594,6 +649,87 @@ static float row_fixups(const uint8_t *t, const int64_t *g, int64_t r, const uin
     }
     return tot;
 }
+
+#if HAVE_X86
+/* row_fixups of the AVX2 path for a row without a tail (the usual case): the outliers only, checked
+   in the same pass (outliers_valid's rule), binary16 values through F16C */
+AVX2 static float outliers_avx2(const uint8_t *t, const int64_t *g, int64_t r, const uint8_t *codes, const float *x,
+                                const int16_t *xp, const float *cs, const float *es, atomic_int *bad) {
+    int kind = (int)g[G_KIND];
+    int64_t k = g[G_K], cols = g[G_COLS], prev = -1;
+    const uint8_t *oc = t + g[G_OFFOCOL] + 2 * r * k, *ov = t + g[G_OFFOVAL] + 2 * r * k;
+    float tot = 0;
+    for (int64_t i = 0; i < k; i++) {
+        uint16_t cw, vw;
+        memcpy(&cw, oc + 2 * i, 2);
+        memcpy(&vw, ov + 2 * i, 2);
+        int64_t col = cw, s = col >> 5, j = col & 31;
+        if (col >= cols || col <= prev) {
+            outliers_valid(t, g, r, bad);             /* flags corrupt data as the general path does */
+            break;
+        }
+        prev = col;
+        float d = (float)digit_full(kind, codes, col, cols) * digit_scale(kind, s);
+        float xq = (float)xp[(col & ~(int64_t)31) | ((j & 1) ? 16 + (j >> 1) : (j >> 1))];
+        tot += _cvtsh_ss(vw) * x[col] - (cs[s] * d * xq + es[s] * x[col]);
+    }
+    return tot;
+}
+#endif
+
+#if HAVE_X86
+/* outliers_avx2 eight at a time with gathers, for the codecs whose digit is one masked field of one
+   byte (q2, q2rtn, q4, q1, and q8's whole byte); others, and any row whose outlier columns break the
+   rule, go through the scalar loop. Byte and int16 gathers read the 4 bytes ending at the wanted one:
+   the bytes before a row's codes and before xp are their buffers' own. */
+AVX2 static float outliers_gather(const uint8_t *t, const int64_t *g, int64_t r, const uint8_t *codes, const float *x,
+                                  const int16_t *xp, const float *cs, const float *es, atomic_int *bad) {
+    int kind = (int)g[G_KIND];
+    int64_t k = g[G_K], cols = g[G_COLS];
+    int lp, bits;                                 /* log2(fields per byte), bits per field */
+    switch (kind) {
+    case K_Q2: case K_Q2RTN: lp = 2; bits = 2; break;
+    case K_Q4: lp = 1; bits = 4; break;
+    case K_Q1: lp = 3; bits = 1; break;
+    case K_Q8: lp = 0; bits = 8; break;
+    default: return outliers_avx2(t, g, r, codes, x, xp, cs, es, bad);
+    }
+    const uint8_t *oc = t + g[G_OFFOCOL] + 2 * r * k, *ov = t + g[G_OFFOVAL] + 2 * r * k;
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), rot = _mm256_setr_epi32(7, 0, 1, 2, 3, 4, 5, 6);
+    const __m256i ncols = _mm256_set1_epi32((int)cols), m31 = _mm256_set1_epi32(31);
+    const __m256i fmask = _mm256_set1_epi32((1 << bits) - 1), fsel = _mm256_set1_epi32((1 << lp) - 1);
+    __m256 acc = _mm256_setzero_ps();
+    __m256i prev = _mm256_set1_epi32(-1), badv = _mm256_setzero_si256();
+    for (int64_t i = 0; i < k; i += 8) {
+        __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(k - i)), lane);
+        __m256i col = _mm256_and_si256(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(oc + 2 * i))), live);
+        __m256i before = _mm256_blend_epi32(_mm256_permutevar8x32_epi32(col, rot), prev, 1);
+        badv = _mm256_or_si256(badv, _mm256_and_si256(live, _mm256_or_si256(
+            _mm256_cmpgt_epi32(col, _mm256_sub_epi32(ncols, _mm256_set1_epi32(1))), _mm256_cmpgt_epi32(_mm256_add_epi32(before, _mm256_set1_epi32(1)), col))));
+        prev = _mm256_permutevar8x32_epi32(col, _mm256_set1_epi32(7));
+        __m256i s = _mm256_srli_epi32(col, 5), j = _mm256_and_si256(col, m31);
+        __m256i bi = _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(col, 5 + lp), 5), j);
+        __m256i byte = _mm256_srli_epi32(_mm256_i32gather_epi32((const int *)(codes - 3), bi, 1), 24);
+        __m256 d;
+        if (kind == K_Q8) {
+            d = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(byte, 24), 24));
+        } else {     /* the field, left where it is: digit times digit_scale */
+            __m256i sh = _mm256_mullo_epi32(_mm256_and_si256(s, fsel), _mm256_set1_epi32(bits));
+            d = _mm256_cvtepi32_ps(_mm256_and_si256(byte, _mm256_sllv_epi32(fmask, sh)));
+        }
+        __m256i xi = _mm256_or_si256(_mm256_andnot_si256(m31, col),
+                                     _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(j, _mm256_set1_epi32(1)), 4), _mm256_srli_epi32(j, 1)));
+        __m256 xq = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_i32gather_epi32((const int *)(xp - 1), xi, 2), 16));
+        __m256 xv = _mm256_i32gather_ps(x, col, 4);
+        __m256 c = _mm256_i32gather_ps(cs, s, 4), e = _mm256_i32gather_ps(es, s, 4);
+        __m256 o = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ov + 2 * i)));
+        __m256 used = _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(c, d), xq), _mm256_mul_ps(e, xv));
+        acc = _mm256_add_ps(acc, _mm256_and_ps(_mm256_castsi256_ps(live), _mm256_sub_ps(_mm256_mul_ps(o, xv), used)));
+    }
+    if (!_mm256_testz_si256(badv, badv)) return outliers_avx2(t, g, r, codes, x, xp, cs, es, bad);
+    return hsum8(acc);
+}
+#endif
 
 static inline void prefetch_next_row(const uint8_t *t, const int64_t *g, int64_t r) {
     /* the next row's small streams (parameters, scales, outliers): too short and too many for the
@@ -615,6 +751,7 @@ static float row_dot(const uint8_t *t, const int64_t *g, int64_t r, const float 
     if (use_avx2) {
         float *c = (float *)isum;
         float tot = whole_avx2(t, g, r, codes, xp, xsc, xs, done, c);
+        if (done == g[G_COLS]) return tot + outliers_gather(t, g, r, codes, x, xp, c, c + done / 32, bad);
         return tot + row_fixups(t, g, r, codes, x, xq, xp, xsc, c, c + done / 32, bad);
     }
 #endif
@@ -729,7 +866,7 @@ AVX2 static void multi_job_avx2(task_t *t, const int64_t *job, float *scratch) {
     int64_t oc[256];
     for (int64_t s = 0; s < nsp; s++) { ones[s] = 1.0f; zeros[s] = 0.0f; }
     for (int64_t i = 0; i < nr; i++)      /* ce[i][s] = A * mul, ce[i][nfs + s] = B - z * A */
-        coefs_avx2(tensor, g, r0 + i, ones, zeros, nfs, ce + 2 * nsp * i);
+        coefs_avx2(tensor, g, r0 + i, ones, zeros, nfs, ce + 2 * nsp * i, 1);
     for (int64_t x0 = job[4]; x0 < job[4] + ntok; x0 += tt) {
         int64_t nt = job[4] + ntok - x0 < tt ? job[4] + ntok - x0 : tt;
         for (int64_t i = 0; i < nr; i++) {
@@ -774,7 +911,8 @@ AVX2 static void multi_job_avx2(task_t *t, const int64_t *job, float *scratch) {
             for (int64_t q = 0; q < n; q++) {
                 oc[q] = pc[2 * q] | (pc[2 * q + 1] << 8);
                 ov[q] = f16_at(pv + 2 * q);
-                od[q] = oc[q] < done ? (float)digit_full(kind, codes, oc[q], cols) : lev[oc[q] - done];
+                od[q] = oc[q] < done ? (float)digit_full(kind, codes, oc[q], cols) * digit_scale(kind, oc[q] >> 5)
+                                     : lev[oc[q] - done];
             }
             for (int64_t tk = 0; tk < nt; tk++) {
                 const float *x = t->xf + (x0 + tk) * cols, *Ct = C + (i * nt + tk) * nsp;
@@ -897,7 +1035,7 @@ static void heads_t_job(task_t *t, int64_t h, float *scratch) {
         /* weight = ce[s] * digit + ce[nfs + s] on span s */
 #if HAVE_X86
         if (use_avx2)
-            coefs_avx2(t->raw, g, r, ones, zeros, nfs, ce);
+            coefs_avx2(t->raw, g, r, ones, zeros, nfs, ce, 0);
         else
 #endif
             for (int64_t s = 0; s < nfs; s++) {
