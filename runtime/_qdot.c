@@ -652,13 +652,15 @@ static float row_fixups(const uint8_t *t, const int64_t *g, int64_t r, const uin
 
 #if HAVE_X86
 /* row_fixups of the AVX2 path for a row without a tail (the usual case): the outliers only, checked
-   in the same pass (outliers_valid's rule), binary16 values through F16C */
-AVX2 static float outliers_avx2(const uint8_t *t, const int64_t *g, int64_t r, const uint8_t *codes, const float *x,
-                                const int16_t *xp, const float *cs, const float *es, atomic_int *bad) {
-    int kind = (int)g[G_KIND];
+   in the same pass (outliers_valid's rule), binary16 values through F16C, the codec a constant in each
+   copy, two partial sums. (Gathers, tried here, were slower: this machine's microcode makes them slow.) */
+AVX2 static inline __attribute__((always_inline)) float outliers_kind(const int kind, const uint8_t *t, const int64_t *g,
+                                                                    int64_t r, const uint8_t *codes, const float *x,
+                                                                    const int16_t *xp, const float *cs, const float *es,
+                                                                    atomic_int *bad) {
     int64_t k = g[G_K], cols = g[G_COLS], prev = -1;
     const uint8_t *oc = t + g[G_OFFOCOL] + 2 * r * k, *ov = t + g[G_OFFOVAL] + 2 * r * k;
-    float tot = 0;
+    float tot[2] = {0, 0};
     for (int64_t i = 0; i < k; i++) {
         uint16_t cw, vw;
         memcpy(&cw, oc + 2 * i, 2);
@@ -670,64 +672,23 @@ AVX2 static float outliers_avx2(const uint8_t *t, const int64_t *g, int64_t r, c
         }
         prev = col;
         float d = (float)digit_full(kind, codes, col, cols) * digit_scale(kind, s);
-        float xq = (float)xp[(col & ~(int64_t)31) | ((j & 1) ? 16 + (j >> 1) : (j >> 1))];
-        tot += _cvtsh_ss(vw) * x[col] - (cs[s] * d * xq + es[s] * x[col]);
+        float xq = (float)xp[(col & ~(int64_t)31) | ((j & 1) << 4) | (j >> 1)];
+        float xv = x[col];
+        tot[i & 1] += _cvtsh_ss(vw) * xv - (cs[s] * d * xq + es[s] * xv);
     }
-    return tot;
+    return tot[0] + tot[1];
 }
-#endif
 
-#if HAVE_X86
-/* outliers_avx2 eight at a time with gathers, for the codecs whose digit is one masked field of one
-   byte (q2, q2rtn, q4, q1, and q8's whole byte); others, and any row whose outlier columns break the
-   rule, go through the scalar loop. Byte and int16 gathers read the 4 bytes ending at the wanted one:
-   the bytes before a row's codes and before xp are their buffers' own. */
-AVX2 static float outliers_gather(const uint8_t *t, const int64_t *g, int64_t r, const uint8_t *codes, const float *x,
-                                  const int16_t *xp, const float *cs, const float *es, atomic_int *bad) {
-    int kind = (int)g[G_KIND];
-    int64_t k = g[G_K], cols = g[G_COLS];
-    int lp, bits;                                 /* log2(fields per byte), bits per field */
-    switch (kind) {
-    case K_Q2: case K_Q2RTN: lp = 2; bits = 2; break;
-    case K_Q4: lp = 1; bits = 4; break;
-    case K_Q1: lp = 3; bits = 1; break;
-    case K_Q8: lp = 0; bits = 8; break;
-    default: return outliers_avx2(t, g, r, codes, x, xp, cs, es, bad);
+AVX2 static float outliers_avx2(const uint8_t *t, const int64_t *g, int64_t r, const uint8_t *codes, const float *x,
+                                const int16_t *xp, const float *cs, const float *es, atomic_int *bad) {
+    switch ((int)g[G_KIND]) {
+    case K_Q2: case K_Q2RTN: return outliers_kind(K_Q2, t, g, r, codes, x, xp, cs, es, bad);
+    case K_Q4: return outliers_kind(K_Q4, t, g, r, codes, x, xp, cs, es, bad);
+    case K_Q8: return outliers_kind(K_Q8, t, g, r, codes, x, xp, cs, es, bad);
+    case K_Q6: return outliers_kind(K_Q6, t, g, r, codes, x, xp, cs, es, bad);
+    case K_T1: return outliers_kind(K_T1, t, g, r, codes, x, xp, cs, es, bad);
+    default: return outliers_kind(K_Q1, t, g, r, codes, x, xp, cs, es, bad);
     }
-    const uint8_t *oc = t + g[G_OFFOCOL] + 2 * r * k, *ov = t + g[G_OFFOVAL] + 2 * r * k;
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), rot = _mm256_setr_epi32(7, 0, 1, 2, 3, 4, 5, 6);
-    const __m256i ncols = _mm256_set1_epi32((int)cols), m31 = _mm256_set1_epi32(31);
-    const __m256i fmask = _mm256_set1_epi32((1 << bits) - 1), fsel = _mm256_set1_epi32((1 << lp) - 1);
-    __m256 acc = _mm256_setzero_ps();
-    __m256i prev = _mm256_set1_epi32(-1), badv = _mm256_setzero_si256();
-    for (int64_t i = 0; i < k; i += 8) {
-        __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(k - i)), lane);
-        __m256i col = _mm256_and_si256(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(oc + 2 * i))), live);
-        __m256i before = _mm256_blend_epi32(_mm256_permutevar8x32_epi32(col, rot), prev, 1);
-        badv = _mm256_or_si256(badv, _mm256_and_si256(live, _mm256_or_si256(
-            _mm256_cmpgt_epi32(col, _mm256_sub_epi32(ncols, _mm256_set1_epi32(1))), _mm256_cmpgt_epi32(_mm256_add_epi32(before, _mm256_set1_epi32(1)), col))));
-        prev = _mm256_permutevar8x32_epi32(col, _mm256_set1_epi32(7));
-        __m256i s = _mm256_srli_epi32(col, 5), j = _mm256_and_si256(col, m31);
-        __m256i bi = _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(col, 5 + lp), 5), j);
-        __m256i byte = _mm256_srli_epi32(_mm256_i32gather_epi32((const int *)(codes - 3), bi, 1), 24);
-        __m256 d;
-        if (kind == K_Q8) {
-            d = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(byte, 24), 24));
-        } else {     /* the field, left where it is: digit times digit_scale */
-            __m256i sh = _mm256_mullo_epi32(_mm256_and_si256(s, fsel), _mm256_set1_epi32(bits));
-            d = _mm256_cvtepi32_ps(_mm256_and_si256(byte, _mm256_sllv_epi32(fmask, sh)));
-        }
-        __m256i xi = _mm256_or_si256(_mm256_andnot_si256(m31, col),
-                                     _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(j, _mm256_set1_epi32(1)), 4), _mm256_srli_epi32(j, 1)));
-        __m256 xq = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_i32gather_epi32((const int *)(xp - 1), xi, 2), 16));
-        __m256 xv = _mm256_i32gather_ps(x, col, 4);
-        __m256 c = _mm256_i32gather_ps(cs, s, 4), e = _mm256_i32gather_ps(es, s, 4);
-        __m256 o = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ov + 2 * i)));
-        __m256 used = _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(c, d), xq), _mm256_mul_ps(e, xv));
-        acc = _mm256_add_ps(acc, _mm256_and_ps(_mm256_castsi256_ps(live), _mm256_sub_ps(_mm256_mul_ps(o, xv), used)));
-    }
-    if (!_mm256_testz_si256(badv, badv)) return outliers_avx2(t, g, r, codes, x, xp, cs, es, bad);
-    return hsum8(acc);
 }
 #endif
 
@@ -751,7 +712,7 @@ static float row_dot(const uint8_t *t, const int64_t *g, int64_t r, const float 
     if (use_avx2) {
         float *c = (float *)isum;
         float tot = whole_avx2(t, g, r, codes, xp, xsc, xs, done, c);
-        if (done == g[G_COLS]) return tot + outliers_gather(t, g, r, codes, x, xp, c, c + done / 32, bad);
+        if (done == g[G_COLS]) return tot + outliers_avx2(t, g, r, codes, x, xp, c, c + done / 32, bad);
         return tot + row_fixups(t, g, r, codes, x, xq, xp, xsc, c, c + done / 32, bad);
     }
 #endif
@@ -832,6 +793,16 @@ static void deq_row(const uint8_t *t, const int64_t *g, int64_t r, float *out, f
 /* ------------------------------------------------------------------------------------ jobs, threads */
 
 typedef struct task task_t;
+/* a decode attention call (see "decode attention" below) */
+typedef struct {
+    const float *q, *qr;                                  /* [nh, r], [nh, dr] */
+    const void *C, *K;                                    /* cache rows [S, r], [S, dr] */
+    int half;                                             /* binary16 caches */
+    int64_t S, r, dr, nh;
+    float scale;
+    float *o;                                             /* [nh, r] */
+    float *part;                                          /* the mix jobs' partial sums */
+} att_t;
 struct task {
     void (*job)(task_t *t, int64_t j, float *scratch);   /* runs job j */
     const uint8_t *raw;
@@ -847,6 +818,7 @@ struct task {
     atomic_long next, done;
     atomic_int bad;
     atomic_ullong sum;                                    /* read_sum's result */
+    const att_t *att;
 };
 
 #if HAVE_X86
@@ -1072,6 +1044,219 @@ static void heads_t_job(task_t *t, int64_t h, float *scratch) {
     }
     for (int64_t s = 0; s < done / 32; s++)      /* the tail added its offsets above */
         for (int i = 0; i < 32; i++) acc[32 * s + i] += bacc[s];
+}
+
+/* ------------------------------------------------------------------------------ decode attention */
+/* One token's absorbed attention over the cache, per layer: scores[h, p] = scale * (q[h] . C[p] +
+ * qr[h] . K[p]), a softmax per head, out[h] = sum_p probs[h, p] C[p]. C (the latent, [S, r]) and K
+ * (the rotated keys, [S, dr]) are float32 or binary16 rows. Three passes through the pool: scores by
+ * blocks of positions (every head against each row while it is in L1: the cache is read once, not
+ * once per head as a batched mat-vec does), softmax by heads, the weighted sum by blocks of positions
+ * (rows of C read in order, each block into its own partial sums), then the partials added up. */
+#define ATT_POS 32          /* positions per scores job */
+#define ATT_MIX_POS 256     /* at least this many positions per mix job (each has its own partial sums) */
+
+/* row p of a cache (float32 or binary16) as float32: the row itself, or converted into buf */
+static inline const float *cache_row(const void *base, int half, int64_t n, int64_t p, float *buf) {
+    if (!half) return (const float *)base + p * n;
+    const uint16_t *h = (const uint16_t *)base + p * n;
+    for (int64_t i = 0; i < n; i++) buf[i] = f16_at((const uint8_t *)(h + i));
+    return buf;
+}
+
+#if HAVE_X86
+AVX2 static const float *cache_row_avx2(const void *base, int half, int64_t n, int64_t p, float *buf) {
+    if (!half) return (const float *)base + p * n;
+    const uint16_t *h = (const uint16_t *)base + p * n;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+    for (; i < n; i++) buf[i] = _cvtsh_ss(h[i]);
+    return buf;
+}
+
+/* a . b over n floats, eight lanes and a scalar tail */
+AVX2 static inline float dot_avx2(const float *a, const float *b, int64_t n) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+    }
+    for (; i + 8 <= n; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    float tot = hsum8(_mm256_add_ps(s0, s1));
+    for (; i < n; i++) tot += a[i] * b[i];
+    return tot;
+}
+
+/* the scores of two cache rows (c0, c1) for four heads (q + h * n): eight dot products in one pass */
+AVX2 static inline void dot4x2(const float *q, const float *c0, const float *c1, int64_t n, float *o) {
+    __m256 a[8];
+    for (int k = 0; k < 8; k++) a[k] = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x0 = _mm256_loadu_ps(c0 + i), x1 = _mm256_loadu_ps(c1 + i);
+        for (int h = 0; h < 4; h++) {
+            __m256 w = _mm256_loadu_ps(q + h * n + i);
+            a[2 * h] = _mm256_fmadd_ps(w, x0, a[2 * h]);
+            a[2 * h + 1] = _mm256_fmadd_ps(w, x1, a[2 * h + 1]);
+        }
+    }
+    for (int k = 0; k < 8; k++) o[k] = hsum8(a[k]);
+    for (; i < n; i++)
+        for (int h = 0; h < 4; h++) { o[2 * h] += q[h * n + i] * c0[i]; o[2 * h + 1] += q[h * n + i] * c1[i]; }
+}
+#endif
+
+static float dot_c(const float *a, const float *b, int64_t n) {
+    float p[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int k = 0; k < 8; k++) p[k] += a[i + k] * b[i + k];
+    float tot = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+    for (; i < n; i++) tot += a[i] * b[i];
+    return tot;
+}
+
+#if HAVE_X86
+AVX2 static void att_scores_avx2(task_t *t, int64_t j, float *scratch) {
+    const att_t *a = t->att;
+    int64_t p0 = ATT_POS * j, p1 = p0 + ATT_POS < a->S ? p0 + ATT_POS : a->S, r = a->r, dr = a->dr, nh = a->nh;
+    float *cb = scratch, *kb = scratch + 2 * r;
+    int64_t p = p0;
+    for (; p + 2 <= p1; p += 2) {
+        const float *c0 = cache_row_avx2(a->C, a->half, r, p, cb), *c1 = cache_row_avx2(a->C, a->half, r, p + 1, cb + r);
+        const float *k0 = cache_row_avx2(a->K, a->half, dr, p, kb), *k1 = cache_row_avx2(a->K, a->half, dr, p + 1, kb + dr);
+        int64_t h = 0;
+        for (; h + 4 <= nh; h += 4) {
+            float o[8], orot[8];
+            dot4x2(a->q + h * r, c0, c1, r, o);
+            dot4x2(a->qr + h * dr, k0, k1, dr, orot);
+            for (int k = 0; k < 4; k++) {
+                t->out[(h + k) * a->S + p] = a->scale * (o[2 * k] + orot[2 * k]);
+                t->out[(h + k) * a->S + p + 1] = a->scale * (o[2 * k + 1] + orot[2 * k + 1]);
+            }
+        }
+        for (; h < nh; h++) {
+            t->out[h * a->S + p] = a->scale * (dot_avx2(a->q + h * r, c0, r) + dot_avx2(a->qr + h * dr, k0, dr));
+            t->out[h * a->S + p + 1] = a->scale * (dot_avx2(a->q + h * r, c1, r) + dot_avx2(a->qr + h * dr, k1, dr));
+        }
+    }
+    for (; p < p1; p++) {
+        const float *c0 = cache_row_avx2(a->C, a->half, r, p, cb), *k0 = cache_row_avx2(a->K, a->half, dr, p, kb);
+        for (int64_t h = 0; h < nh; h++)
+            t->out[h * a->S + p] = a->scale * (dot_avx2(a->q + h * r, c0, r) + dot_avx2(a->qr + h * dr, k0, dr));
+    }
+}
+#endif
+
+/* scores of positions ATT_POS * j .. for every head, into t->out [nh, S] */
+static void att_scores_job(task_t *t, int64_t j, float *scratch) {
+    const att_t *a = t->att;
+    int64_t p0 = ATT_POS * j, p1 = p0 + ATT_POS < a->S ? p0 + ATT_POS : a->S, r = a->r, dr = a->dr, nh = a->nh;
+    float *cb = scratch, *kb = scratch + 2 * r;       /* converted rows (binary16 caches) */
+    int64_t p = p0;
+#if HAVE_X86
+    if (use_avx2) { att_scores_avx2(t, j, scratch); return; }
+#endif
+    for (; p < p1; p++) {
+        const float *c0 = cache_row(a->C, a->half, r, p, cb), *k0 = cache_row(a->K, a->half, dr, p, kb);
+        for (int64_t h = 0; h < nh; h++)
+            t->out[h * a->S + p] = a->scale * (dot_c(a->q + h * r, c0, r) + dot_c(a->qr + h * dr, k0, dr));
+    }
+}
+
+/* softmax of head j's scores, in place */
+static void att_softmax_job(task_t *t, int64_t j, float *scratch) {
+    (void)scratch;
+    const att_t *a = t->att;
+    float *s = t->out + j * a->S, mx = -INFINITY, tot = 0;
+    for (int64_t p = 0; p < a->S; p++) mx = s[p] > mx ? s[p] : mx;
+    for (int64_t p = 0; p < a->S; p++) { s[p] = expf(s[p] - mx); tot += s[p]; }
+    float inv = 1.0f / tot;
+    for (int64_t p = 0; p < a->S; p++) s[p] *= inv;
+}
+
+#if HAVE_X86
+/* att_mix_job on AVX2: four cache rows at a time (loaded once, binary16 converted once), added into
+   every head's partial sums, 16 columns per step */
+AVX2 static void att_mix_avx2(const att_t *a, const float *P, int64_t p0, int64_t p1, float *o) {
+    int64_t r = a->r, S = a->S, nh = a->nh, r16 = r / 16 * 16, p = p0;
+    for (; p + 4 <= p1; p += 4) {
+        for (int64_t c = 0; c < r16; c += 16) {
+            __m256 x0, x1, x2, x3, x4, x5, x6, x7;
+            if (a->half) {
+                const uint16_t *hp = (const uint16_t *)a->C + p * r + c;
+#define H8(i) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hp + (i))))
+                x0 = H8(0); x1 = H8(8); x2 = H8(r); x3 = H8(r + 8); x4 = H8(2 * r); x5 = H8(2 * r + 8);
+                x6 = H8(3 * r); x7 = H8(3 * r + 8);
+#undef H8
+            } else {
+                const float *fp = (const float *)a->C + p * r + c;
+                x0 = _mm256_loadu_ps(fp); x1 = _mm256_loadu_ps(fp + 8); x2 = _mm256_loadu_ps(fp + r);
+                x3 = _mm256_loadu_ps(fp + r + 8); x4 = _mm256_loadu_ps(fp + 2 * r); x5 = _mm256_loadu_ps(fp + 2 * r + 8);
+                x6 = _mm256_loadu_ps(fp + 3 * r); x7 = _mm256_loadu_ps(fp + 3 * r + 8);
+            }
+            for (int64_t h = 0; h < nh; h++) {
+                const float *ph = P + h * S + p;
+                float *oh = o + h * r + c;
+                __m256 w0 = _mm256_broadcast_ss(ph), w1 = _mm256_broadcast_ss(ph + 1), w2 = _mm256_broadcast_ss(ph + 2),
+                       w3 = _mm256_broadcast_ss(ph + 3);
+                __m256 s0 = _mm256_fmadd_ps(w1, x2, _mm256_fmadd_ps(w0, x0, _mm256_loadu_ps(oh)));
+                __m256 s1 = _mm256_fmadd_ps(w1, x3, _mm256_fmadd_ps(w0, x1, _mm256_loadu_ps(oh + 8)));
+                s0 = _mm256_fmadd_ps(w3, x6, _mm256_fmadd_ps(w2, x4, s0));
+                s1 = _mm256_fmadd_ps(w3, x7, _mm256_fmadd_ps(w2, x5, s1));
+                _mm256_storeu_ps(oh, s0);
+                _mm256_storeu_ps(oh + 8, s1);
+            }
+        }
+        for (int64_t c = r16; c < r; c++)                  /* columns past the last 16 */
+            for (int k = 0; k < 4; k++) {
+                float v = a->half ? _cvtsh_ss(((const uint16_t *)a->C)[(p + k) * r + c]) : ((const float *)a->C)[(p + k) * r + c];
+                for (int64_t h = 0; h < nh; h++) o[h * r + c] += P[h * S + p + k] * v;
+            }
+    }
+    for (; p < p1; p++) {                                   /* the last few rows, one at a time */
+        float buf[8];
+        for (int64_t c = 0; c < r; c += 8) {
+            int64_t n = r - c < 8 ? r - c : 8;
+            for (int64_t i = 0; i < n; i++)
+                buf[i] = a->half ? _cvtsh_ss(((const uint16_t *)a->C)[p * r + c + i]) : ((const float *)a->C)[p * r + c + i];
+            for (int64_t h = 0; h < nh; h++)
+                for (int64_t i = 0; i < n; i++) o[h * r + c + i] += P[h * S + p] * buf[i];
+        }
+    }
+}
+#endif
+
+/* mix job j of t->n: positions of the j-th block, probabilities times cache rows, into its partials */
+static void att_mix_job(task_t *t, int64_t j, float *scratch) {
+    const att_t *a = t->att;
+    int64_t r = a->r, S = a->S, nh = a->nh, per = (S + t->n - 1) / t->n, p0 = j * per, p1 = p0 + per < S ? p0 + per : S;
+    float *o = a->part + j * nh * r;
+    const float *P = t->out;
+    memset(o, 0, sizeof(float) * nh * r);
+#if HAVE_X86
+    if (use_avx2) { att_mix_avx2(a, P, p0, p1, o); return; }
+#endif
+    for (int64_t p = p0; p < p1; p++) {
+        const float *c = cache_row(a->C, a->half, r, p, scratch);
+        for (int64_t h = 0; h < nh; h++) {
+            float w = P[h * S + p], *oh = o + h * r;
+            for (int64_t i = 0; i < r; i++) oh[i] += w * c[i];
+        }
+    }
+}
+
+/* out = the sum of the mix jobs' partials, 1024 values per job */
+static void att_sum_job(task_t *t, int64_t j, float *scratch) {
+    (void)scratch;
+    const att_t *a = t->att;
+    int64_t len = a->nh * a->r, i0 = 1024 * j, i1 = i0 + 1024 < len ? i0 + 1024 : len;
+    for (int64_t i = i0; i < i1; i++) {
+        float v = 0;
+        for (int64_t k = 0; k < t->n; k++) v += a->part[k * len + i];
+        a->o[i] = v;
+    }
 }
 
 /* each thread's scratch, kept between calls (a fresh allocation of a few hundred KiB per call would
@@ -1455,9 +1640,61 @@ static PyObject *py_set_spin(PyObject *self, PyObject *args) {
     return Py_NewRef(Py_None);
 }
 
+PyDoc_STRVAR(attend_doc,
+"attend(q, qr, C, K, S, nh, half, scale, out, threads)\n\n"
+"One token's absorbed attention: for each of the nh heads h, scores = scale * (q[h] . C[p] +\n"
+"qr[h] . K[p]) over positions p < S, a softmax, then out[h] = sum_p probs[p] * C[p]. q float32 [nh, r],\n"
+"qr float32 [nh, dr], C and K the caches' rows (float32, or binary16 if half), out float32 [nh, r].");
+
+static PyObject *py_attend(PyObject *self, PyObject *args) {
+    PyObject *o[5];
+    Py_ssize_t S, nh;
+    int half, threads;
+    float scale;
+    if (!PyArg_ParseTuple(args, "OOOOnnpfOi", &o[0], &o[1], &o[2], &o[3], &S, &nh, &half, &scale, &o[4], &threads))
+        return NULL;
+    buf_t b[5];
+    memset(b, 0, sizeof b);
+    PyObject *ret = NULL;
+    float *probs = NULL;
+    int64_t es = half ? 2 : 4;
+    if (get_buf(o[0], &b[0], 0, 4, "q") || get_buf(o[1], &b[1], 0, 4, "qr") || get_buf(o[2], &b[2], 0, es, "C") ||
+        get_buf(o[3], &b[3], 0, es, "K") || get_buf(o[4], &b[4], 1, 4, "out"))
+        goto done;
+    int64_t nq = b[0].b.len / 4, nqr = b[1].b.len / 4;
+    if (S < 1 || nh < 1 || nq % nh || nqr % nh || b[4].b.len / 4 != nq || nq / nh < 1 ||
+        b[2].b.len < S * (nq / nh) * es || b[3].b.len < S * (nqr / nh) * es) {
+        PyErr_SetString(PyExc_ValueError, "attend: q [nh, r], qr [nh, dr], out [nh, r] and S rows of both caches needed");
+        goto done;
+    }
+    att_t a = {.q = b[0].b.buf, .qr = b[1].b.buf, .C = b[2].b.buf, .K = b[3].b.buf, .half = half, .S = S,
+               .r = nq / nh, .dr = nqr / nh, .nh = nh, .scale = scale, .o = b[4].b.buf};
+    int64_t nmix = (S + ATT_MIX_POS - 1) / ATT_MIX_POS;
+    nmix = nmix < 8 ? nmix : 8;
+    if (nmix < threads) nmix = threads < S ? threads : S;
+    probs = malloc(sizeof(float) * (nh * S + nmix * nh * a.r));
+    if (!probs) { PyErr_NoMemory(); goto done; }
+    a.part = probs + nh * S;
+    int64_t scratch = 2 * a.r + 2 * a.dr + 16;
+    task_t t1 = {.job = att_scores_job, .att = &a, .out = probs, .njobs = (S + ATT_POS - 1) / ATT_POS, .scratch_floats = scratch};
+    task_t t2 = {.job = att_softmax_job, .att = &a, .out = probs, .njobs = nh, .scratch_floats = scratch};
+    task_t t3 = {.job = att_mix_job, .att = &a, .out = probs, .n = nmix, .njobs = nmix, .scratch_floats = scratch};
+    task_t t4 = {.job = att_sum_job, .att = &a, .n = nmix, .njobs = (nh * a.r + 1023) / 1024, .scratch_floats = scratch};
+    if (run_unlocked(&t1, threads) < 0 || run_unlocked(&t2, threads) < 0 || run_unlocked(&t3, threads) < 0 ||
+        run_unlocked(&t4, threads) < 0)
+        goto done;
+    Py_INCREF(Py_None);
+    ret = Py_None;
+done:
+    free(probs);
+    release(b, 5);
+    return ret;
+}
+
 static PyMethodDef methods[] = {
     {"rows", py_rows, METH_VARARGS, rows_doc},
     {"heads_t", py_heads_t, METH_VARARGS, heads_t_doc},
+    {"attend", py_attend, METH_VARARGS, attend_doc},
     {"dequantize", py_dequantize, METH_VARARGS, dequantize_doc},
     {"read_sum", py_read_sum, METH_VARARGS, "read_sum(buffer, threads): the buffer's uint64 words summed (reads it all)"},
     {"quantize", py_quantize, METH_VARARGS, "quantize(x, xq, xsc, xs): x float32 [cols] -> int16 per 32 values"},

@@ -235,6 +235,24 @@ def moe_decode(base: np.ndarray, offsets: np.ndarray, gate_up: tuple, down: tupl
     out += np.asarray(weights, np.float32) @ y.reshape(n, hidden)
 
 
+def attend(q: np.ndarray, q_rot: np.ndarray, latent: np.ndarray, k_rot: np.ndarray, length: int,
+           scale: float) -> np.ndarray:
+    """One token's absorbed attention for every head: q [nh, r] against the first `length` rows of the
+    latent cache [context, r] plus q_rot [nh, dr] against the rotated keys [context, dr] (both float32
+    or both float16), times `scale`, softmax over positions, then the probabilities times the latent
+    rows: [nh, r]. The cache is read once for all heads (a batched mat-vec reads it once per head)."""
+    q = np.ascontiguousarray(q, np.float32)
+    q_rot = np.ascontiguousarray(q_rot, np.float32)
+    if latent.dtype != k_rot.dtype or latent.dtype not in (np.float32, np.float16):
+        raise ValueError("attend: the caches must both be float32 or both float16")
+    nh = q.shape[0]
+    out = np.empty_like(q)
+    work = nh * length * (q.shape[1] + q_rot.shape[1])
+    _qdot.attend(q, q_rot, np.ascontiguousarray(latent), np.ascontiguousarray(k_rot), int(length), nh,
+                 latent.dtype == np.float16, float(scale), out, _threads if work >= PARALLEL_MIN_WEIGHTS else 1)
+    return out
+
+
 def heads_t(codec: str, raw, shape, v: np.ndarray, stride: int) -> np.ndarray:
     """[nh, cols]: for each head h, v[h] (length n) times rows h*stride .. h*stride+n-1 of W,
     transposed (kv_b's key part applied to the query in absorbed attention)."""

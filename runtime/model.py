@@ -15,7 +15,7 @@ import numpy as np
 
 from kimistream.formats.config import ModelConfig, RopeConfig
 
-from . import blas
+from . import blas, kernels
 from .weights import ModelWeights, Weight, has_fused_kernel
 
 # every core for prefill's large products (kimi-run --threads sets the variable)
@@ -222,22 +222,24 @@ class Model:
         if packed:
             # one token: kv_b stays packed, its key rows applied transposed and its value rows as
             # mat-vecs, head by head (no float32 copy of the whole matrix at every step)
-            from . import kernels
             stride = nope + cfg.v_head_dim
             q_lat = kernels.heads_t(kv_b.codec, kv_b.raw, kv_b.shape, q_nope[0, :, 0], stride)[None, :, None, :]
         else:
             w_k, w_v_t = (L["w_k"], L["w_v_t"]) if "w_k" in L else self._split_kv_b(kv_b.dense())
             q_lat = np.matmul(q_nope, w_k)                                     # [B, nh, T, r]
-        Ct, Kt = C[:, None, :S], K[:, None, :S]
-        scores = np.matmul(q_lat, Ct.transpose(0, 1, 3, 2)) + np.matmul(q_rot, Kt.transpose(0, 1, 3, 2))
-        scores *= self.softmax_scale                                           # [B, nh, T, S]
-        if T > 1:
-            causal = np.arange(S)[None, :] > (start + np.arange(T))[:, None]
-            scores[..., causal] = -np.inf
-        scores -= scores.max(axis=-1, keepdims=True)
-        probs = np.exp(scores)
-        probs /= probs.sum(axis=-1, keepdims=True)
-        o_lat = np.matmul(probs, Ct)                                           # [B, nh, T, r]
+        if B * T == 1:
+            o_lat = kernels.attend(q_lat[0, :, 0], q_rot[0, :, 0], C[0], K[0], S, self.softmax_scale)[None, :, None, :]
+        else:
+            Ct, Kt = C[:, None, :S], K[:, None, :S]
+            scores = np.matmul(q_lat, Ct.transpose(0, 1, 3, 2)) + np.matmul(q_rot, Kt.transpose(0, 1, 3, 2))
+            scores *= self.softmax_scale                                       # [B, nh, T, S]
+            if T > 1:
+                causal = np.arange(S)[None, :] > (start + np.arange(T))[:, None]
+                scores[..., causal] = -np.inf
+            scores -= scores.max(axis=-1, keepdims=True)
+            probs = np.exp(scores)
+            probs /= probs.sum(axis=-1, keepdims=True)
+            o_lat = np.matmul(probs, Ct)                                       # [B, nh, T, r]
         if packed:
             o = kernels.heads(kv_b.codec, kv_b.raw, kv_b.shape, o_lat[0, :, 0, :], stride, nope,
                               cfg.v_head_dim)[None, :, None, :]
@@ -315,7 +317,6 @@ class Model:
             if (g.codec, g.shape) != spec_gu or (u.codec, u.shape) != spec_gu or (d.codec, d.shape) != spec_d:
                 return False
             offs[i] = (g.raw.ctypes.data - b0, u.raw.ctypes.data - b0, d.raw.ctypes.data - b0)
-        from . import kernels           # imported only when a file has block codecs
         kernels.moe_decode(base, offs, spec_gu, spec_d, x, weights, out)
         return True
 

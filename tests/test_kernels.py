@@ -239,3 +239,45 @@ def test_fused_experts_equal_linear_calls(gu, dn, isa):
     np.testing.assert_allclose(out, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
     with pytest.raises(CodecError, match="outside"):
         kernels.moe_decode(base[:-1], offs, (gu, (inter, hidden)), (dn, (hidden, inter)), x, w, out)
+
+
+# ----------------------------------------------------------------------------------- decode attention
+
+def _attention_f64(q, q_rot, latent, k_rot, length, scale):
+    c, k = latent[:length].astype(np.float64), k_rot[:length].astype(np.float64)
+    s = (q.astype(np.float64) @ c.T + q_rot.astype(np.float64) @ k.T) * scale
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    return (p / p.sum(axis=-1, keepdims=True)) @ c
+
+
+@pytest.mark.parametrize("nh,r,dr,length,context,dtype", [
+    (16, 512, 64, 300, 320, np.float32),      # the usual MLA shape: whole blocks of 16 columns and 4 heads
+    (5, 40, 8, 1, 3, np.float32),             # one position; heads and columns past the blocks
+    (7, 48, 12, 33, 40, np.float16),          # binary16 caches, an odd length
+    (3, 13, 3, 70, 70, np.float16),           # the whole context, columns not a multiple of 8
+    (4, 64, 16, 600, 700, np.float32),        # several mix blocks
+])
+def test_attend_matches_float64(isa, nh, r, dr, length, context, dtype):
+    rng = np.random.default_rng(nh * 1000 + length)
+    q, q_rot = rng.standard_normal((nh, r)).astype(np.float32), rng.standard_normal((nh, dr)).astype(np.float32)
+    latent = rng.standard_normal((context, r)).astype(dtype)
+    k_rot = rng.standard_normal((context, dr)).astype(dtype)
+    latent[length:] = 1e4                   # rows past `length` must not be read into the result
+    want = _attention_f64(q, q_rot, latent, k_rot, length, 0.07)
+    before = kernels._threads
+    try:
+        for threads in (1, 2):
+            kernels.set_threads(threads)
+            got = kernels.attend(q, q_rot, latent, k_rot, length, 0.07)
+            assert got.shape == (nh, r)
+            np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+    finally:
+        kernels.set_threads(before)
+
+
+def test_attend_refuses_mismatched_buffers():
+    q, q_rot = np.zeros((4, 32), np.float32), np.zeros((4, 8), np.float32)
+    with pytest.raises(ValueError):
+        kernels.attend(q, q_rot, np.zeros((10, 32), np.float32), np.zeros((10, 8), np.float16), 5, 1.0)
+    with pytest.raises(ValueError):                 # more positions than the cache holds
+        kernels.attend(q, q_rot, np.zeros((10, 32), np.float32), np.zeros((10, 8), np.float32), 11, 1.0)
