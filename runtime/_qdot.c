@@ -504,23 +504,6 @@ AVX2 static float coefs_avx2(const uint8_t *t, const int64_t *g, int64_t r, cons
     }
 }
 
-/* the whole chunks of one row: sum over spans of A * mul * xsc * isum + (B - z * A) * xs; the codec a
-   constant in each copy (q2rtn's digits are q2's) */
-AVX2 static float whole_avx2(const uint8_t *t, const int64_t *g, int64_t r, const uint8_t *codes, const int16_t *xp,
-                             const float *xsc, const float *xs, int64_t done, float *c) {
-    int64_t lb = q6_lo_bytes(g[G_COLS]), nfs = done / 32;
-    __m256 z = _mm256_setzero_ps();
-    switch ((int)g[G_KIND]) {
-    case K_Q2: return coefs_kind(K_Q2, t, g, r, xsc, xs, nfs, c, 1) + hsum8(dot_body(K_Q2, 4, codes, done / 128, lb, xp, c, z));
-    case K_Q2RTN: return coefs_kind(K_Q2RTN, t, g, r, xsc, xs, nfs, c, 1) + hsum8(dot_body(K_Q2, 4, codes, done / 128, lb, xp, c, z));
-    case K_Q4: return coefs_kind(K_Q4, t, g, r, xsc, xs, nfs, c, 1) + hsum8(dot_body(K_Q4, 2, codes, done / 64, lb, xp, c, z));
-    case K_Q8: return coefs_kind(K_Q8, t, g, r, xsc, xs, nfs, c, 1) + hsum8(dot_body(K_Q8, 1, codes, done / 32, lb, xp, c, z));
-    case K_Q6: return coefs_kind(K_Q6, t, g, r, xsc, xs, nfs, c, 1) + hsum8(dot_body(K_Q6, 4, codes, done / 128, lb, xp, c, z));
-    case K_T1: return coefs_kind(K_T1, t, g, r, xsc, xs, nfs, c, 1) + hsum8(dot_body(K_T1, 5, codes, done / 160, lb, xp, c, z));
-    default: return coefs_kind(K_Q1, t, g, r, xsc, xs, nfs, c, 1) + hsum8(dot_body(K_Q1, 8, codes, done / 256, lb, xp, c, z));
-    }
-}
-
 /* Several tokens through the same rows (prefill): each chunk's digits are taken out of the codes once
  * and multiplied by every token's activations.
  * acc[r * ntok + t] += the whole chunks of rows 0 .. nr-1 (codes of row r at codes + r * row_bytes)
@@ -650,6 +633,17 @@ static float row_fixups(const uint8_t *t, const int64_t *g, int64_t r, const uin
     return tot;
 }
 
+static inline void prefetch_next_row(const uint8_t *t, const int64_t *g, int64_t r) {
+    /* the next row's small streams (parameters, scales, outliers): too short and too many for the
+       hardware prefetcher to pick up in time */
+    if (r + 1 < g[G_ROWS]) {
+        __builtin_prefetch(t + g[G_OFFPAR] + (r + 1) * g[G_PARROW]);
+        __builtin_prefetch(t + g[G_OFFSUB] + (r + 1) * g[G_SUBROW]);
+        __builtin_prefetch(t + g[G_OFFOCOL] + 2 * (r + 1) * g[G_K]);
+        __builtin_prefetch(t + g[G_OFFOVAL] + 2 * (r + 1) * g[G_K]);
+    }
+}
+
 #if HAVE_X86
 /* row_fixups of the AVX2 path for a row without a tail (the usual case): the outliers only, checked
    in the same pass (outliers_valid's rule), binary16 values through F16C, the codec a constant in each
@@ -679,43 +673,44 @@ AVX2 static inline __attribute__((always_inline)) float outliers_kind(const int 
     return tot[0] + tot[1];
 }
 
-AVX2 static float outliers_avx2(const uint8_t *t, const int64_t *g, int64_t r, const uint8_t *codes, const float *x,
-                                const int16_t *xp, const float *cs, const float *es, atomic_int *bad) {
+/* the rows of one job for one token, the codec a constant: coefficients, the whole chunks, then the
+   outliers (or the general fix-ups for a row with a tail), all inlined into one loop */
+AVX2 static inline __attribute__((always_inline)) void rows_kind(const int kind, const int spc, const int64_t chunk,
+                                                               const uint8_t *t, const int64_t *g, int64_t r0,
+                                                               int64_t r1, const float *x, const int16_t *xq,
+                                                               const int16_t *xp, const float *xsc, const float *xs,
+                                                               float *c, float *out, atomic_int *bad) {
+    int64_t cols = g[G_COLS], done = full_cols(g), nfs = done / 32, lb = q6_lo_bytes(cols);
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *codes = t + g[G_OFFCODE] + r * g[G_CODEROW];
+        prefetch_next_row(t, g, r);
+        float tot = coefs_kind(kind, t, g, r, xsc, xs, nfs, c, 1);
+        tot += hsum8(dot_body(kind == K_Q2RTN ? K_Q2 : kind, spc, codes, done / chunk, lb, xp, c, _mm256_setzero_ps()));
+        if (done == cols) tot += outliers_kind(kind == K_Q2RTN ? K_Q2 : kind, t, g, r, codes, x, xp, c, c + nfs, bad);
+        else tot += row_fixups(t, g, r, codes, x, xq, xp, xsc, c, c + nfs, bad);
+        out[r - r0] = tot;
+    }
+}
+
+AVX2 static void rows_avx2(const uint8_t *t, const int64_t *g, int64_t r0, int64_t r1, const float *x, const int16_t *xq,
+                           const int16_t *xp, const float *xsc, const float *xs, float *c, float *out, atomic_int *bad) {
     switch ((int)g[G_KIND]) {
-    case K_Q2: case K_Q2RTN: return outliers_kind(K_Q2, t, g, r, codes, x, xp, cs, es, bad);
-    case K_Q4: return outliers_kind(K_Q4, t, g, r, codes, x, xp, cs, es, bad);
-    case K_Q8: return outliers_kind(K_Q8, t, g, r, codes, x, xp, cs, es, bad);
-    case K_Q6: return outliers_kind(K_Q6, t, g, r, codes, x, xp, cs, es, bad);
-    case K_T1: return outliers_kind(K_T1, t, g, r, codes, x, xp, cs, es, bad);
-    default: return outliers_kind(K_Q1, t, g, r, codes, x, xp, cs, es, bad);
+    case K_Q2: rows_kind(K_Q2, 4, 128, t, g, r0, r1, x, xq, xp, xsc, xs, c, out, bad); break;
+    case K_Q2RTN: rows_kind(K_Q2RTN, 4, 128, t, g, r0, r1, x, xq, xp, xsc, xs, c, out, bad); break;
+    case K_Q4: rows_kind(K_Q4, 2, 64, t, g, r0, r1, x, xq, xp, xsc, xs, c, out, bad); break;
+    case K_Q8: rows_kind(K_Q8, 1, 32, t, g, r0, r1, x, xq, xp, xsc, xs, c, out, bad); break;
+    case K_Q6: rows_kind(K_Q6, 4, 128, t, g, r0, r1, x, xq, xp, xsc, xs, c, out, bad); break;
+    case K_T1: rows_kind(K_T1, 5, 160, t, g, r0, r1, x, xq, xp, xsc, xs, c, out, bad); break;
+    default: rows_kind(K_Q1, 8, 256, t, g, r0, r1, x, xq, xp, xsc, xs, c, out, bad); break;
     }
 }
 #endif
-
-static inline void prefetch_next_row(const uint8_t *t, const int64_t *g, int64_t r) {
-    /* the next row's small streams (parameters, scales, outliers): too short and too many for the
-       hardware prefetcher to pick up in time */
-    if (r + 1 < g[G_ROWS]) {
-        __builtin_prefetch(t + g[G_OFFPAR] + (r + 1) * g[G_PARROW]);
-        __builtin_prefetch(t + g[G_OFFSUB] + (r + 1) * g[G_SUBROW]);
-        __builtin_prefetch(t + g[G_OFFOCOL] + 2 * (r + 1) * g[G_K]);
-        __builtin_prefetch(t + g[G_OFFOVAL] + 2 * (r + 1) * g[G_K]);
-    }
-}
 
 static float row_dot(const uint8_t *t, const int64_t *g, int64_t r, const float *x, const int16_t *xq,
                      const int16_t *xp, const float *xsc, const float *xs, int32_t *isum, atomic_int *bad) {
     int64_t done = full_cols(g);
     const uint8_t *codes = t + g[G_OFFCODE] + r * g[G_CODEROW];
     prefetch_next_row(t, g, r);
-#if HAVE_X86
-    if (use_avx2) {
-        float *c = (float *)isum;
-        float tot = whole_avx2(t, g, r, codes, xp, xsc, xs, done, c);
-        if (done == g[G_COLS]) return tot + outliers_avx2(t, g, r, codes, x, xp, c, c + done / 32, bad);
-        return tot + row_fixups(t, g, r, codes, x, xq, xp, xsc, c, c + done / 32, bad);
-    }
-#endif
     isum_c(codes, g, xq, done, isum);
     float tot = combine_c(t, g, r, xsc, xs, isum, 0, done / 32);
     return tot + row_fixups(t, g, r, codes, x, xq, xp, xsc, NULL, NULL, bad);
@@ -919,6 +914,11 @@ static void rows_job(task_t *t, int64_t j, float *scratch) {
 #if HAVE_X86
     if (use_avx2 && ntok > 1) {
         multi_job_avx2(t, job, scratch);
+        return;
+    }
+    if (use_avx2) {
+        rows_avx2(tensor, g, job[2], job[3], t->xf + x0 * cols, t->xq + x0 * cols, t->xp + x0 * cols, t->xsc + x0 * nsp,
+                  t->xs + x0 * nsp, scratch, t->out + job[5], &t->bad);
         return;
     }
 #endif
