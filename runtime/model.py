@@ -23,7 +23,8 @@ _THREADS = int(os.environ.get("KIMI_STREAM_THREADS") or len(os.sched_getaffinity
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    var = np.mean(x * x, axis=-1, keepdims=True)
+    # np.mean's own reduction, without its Python wrapper (this runs four times per layer and token)
+    var = np.add.reduce(x * x, axis=-1, keepdims=True) / np.float32(x.shape[-1])
     return w * (x / np.sqrt(var + eps))
 
 
@@ -129,6 +130,7 @@ class Model:
             raise ValueError("--max-context must be at least 1")
         self.cache = KVCache(cfg, max_context, kv_dtype)
         self.inv_freq, self.rope_amp = rope_tables(cfg.rope, cfg.qk_rope_head_dim)
+        self._rope_key, self._rope_cs = None, None
         scale = cfg.qk_head_dim ** -0.5
         if cfg.rope.type != "default" and cfg.rope.mscale_all_dim:
             scale *= _yarn_mscale(cfg.rope.factor, cfg.rope.mscale_all_dim) ** 2
@@ -202,10 +204,7 @@ class Model:
             self.observer(f"model.layers.{L['index']}.self_attn.kv_b_proj.weight", latent)
         k_rot = ckv[:, cfg.kv_lora_rank:]
 
-        pos = np.tile(np.arange(start, start + T, dtype=np.float32), B)     # every sequence at the same positions
-        freqs = pos[:, None] * self.inv_freq[None, :]
-        cos = (np.cos(freqs) * self.rope_amp).astype(np.float32)
-        sin = (np.sin(freqs) * self.rope_amp).astype(np.float32)
+        cos, sin = self._rope(start, T, B)
         q_rot = apply_rope(q_rot, cos, sin, cfg.rope.interleave)
         k_rot = apply_rope(k_rot, cos, sin, cfg.rope.interleave)
 
@@ -246,6 +245,18 @@ class Model:
         else:
             o = np.matmul(o_lat, w_v_t)                                        # [B, nh, T, v]
         return self._lin(o.transpose(0, 2, 1, 3).reshape(B * T, nh * cfg.v_head_dim), L["o"])
+
+    def _rope(self, start: int, T: int, B: int):
+        """cos, sin [B * T, rope/2] for positions start .. start+T-1 of every sequence, computed once
+        per step (every layer uses the same)."""
+        key = (start, T, B)
+        if self._rope_key != key:
+            pos = np.tile(np.arange(start, start + T, dtype=np.float32), B)
+            freqs = pos[:, None] * self.inv_freq[None, :]
+            self._rope_cs = ((np.cos(freqs) * self.rope_amp).astype(np.float32),
+                             (np.sin(freqs) * self.rope_amp).astype(np.float32))
+            self._rope_key = key
+        return self._rope_cs
 
     def _mlp(self, x: np.ndarray, gate: Weight, up: Weight, down: Weight) -> np.ndarray:
         return self._lin(silu(self._lin(x, gate)) * self._lin(x, up), down)
