@@ -2,5 +2,3 @@
 define how a tensor's values are laid out as bytes, the model config schema, tensor naming, and
 readers for the source formats we convert from (safetensors). Both convert and runtime import
 this package; it imports neither."""
-
-from . import codecs, quants  # noqa: E402,F401  (quants registers its codecs with codecs.CODECS)

@@ -127,3 +127,6 @@ def get_codec(name: str) -> Codec:
         return CODECS[name]
     except KeyError:
         raise CodecError(f"unknown codec {name!r} (known: {', '.join(sorted(CODECS))})") from None
+
+
+from . import quants  # noqa: E402,F401  (the block codecs register themselves in CODECS)

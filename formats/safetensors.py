@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from . import mapguard
+
 MAX_HEADER = 100 * 1024 * 1024
 
 
@@ -119,6 +121,7 @@ class SafetensorsFile:
         if self._mm is None:
             with open(self.path, "rb") as f:
                 self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            mapguard.watch(self.path)
         return self._mm
 
     def raw(self, name: str) -> np.ndarray:
@@ -160,8 +163,9 @@ class SafetensorsFile:
         if self._mm is not None:
             try:
                 self._mm.close()
+                mapguard.unwatch(self.path)
             except BufferError:
-                pass
+                pass               # numpy views still alive: the mapping (and its watch) stays with them
             self._mm = None
 
     def __del__(self):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import checksum
+from . import checksum, mapguard
 from .config import ConfigError, ModelConfig
 from .layout import model_shapes
 from .codecs import CodecError, get_codec
@@ -353,6 +353,8 @@ class WeightFile:
             self.size = st.st_size
             self._parse_prefix_and_header()
             self.mm = mmap.mmap(self._fd, self.size, access=mmap.ACCESS_READ) if self.size else None
+            if self.mm is not None:
+                mapguard.watch(self.path)
         except Exception:
             os.close(self._fd)
             raise
@@ -475,8 +477,9 @@ class WeightFile:
         if self.mm is not None:
             try:
                 self.mm.close()
+                mapguard.unwatch(self.path)
             except BufferError:
-                pass   # numpy views still alive; the mapping goes when they do
+                pass   # numpy views still alive; the mapping (and its watch) goes when they do
             self.mm = None
         if self._fd >= 0:
             os.close(self._fd)

@@ -7,6 +7,8 @@ import argparse
 import os
 import sys
 
+from kimistream.formats import interrupts
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kimi-run", description=__doc__)
@@ -72,20 +74,28 @@ def _set_threads(n: int | None) -> None:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    _set_threads(args.threads)
     try:
-        from .app import run
+        with interrupts.held():                 # parsing and imports run to their end; Ctrl-C acts after
+            args = build_parser().parse_args(argv)
+            _set_threads(args.threads)
+            from .app import run
         return run(args)
     except BrokenPipeError:
         # stdout closed early (e.g. piped into `head`): stop quietly like other Unix tools.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except Exception as e:
+        if not interrupts.caused_by_interrupt(e):
+            raise
+        return _interrupted()
     except KeyboardInterrupt:
-        # Ctrl-C before generation started (planning, loading): nothing to keep, say so and stop
-        sys.stderr.write("kimi-run: interrupted\n")
-        return 130
+        return _interrupted()
 
+
+def _interrupted() -> int:
+    # Ctrl-C before generation started (planning, loading): nothing to keep, say so and stop
+    sys.stderr.write("kimi-run: interrupted\n")
+    return 130
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -418,8 +418,8 @@ def test_failed_or_interrupted_measurement_keeps_the_data_free_file(tiny_ckpt, t
 
 
 def _interrupt_final_pass(monkeypatch, after=30):
-    from kimistream.convert import cli
-    real = cli.convert_checkpoint
+    from kimistream.convert import commands
+    real = commands.convert_checkpoint
 
     def dying(src, out, plan, alignment, progress, **kw):
         n = [0]
@@ -430,8 +430,8 @@ def _interrupt_final_pass(monkeypatch, after=30):
             if n[0] == after and not str(out).endswith(".calib.kst"):
                 raise KeyboardInterrupt
         return real(src, out, plan, alignment, cb, **kw)
-    monkeypatch.setattr(cli, "convert_checkpoint", dying)
-    return lambda: monkeypatch.setattr(cli, "convert_checkpoint", real)
+    monkeypatch.setattr(commands, "convert_checkpoint", dying)
+    return lambda: monkeypatch.setattr(commands, "convert_checkpoint", real)
 
 
 def test_what_an_interrupted_calibrated_conversion_may_reuse(tiny_ckpt, tmp_path, monkeypatch, capsys):

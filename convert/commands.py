@@ -1,0 +1,226 @@
+"""kimi-convert's work once its arguments are parsed (convert/cli.py): download, calibrate, convert,
+publish or assemble, with progress bars and the summary table; every expected failure ends as one
+line on standard error and an exit code."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+
+from kimistream.formats.constants import ROUTED_EXPERTS
+
+from . import fetch as F
+from . import hub as H
+from . import calibration as C
+from .converter import ConversionError, check_output_apart, convert_checkpoint
+from .plan import PrecisionPlan
+from .source import HFCheckpoint
+
+
+def run(args) -> int:
+    err = Console(stderr=True)
+    try:
+        return _main(args, err)
+    except (ConversionError, ValueError, OSError) as e:
+        return _error(e)
+
+
+def print_summary(console: Console, summary) -> None:
+    data = summary.to_json()
+    t = Table(title=f"kimi-convert → {data['output']}")
+    for col in ("class", "tensors", "params", "bytes", "bits/weight"):
+        t.add_column(col, justify="left" if col == "class" else "right")
+    for cls, s in data["classes"].items():
+        if s["tensors"]:
+            t.add_row(cls, str(s["tensors"]), f"{s['params']:,}", f"{s['bytes']:,}", f"{s['bpw']:.3f}")
+    tot = data["total"]
+    t.add_row("total", str(tot["tensors"]), f"{tot['params']:,}", f"{tot['bytes']:,}", f"{tot['bpw']:.3f}",
+              style="bold")
+    console.print(t)
+    console.print(f"file size {tot['file_bytes']:,} bytes")
+    mem = data["memory"]
+    console.print(f"peak RSS {mem['peak_rss_bytes'] / 2**20:.1f} MiB (largest tensor as float32: "
+                  f"{mem['largest_tensor_f32_bytes'] / 2**20:.1f} MiB)")
+    if data["skipped_source_tensors"]:
+        console.print(f"[yellow]skipped {len(data['skipped_source_tensors'])} source tensor(s) the runtime does not "
+                      f"use, e.g. {data['skipped_source_tensors'][0]}[/]")
+
+
+def _error(msg, code: int = 1) -> int:
+    # Plain print: one line, never wrapped to a terminal width.
+    print(f"kimi-convert: error: {msg}", file=sys.stderr, flush=True)
+    return code
+
+
+def _download(args, err: Console, out: Path | None):
+    """Fetch the checkpoint named by SOURCE or --urls; the Report, or an exit code after the errors."""
+    try:
+        if args.urls:
+            return F.download_urls(args.urls, args.dir, jobs=args.jobs, retries=args.retries,
+                                   retry_wait=args.retry_wait, manifest=args.manifest, console=err, quiet=args.quiet)
+        base = out.parent if out is not None else Path(".")
+        return F.download_repo(args.source, args.dir, base, endpoint=args.endpoint, jobs=args.jobs,
+                               retries=args.retries, retry_wait=args.retry_wait, checksums_dir=args.checksums,
+                               manifest=args.manifest, console=err, quiet=args.quiet)
+    except F.DownloadFailed as e:
+        for fe in e.errors:
+            _error(fe)
+        return 1
+    except H.HubError as e:
+        local = Path(H.split_spec(args.source or "")[0])
+        typo = local.parent.is_dir() and str(local.parent) != "."      # e.g. models/nmae: a local path?
+        return _error(f"{e} (nor is there a local directory {local})" if typo else e)
+    except (F.FetchError, ValueError, OSError) as e:
+        return _error(e)
+    except (KeyboardInterrupt, F.Interrupted) as e:
+        where = (e.args[0] if isinstance(e, F.Interrupted) and e.args else None) or args.dir or "."
+        return _error(f"{where}: interrupted; partial downloads kept as *.partial, run the same command to resume",
+                      130)
+
+
+def _bytes_progress(err: Console, label: str, quiet: bool):
+    return Progress(TextColumn(f"[bold]{label}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                    TimeRemainingColumn(), TextColumn("{task.fields[tensor]}"), console=err, disable=quiet)
+
+
+def _run_with_progress(err: Console, label: str, quiet: bool, work, out: Path | None = None):
+    """Call work(on_progress) under a rich bar fed by the converter's progress events."""
+    progress = _bytes_progress(err, label, quiet)
+    task = None
+
+    def on_progress(kind, **info):
+        nonlocal task
+        if kind == "start":
+            task = progress.add_task(label, total=info["total_bytes"], tensor="")
+            if info.get("resumed"):
+                progress.console.print(f"resuming {out}: {info['resumed']} of {info['tensors']} tensors already written")
+        elif kind == "tensor":
+            progress.update(task, advance=info["nbytes"], tensor=info["name"][-48:])
+        elif kind == "shard-done":
+            progress.console.print(f"consumed and deleted {info['path']}")
+
+    with progress:
+        return work(on_progress)
+
+
+def _converting(args, err: Console, out: Path, plan, imatrix=None, delete_source=None, calibration=None):
+    """Run the converter with a progress bar; returns the summary."""
+    delete = args.delete_source if delete_source is None else delete_source
+    return _run_with_progress(err, "converting", args.quiet, lambda cb: convert_checkpoint(
+        args.source, out, plan, args.alignment, cb, delete_source=delete, imatrix=imatrix,
+        calibration=calibration), out)
+
+
+def _publish(args, err: Console, path: Path) -> dict:
+    from kimistream.runtime.budget import parse_size
+
+    from .publish import publish
+    progress = _bytes_progress(err, "publishing", args.quiet)
+    with progress:
+        task = progress.add_task("publish", total=path.stat().st_size, tensor=str(args.publish))
+        m = publish(path, args.publish, parse_size(args.chunk_size), progress=lambda n: progress.update(task, advance=n))
+    err.print(f"published {path} as {len(m['chunks'])} chunk(s) in {args.publish}, "
+              f"compression ratio {m['compression_ratio']:.3f}")
+    return m
+
+
+def _main(args, err: Console) -> int:
+    out = Path(args.output) if args.output else None
+    if args.assemble:
+        from .publish import assemble
+        if out is None:
+            return _error("--assemble needs -o OUT", 2)
+        path = assemble(args.assemble, out)
+        err.print(f"assembled {path} from {args.assemble} (every chunk's SHA-256 checked)")
+        return 0
+    if args.publish and args.source and Path(args.source).is_file():
+        m = _publish(args, err, Path(args.source))
+        if args.json:
+            sys.stdout.write(json.dumps({"release": m}) + "\n")
+        return 0
+    if args.synthetic:
+        from .synthetic import write_synthetic
+        if out is None:
+            return _error("--synthetic needs -o OUT", 2)
+        plan = PrecisionPlan.from_preset(args.quant, args.override)
+        path = _run_with_progress(err, "writing synthetic", args.quiet, lambda cb: write_synthetic(
+            args.synthetic, out, plan, sparse=args.sparse, seed=args.seed, progress=cb))
+        err.print(f"wrote {path} ({path.stat().st_size:,} bytes{', experts sparse' if args.sparse else ''})")
+        return 0
+    remote = args.urls is not None or (args.source is not None and not Path(args.source).is_dir()
+                                       and H.is_repo_spec(args.source))
+    if args.source is None and args.urls is None:
+        return _error("give a checkpoint directory, a REPO_ID[@REVISION] or --urls FILE", 2)
+    if args.source is not None and args.urls is not None:
+        return _error("give either a source or --urls, not both", 2)
+    if args.urls is not None and args.dir is None:
+        return _error("--urls needs --dir (where the files go)", 2)
+    if args.download_only and not remote:
+        return _error(f"{args.source}: --download-only needs a REPO_ID[@REVISION] or --urls", 2)
+    if not args.download_only and not args.output:
+        return _error("-o/--output is required (or use --download-only)", 2)
+    if args.jobs < 1 or args.retries < 1 or args.retry_wait < 0:
+        return _error("--jobs and --retries must be at least 1, --retry-wait not negative", 2)
+    try:
+        plan = PrecisionPlan.from_preset(args.quant, args.override)
+    except ValueError as e:
+        return _error(e, 2)
+    calibration, problem = C.resolve(args, plan)
+    if problem:
+        return _error(*problem)
+    report = None
+    if remote:
+        report = _download(args, err, out)
+        if isinstance(report, int):
+            return report
+        releases = list(Path(report.directory).glob("*.release.json"))
+        if releases and not args.download_only:
+            from .publish import assemble
+            path = assemble(report.directory, out)
+            err.print(f"assembled {path} from the downloaded release (every chunk's SHA-256 checked)")
+            return 0
+        if args.download_only:
+            if args.json:
+                sys.stdout.write(json.dumps({"download": report.to_json()}) + "\n")
+            else:
+                err.print(report.describe(), highlight=False, soft_wrap=True, markup=False)
+            return 0
+        if not args.json:
+            err.print(report.describe(), highlight=False, soft_wrap=True, markup=False)
+        args.source = str(report.directory)
+    if Path(args.source).is_dir():
+        # before anything is written: -o must not be any file the conversion reads
+        ckpt = HFCheckpoint(args.source, allow_missing_shards=True)
+        try:
+            check_output_apart(ckpt, out, [args.imatrix] if args.imatrix else [])
+        finally:
+            ckpt.close()
+    imatrix = None
+    described = C.describe(args, calibration)
+    if calibration:
+        imatrix = C.importance_for(args, err, out, plan, calibration, described,
+                                  lambda ref, p: _converting(args, err, ref, p, delete_source=False))
+    elif args.imatrix:
+        imatrix = C.load(args.imatrix, args.source)
+    elif plan.classes[ROUTED_EXPERTS] in C.LOW_BIT and not args.quiet:
+        err.print("[yellow]note:[/] data-free fit: 1-2-bit experts lose 1.3-2x more KL than calibrated ones "
+                  "(benchmarks/RESULTS.md); the default, self-calibration, needs no data")
+    summary = _converting(args, err, out, plan, imatrix, calibration=described)
+    data = summary.to_json()
+    data["calibration"] = described
+    if report is not None:
+        data["download"] = report.to_json()
+    if args.publish:
+        data["release"] = _publish(args, err, out)
+    if args.json:
+        sys.stdout.write(json.dumps(data) + "\n")
+    else:
+        print_summary(Console(), summary)
+        Console().print(f"calibration: {described}", highlight=False)
+    return 0
+

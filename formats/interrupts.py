@@ -1,0 +1,39 @@
+"""Ctrl-C as one line in the three commands. Start-up (argument parsing, imports) runs to its end with
+the interrupt held, which is then raised as KeyboardInterrupt: an interrupt in the middle of an import
+can surface as another exception (Python turns a KeyboardInterrupt inside a class body's
+`__set_name__` into a RuntimeError). For later windows, `caused_by_interrupt` recognises an interrupt
+wrapped that way."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from contextlib import contextmanager
+
+
+@contextmanager
+def held():
+    """Inside the block SIGINT is only noted; at its end a noted interrupt raises KeyboardInterrupt."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    noted = []
+    previous = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, lambda signum, frame: noted.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+    if noted:
+        raise KeyboardInterrupt
+
+
+def caused_by_interrupt(e: BaseException | None) -> bool:
+    """e is, or was raised while handling or because of, a KeyboardInterrupt."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
