@@ -79,23 +79,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     # Parsing and imports (rich, the hub client, the quantizers: only after the arguments parse) run to
     # their end; Ctrl-C at any point ends with one line.
-    try:
-        with interrupts.held():
-            args = build_parser().parse_args(argv)
-            from .commands import run
-        return run(args)
-    except Exception as e:
-        if not interrupts.caused_by_interrupt(e):
-            raise
-        return _interrupted()
-    except KeyboardInterrupt:
-        return _interrupted()
+    def start():
+        args = build_parser().parse_args(argv)
+        from .commands import run
+        return lambda: run(args)
+    return interrupts.command(start, _interrupted)
 
 
 def _interrupted() -> int:
     print("kimi-convert: error: interrupted; partial output kept as *.partial, run the same command to resume",
           file=sys.stderr, flush=True)
     return 130
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -37,3 +37,19 @@ def caused_by_interrupt(e: BaseException | None) -> bool:
         seen.add(id(e))
         e = e.__cause__ or e.__context__
     return False
+
+
+def command(start, on_interrupt) -> int:
+    """A command's main: `start()` (parse the arguments, import the work) runs with the interrupt held
+    and returns the work, a callable giving the exit status; Ctrl-C at any point, even wrapped in
+    another exception, returns on_interrupt() instead."""
+    try:
+        with held():
+            work = start()
+        return work()
+    except Exception as e:
+        if not caused_by_interrupt(e):
+            raise
+        return on_interrupt()
+    except KeyboardInterrupt:
+        return on_interrupt()

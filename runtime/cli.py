@@ -74,28 +74,29 @@ def _set_threads(n: int | None) -> None:
 
 
 def main(argv=None) -> int:
+    # Parsing and imports run with Ctrl-C held (it acts once they are done): one line at any point.
+    def start():
+        args = build_parser().parse_args(argv)
+        _set_threads(args.threads)
+        from .app import run
+        return lambda: _run(run, args)
+    return interrupts.command(start, _interrupted)
+
+
+def _run(run, args) -> int:
     try:
-        with interrupts.held():                 # parsing and imports run to their end; Ctrl-C acts after
-            args = build_parser().parse_args(argv)
-            _set_threads(args.threads)
-            from .app import run
         return run(args)
     except BrokenPipeError:
         # stdout closed early (e.g. piped into `head`): stop quietly like other Unix tools.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
-    except Exception as e:
-        if not interrupts.caused_by_interrupt(e):
-            raise
-        return _interrupted()
-    except KeyboardInterrupt:
-        return _interrupted()
 
 
 def _interrupted() -> int:
     # Ctrl-C before generation started (planning, loading): nothing to keep, say so and stop
     sys.stderr.write("kimi-run: interrupted\n")
     return 130
+
 
 if __name__ == "__main__":
     sys.exit(main())
