@@ -13,6 +13,12 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 DEFAULT_FRACTION = 0.8       # default budget: this share of MemAvailable
 RUNTIME_SLACK = 12 << 20     # prefetch threads' stacks, allocator fragmentation, Python objects of a run
+# The baseline --plan-config assumes, since the planning process is not the one that will run: kimi-run's
+# own RSS before its first weight plus RUNTIME_SLACK, as --dry-run reports it (x86-64 Linux, Python
+# 3.11, this project's kernels loaded), for the bundled model (54 MiB) and for the Kimi K2 geometry
+# (141 MiB): a fixed part and a part per routed expert, the parsed header's directory entries.
+RECORDED_BASELINE = 54 << 20
+RECORDED_BASELINE_PER_EXPERT = 3980
 
 
 def parse_size(text: str) -> int:
@@ -66,7 +72,7 @@ def activation_bytes(cfg: ModelConfig, chunk: int, max_context: int, expert_scra
 @dataclass
 class MemoryPlan:
     budget: int
-    baseline: int            # interpreter + libraries, measured at start
+    baseline: int            # interpreter + libraries: measured at start, or recorded (--plan-config)
     resident: int            # attention, norms, routers, shared experts, dense layers, lm_head
     metadata: int            # embedding rows in flight, routers' working copies, header, tokenizer
     kv_cache: int
@@ -76,6 +82,7 @@ class MemoryPlan:
     cache_experts: int
     min_cache_experts: int
     total_experts: int
+    baseline_recorded: bool = False
 
     @property
     def fixed(self) -> int:
@@ -89,7 +96,7 @@ class MemoryPlan:
         return max(0, self.fixed + self.min_cache_experts * self.expert_bytes - self.budget)
 
     def rows(self):
-        return [("baseline (interpreter, libraries)", self.baseline),
+        return [("baseline (interpreter, libraries" + (", recorded)" if self.baseline_recorded else ")"), self.baseline),
                 ("resident weights", self.resident),
                 ("metadata, embeddings in flight, routers", self.metadata),
                 ("KV cache", self.kv_cache),
@@ -105,7 +112,7 @@ class MemoryPlan:
 
 def make_plan(cfg: ModelConfig, *, budget: int, baseline: int, resident: int, metadata: int,
               expert_bytes: int, total_experts: int, max_context: int, chunk: int, expert_scratch: int,
-              prefetch: bool, kv_itemsize: int = 4) -> MemoryPlan:
+              prefetch: bool, kv_itemsize: int = 4, baseline_recorded: bool = False) -> MemoryPlan:
     kv = kv_bytes(cfg, max_context, kv_itemsize)
     act = activation_bytes(cfg, min(chunk, max_context), max_context, expert_scratch)
     fixed = baseline + resident + metadata + kv + act
@@ -115,4 +122,4 @@ def make_plan(cfg: ModelConfig, *, budget: int, baseline: int, resident: int, me
     min_cache = min(total_experts, (2 if prefetch else 1) * k) if total_experts else 0
     cache = min(total_experts, max(0, left) // expert_bytes) if expert_bytes else 0
     return MemoryPlan(budget, baseline, resident, metadata, kv, act, max(0, left), expert_bytes, int(cache),
-                      min_cache, total_experts)
+                      min_cache, total_experts, baseline_recorded)

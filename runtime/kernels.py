@@ -208,31 +208,40 @@ def _dequantized_matmul(x2, raw, g, rows, cols, y, codec):
 
 def moe_decode(base: np.ndarray, offsets: np.ndarray, gate_up: tuple, down: tuple, x: np.ndarray,
                weights: np.ndarray, out: np.ndarray) -> None:
-    """out += sum_e weights[e] * down_e(silu(gate_e x) * up_e x) for one token and all of its routed
-    experts: two kernel calls (every expert's gate and up rows, then every expert's down rows), so
-    both cores stay busy even when each expert is small. `offsets` [n, 3] are the byte offsets in
-    `base` of each expert's gate, up and down tensors; `gate_up` and `down` are (codec, shape)."""
+    """out[t] += sum_e weights[t, e] * down_te(silu(gate_te x[t]) * up_te x[t]) for tokens t and their
+    routed experts e, in two kernel calls whatever the number of tokens (every token's gate and up rows,
+    then every down row), so both cores stay busy even when each expert is small and no Python runs
+    per expert. `offsets` [T, k, 3] are the byte offsets in `base` of each expert's gate, up and down
+    tensors ([k, 3] and x [hidden], weights [k], out [hidden] for one token); `gate_up` and `down` are
+    (codec, shape)."""
     g_gu = _geometry_vector(get_codec(gate_up[0]), gate_up[1])
     g_d = _geometry_vector(get_codec(down[0]), down[1])
-    offsets = np.asarray(offsets, np.int64)
+    one = np.ndim(x) == 1
+    offsets = np.asarray(offsets, np.int64).reshape(-1, 3)
+    x2 = np.ascontiguousarray(np.reshape(x, (-1, np.shape(x)[-1])), np.float32)
+    T = x2.shape[0]
+    w = np.asarray(weights, np.float32).reshape(T, -1)
+    k = w.shape[1]
+    if offsets.shape[0] != T * k:
+        raise ValueError(f"offsets for {offsets.shape[0]} experts, weights for {T} x {k}")
     if offsets.size and (offsets.min() < 0 or offsets[:, :2].max() + g_gu[G_NBYTES] > base.size
                          or offsets[:, 2].max() + g_d[G_NBYTES] > base.size):
         raise CodecError("expert tensors lie outside their buffer")
-    n, inter, hidden = len(offsets), int(g_gu[G_ROWS]), int(g_d[G_ROWS])
-    if int(g_d[G_COLS]) != inter or int(g_gu[G_COLS]) != x.shape[0] or hidden != out.shape[0]:
+    n, inter, hidden = T * k, int(g_gu[G_ROWS]), int(g_d[G_ROWS])
+    out2 = out.reshape(T, -1)
+    if int(g_d[G_COLS]) != inter or int(g_gu[G_COLS]) != x2.shape[1] or hidden != out2.shape[1]:
         raise ValueError("expert shapes do not chain: gate/up [inter, hidden], down [hidden, inter]")
     h = np.empty(2 * n * inter, np.float32)
-    jobs = _jobs(offsets[:, :2].reshape(-1), 0, 0, inter, np.zeros(2 * n), np.arange(2 * n) * inter,
-                x.shape[0])
-    _run(base, g_gu[None, :], np.ascontiguousarray(x, np.float32)[None, :], jobs, h,
-         2 * n * inter * x.shape[0], gate_up[0])
+    jobs = _jobs(offsets[:, :2].reshape(-1), 0, 0, inter, np.repeat(np.arange(T), 2 * k),
+                 np.arange(2 * n) * inter, x2.shape[1])
+    _run(base, g_gu[None, :], x2, jobs, h, 2 * n * inter * x2.shape[1], gate_up[0])
     h = h.reshape(n, 2, inter)
     with np.errstate(over="ignore"):
         act = (h[:, 0] / (1 + np.exp(-h[:, 0])) * h[:, 1]).astype(np.float32)
     y = np.empty(n * hidden, np.float32)
     jobs = _jobs(offsets[:, 2], 0, 0, hidden, np.arange(n), np.arange(n) * hidden, inter)
     _run(base, g_d[None, :], act, jobs, y, n * hidden * inter, down[0])
-    out += np.asarray(weights, np.float32) @ y.reshape(n, hidden)
+    out2 += np.einsum("tk,tkh->th", w, y.reshape(T, k, hidden)) if not one else w[0] @ y.reshape(k, hidden)
 
 
 def attend(q: np.ndarray, q_rot: np.ndarray, latent: np.ndarray, k_rot: np.ndarray, length: int,

@@ -81,6 +81,11 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleave: bool
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
+# What the Python side of running one expert on its own costs (three linear calls, ~90 us), in bytes
+# read at memory speed: fusing several tokens' experts into one call may read this much more per
+# expert it saves (Model._fusing_pays).
+GROUPED_CALL_BYTES = 2 << 20
+
 # Attention projections used at every token are decoded once to float32 and kept (f32 is a view).
 DECODED_ONCE = ("kv_a", "o", "q_a", "q_b", "q")
 _DECODED_SUFFIXES = ("kv_a_proj_with_mqa.weight", "o_proj.weight", "q_a_proj.weight", "q_b_proj.weight",
@@ -226,8 +231,9 @@ class Model:
         else:
             w_k, w_v_t = (L["w_k"], L["w_v_t"]) if "w_k" in L else self._split_kv_b(kv_b.dense())
             q_lat = np.matmul(q_nope, w_k)                                     # [B, nh, T, r]
-        if B * T == 1:
-            o_lat = kernels.attend(q_lat[0, :, 0], q_rot[0, :, 0], C[0], K[0], S, self.softmax_scale)[None, :, None, :]
+        if T == 1:                      # decode steps: every sequence's cache read once for all heads
+            o_lat = np.stack([kernels.attend(q_lat[b, :, 0], q_rot[b, :, 0], C[b], K[b], S, self.softmax_scale)
+                              for b in range(B)])[:, :, None, :]
         else:
             Ct, Kt = C[:, None, :S], K[:, None, :S]
             scores = np.matmul(q_lat, Ct.transpose(0, 1, 3, 2)) + np.matmul(q_rot, Kt.transpose(0, 1, 3, 2))
@@ -298,9 +304,9 @@ class Model:
         if self.prefetch == "next-layer":
             self._predict_next(L, x)
         out = np.zeros_like(h)
-        if h.shape[0] == 1 and self.observer is None and self.w.pager.holds_together(len(used)):
-            experts = [self.w.expert(L["index"], int(e)) for e in idx[0]]
-            if self._moe_fused(experts, h[0], weights[0], out[0]):
+        if self.observer is None and self.w.pager.holds_together(len(used)):
+            experts = {int(e): self.w.expert(L["index"], int(e)) for e in used}
+            if self._fusing_pays(idx, experts) and self._moe_fused(experts, idx, h, weights, out):
                 if "shared" in L:
                     out += self._mlp(h, *L["shared"])
                 return out
@@ -313,22 +319,35 @@ class Model:
             out += self._mlp(h, *L["shared"])
         return out
 
-    def _moe_fused(self, experts, x, weights, out) -> bool:
-        """One token through all its routed experts in one kernel call (both cores busy even when
-        each expert is small). False when the experts' tensors do not allow it (float codecs,
-        mixed codecs or shapes): the caller then runs them one by one."""
-        gate, up, down = experts[0]
+    @staticmethod
+    def _fusing_pays(idx: np.ndarray, experts: dict) -> bool:
+        """Every (token, expert) pair in one fused call reads an expert once per token routed to it;
+        grouping by expert reads it once but costs three Python calls per expert. Fuse for one token,
+        or while the extra reads cost less than the calls saved."""
+        T, k = idx.shape
+        if T == 1:
+            return True
+        gate, up, down = next(iter(experts.values()))
+        expert_bytes = gate.raw.nbytes + up.raw.nbytes + down.raw.nbytes
+        return (T * k - len(experts)) * expert_bytes <= len(experts) * GROUPED_CALL_BYTES
+
+    def _moe_fused(self, experts: dict, idx: np.ndarray, h: np.ndarray, weights: np.ndarray, out) -> bool:
+        """Tokens h [T, hidden] through all their routed experts in two kernel calls (both cores busy
+        even when each expert is small). False when the experts' tensors do not allow it (float
+        codecs, mixed codecs or shapes): the caller then groups tokens by expert."""
+        gate, up, down = next(iter(experts.values()))
         spec_gu, spec_d = (gate.codec, gate.shape), (down.codec, down.shape)
         if not (has_fused_kernel(gate.codec) and has_fused_kernel(down.codec)):
             return False
         base = self.w.pager.base
         b0 = base.ctypes.data
-        offs = np.empty((len(experts), 3), np.int64)
-        for i, (g, u, d) in enumerate(experts):
+        where = {}
+        for e, (g, u, d) in experts.items():
             if (g.codec, g.shape) != spec_gu or (u.codec, u.shape) != spec_gu or (d.codec, d.shape) != spec_d:
                 return False
-            offs[i] = (g.raw.ctypes.data - b0, u.raw.ctypes.data - b0, d.raw.ctypes.data - b0)
-        kernels.moe_decode(base, offs, spec_gu, spec_d, x, weights, out)
+            where[e] = (g.raw.ctypes.data - b0, u.raw.ctypes.data - b0, d.raw.ctypes.data - b0)
+        offs = np.array([[where[int(e)] for e in row] for row in idx], np.int64)     # [T, k, 3]
+        kernels.moe_decode(base, offs, spec_gu, spec_d, h, weights, out)
         return True
 
     # ------------------------------------------------------------------ forward

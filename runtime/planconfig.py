@@ -50,16 +50,17 @@ def plan_config(args, log) -> int:
     scratch = max((4 * math.prod(shape) for _, _, tensors in layout for tname, _, codec, shape in tensors
                    if tname.endswith("kv_b_proj.weight") and codec != "f32"), default=0)
     args.budget = B.parse_size(args.memory_budget) if args.memory_budget else int(B.DEFAULT_FRACTION * B.mem_available())
-    from .app import _warm_up, context_length
+    from .app import context_length
     args.max_ctx = context_length(args, cfg, log)
-    _warm_up({codec for _, _, tensors in layout for _, _, codec, _ in tensors})   # the kernels' code and thread pool count too
-    baseline = B.current_rss() + B.RUNTIME_SLACK
+    # Not this process's RSS: the plan is for a kimi-run that has not started (maybe on another machine)
+    baseline = B.RECORDED_BASELINE + n_experts * B.RECORDED_BASELINE_PER_EXPERT
+
     def replan(ctx, chunk):
         metadata = 4 * cfg.hidden_size * chunk + 16 * 2 ** 20   # header, tokenizer, rows in flight
         return B.make_plan(cfg, budget=args.budget, baseline=baseline, resident=resident + copies,
                            metadata=metadata, expert_bytes=expert, total_experts=n_experts, max_context=ctx,
                            chunk=chunk, expert_scratch=scratch, prefetch=args.prefetch != "off",
-                           kv_itemsize=2 if args.kv_dtype == "f16" else 4)
+                           kv_itemsize=2 if args.kv_dtype == "f16" else 4, baseline_recorded=True)
     if args.prefill_batch_size is None:
         from .app import _auto_prefill_batch
         args.prefill_batch_size = _auto_prefill_batch(lambda b: replan(args.max_ctx, b))

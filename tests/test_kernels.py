@@ -241,6 +241,41 @@ def test_fused_experts_equal_linear_calls(gu, dn, isa):
         kernels.moe_decode(base[:-1], offs, (gu, (inter, hidden)), (dn, (hidden, inter)), x, w, out)
 
 
+
+def test_fused_experts_for_several_tokens(isa):
+    """moe_decode with T tokens, each with its own k experts (shared between tokens, repeated, in any
+    order): every token's output is what its experts give through linear() one at a time."""
+    hidden, inter, n_experts, T, k = 256, 192, 4, 5, 3
+    rng = np.random.default_rng(8)
+    blobs, where, pos = [], [], 0
+    mats = []
+    for e in range(n_experts):
+        row = []
+        for shape in ((inter, hidden), (inter, hidden), (hidden, inter)):
+            raw = get_codec("q2").encode((rng.standard_normal(shape) * 0.05).astype(np.float32))
+            row.append(pos)
+            blobs.append(raw)
+            pos += raw.size
+            mats.append(raw)
+        where.append(row)
+    base = np.concatenate(blobs)
+    choice = np.array([[0, 1, 2], [3, 2, 1], [1, 1, 0], [2, 3, 0], [0, 3, 1]])
+    offs = np.array(where, np.int64)[choice]                                   # [T, k, 3]
+    x = rng.standard_normal((T, hidden)).astype(np.float32)
+    w = rng.standard_normal((T, k)).astype(np.float32)
+    out = np.full((T, hidden), 0.25, np.float32)
+    kernels.moe_decode(base, offs, ("q2", (inter, hidden)), ("q2", (hidden, inter)), x, w, out)
+    for t in range(T):
+        want = np.full(hidden, 0.25, np.float64)
+        for j, e in enumerate(choice[t]):
+            g = kernels.linear(x[t], "q2", mats[3 * e], (inter, hidden))
+            u = kernels.linear(x[t], "q2", mats[3 * e + 1], (inter, hidden))
+            a = (g / (1 + np.exp(-g)) * u).astype(np.float32)
+            want += w[t, j] * kernels.linear(a, "q2", mats[3 * e + 2], (hidden, inter))
+        np.testing.assert_allclose(out[t], want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+    with pytest.raises(ValueError, match="offsets"):
+        kernels.moe_decode(base, offs[:4], ("q2", (inter, hidden)), ("q2", (hidden, inter)), x, w, out)
+
 # ----------------------------------------------------------------------------------- decode attention
 
 def _attention_f64(q, q_rot, latent, k_rot, length, scale):

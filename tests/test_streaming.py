@@ -14,6 +14,7 @@ import pytest
 
 from kimistream.convert.plan import PrecisionPlan
 from kimistream.convert.synthetic import write_synthetic
+from kimistream.formats.weightfile import WeightFile
 from kimistream.runtime.generate import generate
 from kimistream.runtime.model import Model
 from kimistream.runtime.pager import ExpertReadError
@@ -158,6 +159,23 @@ def test_plan_for_kimi_k2_config():
     assert plan["kv_cache"] == 4 * 4096 * 61 * 576
     assert "memory plan for a budget of 7.67 GiB" in proc.stderr
     assert ("verdict: fits" in proc.stderr) == (proc.returncode == 0)
+    # The baseline is the recorded one for a run of this geometry, whatever the planning process holds
+    from kimistream.runtime import budget as B
+    assert plan["baseline_recorded"] is True
+    assert plan["baseline"] == B.RECORDED_BASELINE + 60 * 384 * B.RECORDED_BASELINE_PER_EXPERT
+    assert "baseline (interpreter, libraries, recorded)" in proc.stderr
+
+
+def test_recorded_baseline_matches_a_dry_run(tiny_kst):
+    """--plan-config's recorded baseline is what kimi-run measures before its first weight (within
+    the slack it adds), for a file of the same geometry."""
+    from kimistream.runtime import budget as B
+    proc = kimi_run("--weights", tiny_kst, "--dry-run", "--json")
+    measured = json.loads(proc.stdout)["memory_plan"]["baseline"]
+    with WeightFile(tiny_kst) as wf:
+        n_experts = sum(1 for e in wf.extents if e.kind == "expert")
+    recorded = B.RECORDED_BASELINE + n_experts * B.RECORDED_BASELINE_PER_EXPERT
+    assert abs(measured - recorded) <= B.RUNTIME_SLACK, (measured, recorded)
 
 
 def test_f16_kv_cache_is_close_and_half_the_memory(synthetic):
