@@ -204,28 +204,32 @@ def test_empty():
     assert kernels.dequantize("t1", raw, (0, 256)).shape == (0, 256)
 
 
+def _expert_buffer(rng, n, gu, dn, hidden, inter):
+    """n random experts (gate and up in codec gu, down in dn) in one buffer, at offsets with odd gaps
+    between them (the kernels need no alignment): (buffer, offsets [n, 3], the tensors' bytes)."""
+    blobs, offs, parts, pos = [], [], [], 0
+    for e in range(n):
+        row = []
+        for codec, shape in ((gu, (inter, hidden)), (gu, (inter, hidden)), (dn, (hidden, inter))):
+            raw = get_codec(codec).encode((rng.standard_normal(shape) * 0.05).astype(np.float32))
+            pad = (-pos) % 64 + 7
+            blobs.append(np.zeros(pad, np.uint8))
+            pos += pad
+            row.append(pos)
+            blobs.append(raw)
+            pos += raw.size
+            parts.append(raw)
+        offs.append(row)
+    return np.concatenate(blobs), np.array(offs, np.int64), parts
+
+
 @pytest.mark.parametrize("gu,dn", [("q2", "q2"), ("t1", "q4"), ("q1", "q6"), ("q8", "q2rtn")])
 def test_fused_experts_equal_linear_calls(gu, dn, isa):
     """kernels.moe_decode (all routed experts of a token in one call) against the same experts run
     through linear() one at a time: the same integer arithmetic, so float32 rounding apart."""
     hidden, inter, n = 256, 192 if dn != "q2rtn" else 256, 3
     rng = np.random.default_rng(5)
-    blobs, offs, pos = [], [], 0
-    parts = []
-    for e in range(n):
-        row = []
-        for codec, shape in ((gu, (inter, hidden)), (gu, (inter, hidden)), (dn, (hidden, inter))):
-            raw = get_codec(codec).encode((rng.standard_normal(shape) * 0.05).astype(np.float32))
-            pad = (-pos) % 64
-            blobs.append(np.zeros(pad + 7, np.uint8))        # odd gaps: offsets need no alignment
-            pos += pad + 7
-            row.append(pos)
-            blobs.append(raw)
-            pos += raw.size
-            parts.append(raw)
-        offs.append(row)
-    base = np.concatenate(blobs)
-    offs = np.array(offs, np.int64)
+    base, offs, parts = _expert_buffer(rng, n, gu, dn, hidden, inter)
     x = rng.standard_normal(hidden).astype(np.float32)
     w = np.array([0.5, 1.25, -0.75], np.float32)
     out = np.full(hidden, 0.5, np.float32)
@@ -247,20 +251,9 @@ def test_fused_experts_for_several_tokens(isa):
     order): every token's output is what its experts give through linear() one at a time."""
     hidden, inter, n_experts, T, k = 256, 192, 4, 5, 3
     rng = np.random.default_rng(8)
-    blobs, where, pos = [], [], 0
-    mats = []
-    for e in range(n_experts):
-        row = []
-        for shape in ((inter, hidden), (inter, hidden), (hidden, inter)):
-            raw = get_codec("q2").encode((rng.standard_normal(shape) * 0.05).astype(np.float32))
-            row.append(pos)
-            blobs.append(raw)
-            pos += raw.size
-            mats.append(raw)
-        where.append(row)
-    base = np.concatenate(blobs)
+    base, where, mats = _expert_buffer(rng, n_experts, "q2", "q2", hidden, inter)
     choice = np.array([[0, 1, 2], [3, 2, 1], [1, 1, 0], [2, 3, 0], [0, 3, 1]])
-    offs = np.array(where, np.int64)[choice]                                   # [T, k, 3]
+    offs = where[choice]                                                       # [T, k, 3]
     x = rng.standard_normal((T, hidden)).astype(np.float32)
     w = rng.standard_normal((T, k)).astype(np.float32)
     out = np.full((T, hidden), 0.25, np.float32)
