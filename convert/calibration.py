@@ -59,7 +59,7 @@ def resolve(args, plan):
         return None, (f"give --calibration {calibration} or --imatrix, not both", 2)
     if calibration in (None, NO_CALIBRATION):
         return None, None
-    from kimistream.runtime.budget import parse_size
+    from kimistream.formats.sizes import parse_size
     try:
         parse_size(args.moment_budget)
     except ValueError as e:
@@ -102,7 +102,7 @@ def _check_disk(ref: Path, plan, cfg) -> int:
 
     from kimistream.formats.codecs import get_codec
     from kimistream.formats.layout import plan_extents
-    from kimistream.runtime.budget import fmt
+    from kimistream.formats.sizes import fmt
     need = sum(get_codec(codec).nbytes(shape) for _, _, tensors in plan_extents(cfg, plan.codec_for)
                for _, _, codec, shape in tensors)
     partial = ref.with_name(ref.name + ".partial")
@@ -127,7 +127,7 @@ def _calibrate(args, err: Console, out: Path, plan, calibration: str, ckpt, conv
     expert bytes."""
     import subprocess
 
-    from kimistream.runtime.budget import fmt
+    from kimistream.formats.sizes import fmt
     ref = out.with_name(out.name + ".calib.kst")
     im = out.with_name(out.name + ".imatrix.npz")
     say = (lambda m: None) if args.quiet else err.print

@@ -80,6 +80,7 @@ def main(argv=None) -> int:
     # Parsing and imports (rich, the hub client, the quantizers: only after the arguments parse) run to
     # their end; Ctrl-C at any point ends with one line.
     def start():
+        sys.argv[0] = "kimi-convert"    # messages name the command, also when run as python -m
         args = build_parser().parse_args(argv)
         from .commands import run
         return lambda: run(args)

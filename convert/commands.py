@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
 from kimistream.formats.constants import ROUTED_EXPERTS
+from kimistream.formats.progress import Phase
 
 from . import fetch as F
 from . import hub as H
@@ -83,29 +83,31 @@ def _download(args, err: Console, out: Path | None):
                       130)
 
 
-def _bytes_progress(err: Console, label: str, quiet: bool):
-    return Progress(TextColumn(f"[bold]{label}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                    TimeRemainingColumn(), TextColumn("{task.fields[tensor]}"), console=err, disable=quiet)
-
-
 def _run_with_progress(err: Console, label: str, quiet: bool, work, out: Path | None = None):
-    """Call work(on_progress) under a rich bar fed by the converter's progress events."""
-    progress = _bytes_progress(err, label, quiet)
-    task = None
+    """Call work(on_progress) with the converter's progress events shown as a phase on stderr (a bar
+    on a terminal, lines otherwise: formats/progress.py)."""
+    phase = None
 
     def on_progress(kind, **info):
-        nonlocal task
+        nonlocal phase
         if kind == "start":
-            task = progress.add_task(label, total=info["total_bytes"], tensor="")
+            phase = Phase(label, info["total_bytes"], "bytes", quiet=quiet).__enter__()
             if info.get("resumed"):
-                progress.console.print(f"resuming {out}: {info['resumed']} of {info['tensors']} tensors already written")
-        elif kind == "tensor":
-            progress.update(task, advance=info["nbytes"], tensor=info["name"][-48:])
-        elif kind == "shard-done":
-            progress.console.print(f"consumed and deleted {info['path']}")
+                phase.note(f"resuming {out}: {info['resumed']} of {info['tensors']} tensors already written")
+        elif kind == "tensor" and phase is not None:
+            phase.advance(info["nbytes"], info["name"])
+        elif kind == "shard-done" and phase is not None:
+            phase.note(f"consumed and deleted {info['path']}")
 
-    with progress:
-        return work(on_progress)
+    try:
+        result = work(on_progress)
+    except BaseException as e:
+        if phase is not None:
+            phase.__exit__(type(e), e, e.__traceback__)
+        raise
+    if phase is not None:
+        phase.__exit__(None, None, None)
+    return result
 
 
 def _converting(args, err: Console, out: Path, plan, imatrix=None, delete_source=None, calibration=None):
@@ -117,13 +119,11 @@ def _converting(args, err: Console, out: Path, plan, imatrix=None, delete_source
 
 
 def _publish(args, err: Console, path: Path) -> dict:
-    from kimistream.runtime.budget import parse_size
+    from kimistream.formats.sizes import parse_size
 
     from .publish import publish
-    progress = _bytes_progress(err, "publishing", args.quiet)
-    with progress:
-        task = progress.add_task("publish", total=path.stat().st_size, tensor=str(args.publish))
-        m = publish(path, args.publish, parse_size(args.chunk_size), progress=lambda n: progress.update(task, advance=n))
+    with Phase("publishing", path.stat().st_size, "bytes", quiet=args.quiet) as phase:
+        m = publish(path, args.publish, parse_size(args.chunk_size), progress=phase.advance)
     err.print(f"published {path} as {len(m['chunks'])} chunk(s) in {args.publish}, "
               f"compression ratio {m['compression_ratio']:.3f}")
     return m

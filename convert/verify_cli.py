@@ -32,6 +32,7 @@ def main(argv=None) -> int:
     # Parsing and imports (rich, the hub client: only after the arguments parse) run to their end;
     # Ctrl-C at any point ends with one line.
     def start():
+        sys.argv[0] = "kimi-verify"    # messages name the command, also when run as python -m
         args = build_parser().parse_args(argv)
         from .verify_report import run
         return lambda: run(args)

@@ -387,13 +387,10 @@ def _read_text(path: str) -> str:
 
 @contextmanager
 def _token_progress(label: str, total: int, quiet: bool):
-    """A rich bar on stderr over the text's tokens; yields advance(n)."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-    with Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
-                  TimeRemainingColumn(), console=Console(stderr=True), disable=quiet, transient=True) as bar:
-        task = bar.add_task(label, total=total)
-        yield lambda n: bar.advance(task, n)
+    """The phase's progress over the text's tokens on stderr (formats/progress.py); yields advance(n)."""
+    from kimistream.formats.progress import Phase
+    with Phase(label, total, "tokens", quiet=quiet) as phase:
+        yield phase.advance
 
 
 def _quality(args, log) -> int:

@@ -4,13 +4,11 @@ how much — when the budget cannot hold the minimum."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass
 
 from kimistream.formats.config import ModelConfig
+from kimistream.formats.sizes import fmt, parse_size  # noqa: F401  (the runtime's callers use B.fmt, B.parse_size)
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 DEFAULT_FRACTION = 0.8       # default budget: this share of MemAvailable
 RUNTIME_SLACK = 12 << 20     # prefetch threads' stacks, allocator fragmentation, Python objects of a run
 # The baseline --plan-config assumes, since the planning process is not the one that will run: kimi-run's
@@ -19,21 +17,6 @@ RUNTIME_SLACK = 12 << 20     # prefetch threads' stacks, allocator fragmentation
 # (141 MiB): a fixed part and a part per routed expert, the parsed header's directory entries.
 RECORDED_BASELINE = 54 << 20
 RECORDED_BASELINE_PER_EXPERT = 3980
-
-
-def parse_size(text: str) -> int:
-    """'600M', '8.24G', '8GiB', '123456' -> bytes (K/M/G/T are powers of 1000, KiB/MiB/GiB of 1024)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read size {text!r} (examples: 600M, 8.24G, 8GiB, 123456)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def fmt(n: float) -> str:
-    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= div:
-            return f"{n / div:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def mem_available() -> int:

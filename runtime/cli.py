@@ -76,6 +76,7 @@ def _set_threads(n: int | None) -> None:
 def main(argv=None) -> int:
     # Parsing and imports run with Ctrl-C held (it acts once they are done): one line at any point.
     def start():
+        sys.argv[0] = "kimi-run"    # messages name the command, also when run as python -m
         args = build_parser().parse_args(argv)
         _set_threads(args.threads)
         from .app import run

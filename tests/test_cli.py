@@ -171,3 +171,21 @@ def test_conversion_memory_is_bounded_by_a_tensor_not_the_checkpoint(tiny_ckpt, 
         mem[name] = json.loads(proc.stdout)["memory"]
     assert mem["big"]["largest_tensor_f32_bytes"] < 2e6
     assert mem["big"]["peak_rss_bytes"] - mem["tiny"]["peak_rss_bytes"] < 32e6, (mem, source_bytes)
+
+
+def test_long_phases_print_lines_when_stderr_is_not_a_terminal(tiny_ckpt, tmp_path):
+    """Piped or logged, a long phase says when it starts, how far it is (rate, time left) and when it
+    is done, in plain lines: no bar that vanishes, no silence."""
+    out = tmp_path / "m.kst"
+    proc = convert(tiny_ckpt, "-o", out, "--quant", "bf16")
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("kimi-convert: converting: ")]
+    assert lines[0].startswith("kimi-convert: converting: started, ") and lines[0].endswith("B")
+    assert any("%)" in l and "/s" in l for l in lines[1:-1]), lines
+    assert lines[-1].startswith("kimi-convert: converting: done, ") and "/s)" in lines[-1]
+    text = tmp_path / "t.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 40)
+    proc = kimi_run("--weights", out, "--perplexity", text, "--max-context", 64)
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("kimi-run: scoring: ")]
+    assert lines[0].startswith("kimi-run: scoring: started, ") and lines[-1].startswith("kimi-run: scoring: done, ")
+    quiet = convert(tiny_ckpt, "-o", tmp_path / "q.kst", "--quant", "bf16", "--quiet")
+    assert "converting" not in quiet.stderr
