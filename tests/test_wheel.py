@@ -33,3 +33,9 @@ def test_wheel_runs_the_default_command_from_another_directory(tmp_path):
                           timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert '"tokens"' in proc.stdout
+    # and kimi-verify checks the bundled checkpoint the wheel carries, against the checksums it carries
+    bundled = where.stdout.splitlines()[0]
+    proc = subprocess.run([str(env_dir / "bin" / "kimi-verify"), f"{bundled}/models/stdlib-moe", "--json"],
+                          cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert '"ok": true' in proc.stdout
