@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from kimistream.convert.plan import PrecisionPlan
+from kimistream.formats.presets import PrecisionPlan
 from kimistream.convert.synthetic import write_synthetic
 
 

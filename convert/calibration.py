@@ -21,12 +21,8 @@ NO_CALIBRATION = "none"
 
 
 def _sha256_16(path: Path) -> str:
-    import hashlib
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()[:16]
+    from kimistream.formats.checksum import sha256_file
+    return sha256_file(path, chunk=1 << 20)[:16]
 
 
 def describe(args, calibration) -> str:

@@ -18,7 +18,7 @@ from . import fetch as F
 from . import hub as H
 from . import calibration as C
 from .converter import ConversionError, check_output_apart, convert_checkpoint
-from .plan import PrecisionPlan
+from kimistream.formats.presets import PrecisionPlan
 from .source import HFCheckpoint
 
 

@@ -5,11 +5,12 @@ by the largest tensor. The output is written to `OUT.partial` and renamed when c
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kimistream.formats import procfs
+from kimistream.formats.checksum import sha256_file
 from kimistream.formats.codecs import CodecError, get_codec
 from kimistream.formats.imatrix import ImatrixError
 from kimistream.formats.constants import DEFAULT_ALIGNMENT, TENSOR_CLASSES
@@ -17,7 +18,7 @@ from kimistream.formats.layout import model_shapes, plan_extents
 from kimistream.formats.quants import clear_factor_cache
 from kimistream.formats.weightfile import WeightFileWriter
 
-from .plan import PrecisionPlan
+from kimistream.formats.presets import PrecisionPlan
 from .source import INDEX_FILE, HFCheckpoint, SourceError
 
 MANIFEST_NAME = "kimi-stream.sha256"   # written by a verified download; saves re-hashing sources
@@ -64,22 +65,7 @@ class Summary:
 
 def _vm_hwm() -> int:
     # VmHWM, not getrusage's ru_maxrss, which keeps the parent's peak across fork+exec.
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+    return procfs.status().get("VmHWM", 0)
 
 
 def _manifest(ckpt: HFCheckpoint) -> dict:

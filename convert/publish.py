@@ -13,6 +13,8 @@ from pathlib import Path
 
 import zstandard
 
+from kimistream.formats.checksum import sha256_file
+
 RELEASE_SUFFIX = ".release.json"
 DEFAULT_CHUNK = 2 << 30
 READ_BLOCK = 16 << 20
@@ -159,8 +161,4 @@ def _region_sha256(f, offset: int, size: int) -> str:
 
 
 def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(READ_BLOCK):
-            h.update(block)
-    return h.hexdigest()
+    return sha256_file(path, chunk=READ_BLOCK)

@@ -16,7 +16,7 @@ from kimistream.formats.constants import EXTENT_EXPERT
 from kimistream.formats.layout import plan_extents
 from kimistream.formats.weightfile import WeightFileWriter
 
-from .plan import PrecisionPlan
+from kimistream.formats.presets import PrecisionPlan
 
 
 class SyntheticError(ValueError):

@@ -4,13 +4,12 @@ git blob ids), including the source hashes a weight file records. One row per fi
 
 from __future__ import annotations
 
-import hashlib
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kimistream.formats.checksum import extent_digest
+from kimistream.formats.checksum import extent_digest, sha256_file
 from kimistream.formats.constants import TOKENIZER_FILES
 from kimistream.formats.safetensors import SafetensorsError, SafetensorsFile
 from kimistream.formats.weightfile import WeightFile, WeightFileError, check_model
@@ -72,20 +71,6 @@ def write_manifest(path: Path, hashes: dict[str, str], comments=()) -> None:
     lines = [f"# {c}" for c in comments] + [f"{h}  {n}" for n, h in sorted(hashes.items())]
     tmp.write_text("\n".join(lines) + "\n")
     tmp.replace(path)
-
-
-def sha256_file(path: Path, on_bytes=None, chunk: int = 8 << 20, git: bool = False):
-    """SHA-256 of a file; with git=True the pair (SHA-256, git blob id), computed in one pass."""
-    h = hashlib.sha256()
-    g = hashlib.sha1(b"blob %d\0" % Path(path).stat().st_size) if git else None
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-            if g is not None:
-                g.update(block)
-            if on_bytes:
-                on_bytes(len(block))
-    return (h.hexdigest(), g.hexdigest()) if git else h.hexdigest()
 
 
 def expected_files(directory: Path) -> list[str]:

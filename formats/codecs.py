@@ -120,6 +120,11 @@ CODECS: dict[str, Codec] = {
         _BFloat16(),
     )
 }
+FLOAT_CODECS = tuple(CODECS)        # the values themselves; every other codec is a block codec
+
+
+def is_float_codec(name: str) -> bool:
+    return name in FLOAT_CODECS
 
 
 def get_codec(name: str) -> Codec:

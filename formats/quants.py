@@ -629,9 +629,6 @@ def _fit_sym(X, W, lo, hi):
     return best[0].astype(np.float32)
 
 
-_MULTS = (1.0,)       # super-block scale multipliers tried (more buy < 0.5 % MSE at 2x the time)
-
-
 def _quant_affine(X, W, a, b, levels, smax, per_blk, nblk):
     """Quantise sub-block (a, b) to sc * d, mc * m with sc, mc in 0..smax and d, m f16 per block,
     choosing d, m and each sub-block's (sc, mc) from a few candidates by weighted error."""
@@ -640,33 +637,22 @@ def _quant_affine(X, W, a, b, levels, smax, per_blk, nblk):
     bb = _blocks_view(b, per_blk, nblk, 0)
     amax = ab.max(-1)
     ext = np.take_along_axis(bb, np.abs(bb).argmax(-1)[..., None], -1)[..., 0]   # signed extreme offset
-    best = None
-    for mult in _MULTS:
-        d = _f16(amax / smax * np.float32(mult))
-        m = _f16(ext / smax * np.float32(mult))
-        ds, ms = _to_subs(d, per_blk, nsub), _to_subs(m, per_blk, nsub)
-        sc0 = np.clip(np.rint(a / _safe(ds)), 0, smax)
-        mc0 = np.clip(np.rint(b / _safe(ms)), 0, smax)
-        sb = None
-        for dsc in (-1, 0, 1):
-            for dmc in (-1, 0, 1):
-                sc = np.clip(sc0 + dsc, 0, smax)
-                mc = np.clip(mc0 + dmc, 0, smax)
-                A, B = (ds * sc)[..., None], (ms * mc)[..., None]
-                q = np.clip(np.rint((X - B) / _safe(A)), 0, levels)
-                q = np.where(A == 0, 0, q)
-                err = _wsum((A * q + B - X) ** 2, W)
-                sb = _keep_lower(sb, [sc, mc, err])
-        berr = _blocks_view(sb[2], per_blk, nblk, 0).sum(-1)
-        cand = [d, m, sb[0], sb[1], berr]
-        if best is None:
-            best = cand
-        else:
-            bt = berr < best[4]
-            bs = _to_subs(bt, per_blk, nsub)
-            best = [np.where(bt, d, best[0]), np.where(bt, m, best[1]), np.where(bs, sb[0], best[2]),
-                    np.where(bs, sb[1], best[3]), np.where(bt, berr, best[4])]
-    return best[0], best[1], best[2], best[3]
+    d = _f16(amax / smax)
+    m = _f16(ext / smax)
+    ds, ms = _to_subs(d, per_blk, nsub), _to_subs(m, per_blk, nsub)
+    sc0 = np.clip(np.rint(a / _safe(ds)), 0, smax)
+    mc0 = np.clip(np.rint(b / _safe(ms)), 0, smax)
+    sb = None
+    for dsc in (-1, 0, 1):
+        for dmc in (-1, 0, 1):
+            sc = np.clip(sc0 + dsc, 0, smax)
+            mc = np.clip(mc0 + dmc, 0, smax)
+            A, B = (ds * sc)[..., None], (ms * mc)[..., None]
+            q = np.clip(np.rint((X - B) / _safe(A)), 0, levels)
+            q = np.where(A == 0, 0, q)
+            err = _wsum((A * q + B - X) ** 2, W)
+            sb = _keep_lower(sb, [sc, mc, err])
+    return d, m, sb[0], sb[1]
 
 
 def _unshrink(X, W, V, per_blk, nblk, *params):
@@ -710,24 +696,14 @@ def _pick_scales(a, smax, per_blk, nblk, err):
     """Sub-block scales a as sc * d (sc in 0..smax, d f16 per block): per block d from its largest
     scale, per sub-block sc at the rounded value ±1, whichever gives the lower err(A [rows, nsub, 1])."""
     nsub = a.shape[1]
-    amax = _blocks_view(a, per_blk, nblk, 0).max(-1)
-    best = None
-    for mult in _MULTS:
-        d = _f16(amax / smax * np.float32(mult))
-        ds = _to_subs(d, per_blk, nsub)
-        sc0 = np.clip(np.rint(a / _safe(ds)), 0, smax)
-        sb = None
-        for dsc in (-1, 0, 1):
-            sc = np.clip(sc0 + dsc, 0, smax)
-            sb = _keep_lower(sb, [sc, err((ds * sc)[..., None])])
-        berr = _blocks_view(sb[1], per_blk, nblk, 0).sum(-1)
-        if best is None:
-            best = [d, sb[0], berr]
-        else:
-            bt = berr < best[2]
-            best = [np.where(bt, d, best[0]), np.where(_to_subs(bt, per_blk, nsub), sb[0], best[1]),
-                    np.where(bt, berr, best[2])]
-    return best[0], best[1]
+    d = _f16(_blocks_view(a, per_blk, nblk, 0).max(-1) / smax)
+    ds = _to_subs(d, per_blk, nsub)
+    sc0 = np.clip(np.rint(a / _safe(ds)), 0, smax)
+    sb = None
+    for dsc in (-1, 0, 1):
+        sc = np.clip(sc0 + dsc, 0, smax)
+        sb = _keep_lower(sb, [sc, err((ds * sc)[..., None])])
+    return d, sb[0]
 
 
 def _fit_q1(X, W, smax, per_blk, nblk):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kimistream.formats.codecs import is_float_codec
 from kimistream.formats.config import ModelConfig
 from kimistream.formats.constants import EXTENT_EXPERT, EXTENT_RESIDENT
 from kimistream.formats.weightfile import WeightFile, WeightFileError, check_model
@@ -86,9 +87,9 @@ def plan_for_file(wf: WeightFile, args, baseline: int, max_ctx: int | None = Non
     # f16/bf16 experts are decoded one projection at a time; block codecs run fused (a 64-row block).
     scratch = 0
     for name, t in wf.tensors.items():
-        if t.codec in ("f16", "bf16") and t.cls in ("routed_experts", "shared_experts", "dense_mlp"):
+        if is_float_codec(t.codec) and t.codec != "f32" and t.cls in ("routed_experts", "shared_experts", "dense_mlp"):
             scratch = max(scratch, 2 * 4 * int(np.prod(t.shape)))
-        elif t.codec not in ("f32", "f16", "bf16") and len(t.shape) == 2:
+        elif not is_float_codec(t.codec) and len(t.shape) == 2:
             scratch = max(scratch, 4 * 64 * t.shape[1])
         if name.endswith("kv_b_proj.weight") and t.codec != "f32":
             scratch = max(scratch, 4 * int(np.prod(t.shape)))     # decoded per use
@@ -259,7 +260,7 @@ def open_session(args, log, weights_path=None, describe: bool = True) -> Session
     log(f"tokenizer: {tok.kind}, {tok.vocab_size} tokens")
     log(f"resident {B.fmt(resident)}; expert cache {plan.cache_experts} experts ({args.io}, {args.cache_policy}, "
         f"prefetch {args.prefetch})")
-    log("mmap weight file: OK")
+    log(f"weight file: OK (header checked, resident extents verified; experts through {args.io})")
     return Session(path, cfg, plan, weights, model, tok, resident)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from kimistream.formats import procfs
 from kimistream.formats.config import ModelConfig
 from kimistream.formats.sizes import fmt, parse_size  # noqa: F401  (the runtime's callers use B.fmt, B.parse_size)
 
@@ -20,19 +21,14 @@ RECORDED_BASELINE_PER_EXPERT = 3980
 
 
 def mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise OSError("MemAvailable not in /proc/meminfo")
+    n = procfs.meminfo("MemAvailable")
+    if not n:
+        raise OSError("MemAvailable not in /proc/meminfo")
+    return n
 
 
 def current_rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return procfs.status().get("VmRSS", 0)
 
 
 def kv_bytes(cfg: ModelConfig, max_context: int, itemsize: int = 4) -> int:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from kimistream.formats.bundled_data import root
+from kimistream.formats.checksum import sha256_file
 
 DEFAULT_MODEL = "stdlib-moe"
 
@@ -47,7 +48,7 @@ def verify_checkpoint(name: str = DEFAULT_MODEL) -> str:
         path = src / fname.lstrip("*").strip()
         if not path.is_file():
             raise BundledModelError(f"{path}: missing (bundled model incomplete)")
-        if hashlib.sha256(path.read_bytes()).hexdigest() != digest:
+        if sha256_file(path, chunk=1 << 20) != digest:
             raise BundledModelError(f"{path}: SHA-256 does not match {man}")
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 

@@ -13,6 +13,7 @@ import os
 
 import numpy as np
 
+from kimistream.formats.codecs import is_float_codec
 from kimistream.formats.config import ModelConfig, RopeConfig
 
 from . import blas, kernels
@@ -98,7 +99,7 @@ def resident_copies_bytes(wf) -> int:
     total = 0
     for name, t in wf.tensors.items():
         n = 4 * math.prod(t.shape)
-        if t.codec in ("f16", "bf16") and (name.endswith(_DECODED_SUFFIXES) or name == "lm_head.weight"):
+        if is_float_codec(t.codec) and t.codec != "f32" and (name.endswith(_DECODED_SUFFIXES) or name == "lm_head.weight"):
             total += n
     return total
 
@@ -117,10 +118,6 @@ class KVCache:
         self.latent = [np.zeros((batch, max_context, cfg.kv_lora_rank), dt) for _ in range(L)]
         self.k_rot = [np.zeros((batch, max_context, cfg.qk_rope_head_dim), dt) for _ in range(L)]
         self.length = 0
-
-    @staticmethod
-    def bytes_for(cfg: ModelConfig, max_context: int) -> int:
-        return 4 * max_context * cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
 
 
 class Model:

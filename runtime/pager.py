@@ -2,7 +2,7 @@
 
 - `mmap`: experts are views of the file mapping. A miss maps the extent's pages in one blocking
   MADV_POPULATE_READ; prefetch is posix_fadvise(WILLNEED) from a helper thread (it releases the GIL)
-  in pieces of at most 8 MiB; eviction is MADV_DONTNEED, which drops the pages from this process's
+  in pieces of at most 1 MiB (FADVISE_PIECE); eviction is MADV_DONTNEED, which drops the pages from this process's
   RSS (the page cache may keep them).
 - `pread`: a fixed pool of page-aligned buffers, one expert each, filled by preadv (optionally
   O_DIRECT) on the caller's thread or, for prefetch, a thread pool. The pool is the cache.

@@ -8,7 +8,7 @@ import json
 import math
 from pathlib import Path
 
-from kimistream.formats.codecs import get_codec
+from kimistream.formats.codecs import get_codec, is_float_codec
 from kimistream.formats.config import ConfigError, ModelConfig
 from kimistream.formats.constants import EXTENT_EXPERT, EXTENT_RESIDENT
 from kimistream.formats.layout import plan_extents
@@ -44,7 +44,7 @@ def plan_config(args, log) -> int:
     copies = 0
     for name, kind, tensors in layout:
         for tname, _, codec, shape in tensors:
-            if codec in ("f16", "bf16") and (tname.endswith(_DECODED_SUFFIXES) or tname == "lm_head.weight"):
+            if is_float_codec(codec) and codec != "f32" and (tname.endswith(_DECODED_SUFFIXES) or tname == "lm_head.weight"):
                 copies += 4 * math.prod(shape)
     # kv_b_proj is decoded per use when packed: one layer's worth of scratch.
     scratch = max((4 * math.prod(shape) for _, _, tensors in layout for tname, _, codec, shape in tensors

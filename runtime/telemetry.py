@@ -10,41 +10,20 @@ import resource
 import time
 from pathlib import Path
 
+from kimistream.formats import procfs
+
 
 def proc_status() -> dict:
-    """Memory counters of /proc/self/status in bytes (VmHWM, VmRSS, RssAnon, RssFile, RssShmem):
-    the kernel's own accounting, read in microseconds (smaps_rollup walks every mapping: 0.7-5 ms,
-    most of a small model's decode step)."""
-    out = {}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(("Vm", "Rss")):
-                    key, value, *unit = line.split()
-                    if unit == ["kB"]:
-                        out[key.rstrip(":")] = int(value) * 1024
-    except OSError:
-        pass
-    return out
+    """Memory counters of /proc/self/status in bytes (VmHWM, VmRSS, RssAnon, RssFile, RssShmem)."""
+    return procfs.status()
 
 
 def meminfo(key: str) -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return procfs.meminfo(key)
 
 
 def vm_hwm() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return procfs.status().get("VmHWM", 0)
 
 
 class Telemetry:

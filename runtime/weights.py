@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kimistream.formats.checksum import extent_digest
-from kimistream.formats.codecs import get_codec
+from kimistream.formats.codecs import get_codec, is_float_codec
 from kimistream.formats.constants import EXTENT_EMBEDDING, EXTENT_EXPERT, EXTENT_RESIDENT
 from kimistream.formats.weightfile import WeightFile, WeightFileError, check_model
 
@@ -59,7 +59,7 @@ class Weight:
 
 
 def has_fused_kernel(codec: str) -> bool:
-    return codec not in ("f32", "f16", "bf16")
+    return not is_float_codec(codec)
 
 
 class ModelWeights:

@@ -20,7 +20,7 @@ def tiny_ckpt(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_kst(tiny_ckpt, tmp_path_factory):
     from kimistream.convert.converter import convert_checkpoint
-    from kimistream.convert.plan import PrecisionPlan
+    from kimistream.formats.presets import PrecisionPlan
     out = tmp_path_factory.mktemp("tinykst") / "tiny.kst"
     convert_checkpoint(tiny_ckpt, out, PrecisionPlan.from_preset("f32"))
     return out

@@ -25,7 +25,7 @@ HELDOUT = REPO / "data" / "stdlib-heldout.txt"
 @pytest.fixture(scope="module")
 def bundled_kst(tmp_path_factory):
     from kimistream.convert.converter import convert_checkpoint
-    from kimistream.convert.plan import PrecisionPlan
+    from kimistream.formats.presets import PrecisionPlan
     out = tmp_path_factory.mktemp("bundled") / "stdlib.kst"
     convert_checkpoint(bundled.checkpoint_dir(), out, PrecisionPlan.from_preset("f32"))
     return out

@@ -58,7 +58,7 @@ def test_run_json_stream_and_logits(tiny_ckpt, tiny_kst, tmp_path):
     proc = kimi_run("--weights", tiny_kst, "--prompt", prompt, "--max-tokens", 12, "--json",
                     "--dump-logits", dump, "--prefill-batch-size", 3, "--threads", 1)
     rep = json.loads(proc.stdout)
-    assert "mmap weight file: OK" in proc.stderr
+    assert "weight file: OK" in proc.stderr
     ids = rep["prompt_tokens"]
     from transformers import AutoTokenizer
     assert ids == AutoTokenizer.from_pretrained(tiny_ckpt)(prompt)["input_ids"]
@@ -136,7 +136,7 @@ def _mapped_rss(path) -> int:
 
 def test_experts_are_paged_in_only_when_routed(tmp_path):
     from kimistream.convert.converter import convert_checkpoint
-    from kimistream.convert.plan import PrecisionPlan
+    from kimistream.formats.presets import PrecisionPlan
     from kimistream.runtime.model import Model
     from kimistream.runtime.weights import ModelWeights
     ckpt = tmp_path / "big-experts"

@@ -12,7 +12,7 @@ import shutil
 import pytest
 
 from kimistream.convert.converter import ConversionError, convert_checkpoint
-from kimistream.convert.plan import PrecisionPlan
+from kimistream.formats.presets import PrecisionPlan
 from kimistream.convert.source import SourceError, read_index
 from kimistream.convert.verify import verify_directory
 from test_cli import convert, run

@@ -340,7 +340,7 @@ def test_server_paths_cannot_escape(ckpt, tmp_path):
 
 def test_convert_repo_end_to_end(hub, ckpt, tmp_path):
     from kimistream.convert.converter import convert_checkpoint
-    from kimistream.convert.plan import PrecisionPlan
+    from kimistream.formats.presets import PrecisionPlan
     local_dir, _ = ckpt
     out = tmp_path / "out" / "model.kst"
     out.parent.mkdir()

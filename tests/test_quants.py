@@ -408,7 +408,7 @@ def test_error_feedback_with_dead_channels_and_bad_moments():
 # ----------------------------------------------------------------------------------------------- plans
 
 def test_presets():
-    from kimistream.convert.plan import PRESETS
+    from kimistream.formats.presets import PRESETS
     for name in ("f32", "f16", "bf16", "q8", "q4", "q2", "t1", "q1", "q2rtn-baseline"):
         assert name in PRESETS
     for name in ("q2", "t1", "q1"):
@@ -422,7 +422,7 @@ def test_presets():
 
 
 def test_plan_falls_back_and_steps_up_first_moe_down():
-    from kimistream.convert.plan import PrecisionPlan
+    from kimistream.formats.presets import PrecisionPlan
     plan = PrecisionPlan.from_preset("q2")
     gate = "model.layers.1.mlp.experts.0.gate_proj.weight"
     down1 = "model.layers.1.mlp.experts.3.down_proj.weight"
@@ -458,7 +458,7 @@ def test_plan_falls_back_and_steps_up_first_moe_down():
 
 def test_quantized_models_close_to_f32(tiny_ckpt, tiny_kst, tmp_path):
     from kimistream.convert.converter import convert_checkpoint
-    from kimistream.convert.plan import PrecisionPlan
+    from kimistream.formats.presets import PrecisionPlan
     from kimistream.runtime.model import Model
     from kimistream.runtime.weights import ModelWeights
     ids = list(np.random.default_rng(5).integers(0, 320, 32))

@@ -9,7 +9,7 @@ import pytest
 
 import refmodels
 from kimistream.convert.converter import convert_checkpoint
-from kimistream.convert.plan import PrecisionPlan
+from kimistream.formats.presets import PrecisionPlan
 from kimistream.runtime.generate import generate
 from kimistream.runtime.model import Model
 from kimistream.runtime.sampler import Sampler

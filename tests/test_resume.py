@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from kimistream.convert.converter import convert_checkpoint
-from kimistream.convert.plan import PrecisionPlan
+from kimistream.formats.presets import PrecisionPlan
 from test_sources import _reshard
 
 PLAN = PrecisionPlan.from_preset("bf16")
@@ -54,7 +54,7 @@ def test_resume_after_kill(tiny_ckpt, reference, tmp_path):
     script = textwrap.dedent(f"""
         import os
         from kimistream.convert.converter import convert_checkpoint
-        from kimistream.convert.plan import PrecisionPlan
+        from kimistream.formats.presets import PrecisionPlan
         n = 0
         def progress(kind, **info):
             global n

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kimistream.convert.converter import ConversionError, convert_checkpoint
-from kimistream.convert.plan import PrecisionPlan
+from kimistream.formats.presets import PrecisionPlan
 from kimistream.formats.weightfile import WeightFile
 
 F32 = PrecisionPlan.from_preset("f32")

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kimistream.convert.plan import PrecisionPlan
+from kimistream.formats.presets import PrecisionPlan
 from kimistream.convert.synthetic import write_synthetic
 from kimistream.formats.weightfile import WeightFile
 from kimistream.runtime.generate import generate
