@@ -12,15 +12,15 @@ from pathlib import Path
 
 import numpy as np
 
-from kimistream.formats.codecs import is_float_codec
-from kimistream.formats.config import ModelConfig
-from kimistream.formats.constants import EXTENT_EXPERT, EXTENT_RESIDENT
 from kimistream.formats.weightfile import WeightFile, WeightFileError, check_model
 
 from . import budget as B
 from .bundled import BundledModelError, default_weights
 from .generate import GenerationStats, generate
-from .model import ContextFull, Model, resident_copies_bytes
+from . import planner
+from .errors import RunError
+from .planner import auto_prefill_batch, context_length, describe_plan, refuse_if_unfit
+from .model import ContextFull, Model
 from .pager import ExpertReadError
 from .sampler import Sampler
 from .telemetry import Telemetry, plot_trace, vm_hwm
@@ -30,8 +30,6 @@ from .weights import ModelWeights
 SAMPLING_LANES = 8      # --calibration self: sequences sampled side by side at most
 
 
-class RunError(Exception):
-    pass
 
 
 def _log(msg: str) -> None:
@@ -73,96 +71,6 @@ class _TextStream:
 
 
 # ------------------------------------------------------------------------------------ memory plan
-
-def plan_for_file(wf: WeightFile, args, baseline: int, max_ctx: int | None = None,
-                  chunk: int | None = None) -> B.MemoryPlan:
-    """The memory plan from a weight file's header and the flags."""
-    cfg = ModelConfig.from_dict(wf.header["config"])
-    experts = [e for e in wf.extents if e.kind == EXTENT_EXPERT]
-    resident = sum(e.nbytes for e in wf.extents if e.kind == EXTENT_RESIDENT)
-    resident += resident_copies_bytes(wf)
-    # The parsed header and tokenizer (a few times their bytes as Python objects), embedding rows in flight.
-    metadata = 4 * len(json.dumps(wf.header)) + 8 * sum(e.nbytes for e in wf.extents if e.kind == "blob")
-    metadata += 4 * cfg.hidden_size * (chunk or args.prefill_batch_size)
-    # f16/bf16 experts are decoded one projection at a time; block codecs run fused (a 64-row block).
-    scratch = 0
-    for name, t in wf.tensors.items():
-        if is_float_codec(t.codec) and t.codec != "f32" and t.cls in ("routed_experts", "shared_experts", "dense_mlp"):
-            scratch = max(scratch, 2 * 4 * int(np.prod(t.shape)))
-        elif not is_float_codec(t.codec) and len(t.shape) == 2:
-            scratch = max(scratch, 4 * 64 * t.shape[1])
-        if name.endswith("kv_b_proj.weight") and t.codec != "f32":
-            scratch = max(scratch, 4 * int(np.prod(t.shape)))     # decoded per use
-    return B.make_plan(cfg, budget=args.budget, baseline=baseline, resident=resident, metadata=metadata,
-                       expert_bytes=max((e.nbytes for e in experts), default=0), total_experts=len(experts),
-                       max_context=max_ctx or args.max_ctx, chunk=chunk or args.prefill_batch_size,
-                       expert_scratch=scratch, prefetch=args.prefetch != "off",
-                       kv_itemsize=2 if args.kv_dtype == "f16" else 4)
-
-
-def describe_plan(plan: B.MemoryPlan, log) -> None:
-    log(f"memory plan for a budget of {B.fmt(plan.budget)}:")
-    for label, n in plan.rows():
-        log(f"  {label:<58} {B.fmt(n):>12}")
-    used = plan.fixed + plan.cache_experts * plan.expert_bytes
-    log(f"  {'total planned':<58} {B.fmt(used):>12}")
-
-
-def _largest_fitting(lo: int, hi: int, fits) -> int | None:
-    """The largest n in [lo, hi] with fits(n), for a monotone predicate; None if even lo fails."""
-    if not fits(lo):
-        return None
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-    return lo
-
-
-def context_length(args, cfg, log) -> int:
-    """--max-context, checked: at least 1, and a warning past the positions the model was trained on;
-    by default 4096 or the model's own limit if lower."""
-    if args.max_context is None:
-        return min(4096, cfg.max_position_embeddings)
-    if args.max_context < 1:
-        raise RunError("--max-context must be at least 1")
-    if args.max_context > cfg.max_position_embeddings:
-        log(f"warning: --max-context {args.max_context} is past the model's max_position_embeddings "
-            f"({cfg.max_position_embeddings}); positions beyond it were never trained")
-    return args.max_context
-
-
-def _auto_prefill_batch(plan_with) -> int:
-    """The default prompt chunk: 256 tokens when that costs the expert cache at most a tenth of what it
-    holds at 64 (larger chunks let each expert's rows serve more tokens: 75 against 45 tok/s of
-    prefill in benchmarks/RESULTS.md), else 64, else the largest that fits."""
-    base = plan_with(64)
-    for b in (256, 128):
-        p = plan_with(b)
-        if p.fits and p.cache_experts >= 0.9 * base.cache_experts:
-            return b
-    if base.fits:
-        return 64
-    return _largest_fitting(1, 63, lambda b: plan_with(b).fits) or 64
-
-
-def refuse_if_unfit(plan: B.MemoryPlan, replan, args) -> None:
-    """Refuse an unfit plan, naming each flag that alone would make it fit and the value to use.
-    `replan(max_context, prefill_batch_size)` recomputes the plan with other flags unchanged."""
-    if plan.fits:
-        return
-    tips = [f"raise --memory-budget to at least {B.fmt(plan.budget + plan.shortfall())}"]
-    ctx = _largest_fitting(1, args.max_ctx - 1, lambda c: replan(c, args.prefill_batch_size).fits)
-    if ctx is not None:
-        tips.append(f"lower --max-context from {args.max_ctx} to {ctx}")
-    batch = _largest_fitting(1, args.prefill_batch_size - 1, lambda b: replan(args.max_ctx, b).fits)
-    if batch is not None:
-        tips.append(f"lower --prefill-batch-size from {args.prefill_batch_size} to {batch}")
-    if plan.resident > plan.budget // 2:
-        tips.append(f"convert with a lower-precision --quant (resident weights alone take {B.fmt(plan.resident)})")
-    raise RunError(f"a budget of {B.fmt(plan.budget)} cannot hold the minimum ({B.fmt(plan.fixed)} fixed + "
-                   f"{plan.min_cache_experts} experts × {B.fmt(plan.expert_bytes)}; short by "
-                   f"{B.fmt(plan.shortfall())}): " + "; or ".join(tips))
-
 
 # ------------------------------------------------------------------------------------ run
 
@@ -230,16 +138,20 @@ def open_session(args, log, weights_path=None, describe: bool = True) -> Session
             log(f"no --memory-budget: using {int(B.DEFAULT_FRACTION * 100)}% of available memory")
     with WeightFile(path) as wf:
         cfg = check_model(wf)
-        args.max_ctx = context_length(args, cfg, log)
-        if args.prefill_batch_size is None:
-            args.prefill_batch_size = _auto_prefill_batch(lambda b: plan_for_file(wf, args, baseline, None, b))
-            log(f"prefill batch: {args.prefill_batch_size} tokens (--prefill-batch-size to choose)")
-        plan = plan_for_file(wf, args, baseline)
-        if describe:
-            describe_plan(plan, log)
-        if args.dry_run and args.json:
-            print(json.dumps({"memory_plan": plan.to_json()}))
-        refuse_if_unfit(plan, lambda c, b: plan_for_file(wf, args, baseline, c, b), args)
+        footprint = planner.of_file(wf)
+    args.max_ctx = context_length(args, cfg, log)
+
+    def replan(ctx, chunk):
+        return planner.plan(cfg, footprint, args, baseline, ctx or args.max_ctx, chunk or args.prefill_batch_size)
+    if args.prefill_batch_size is None:
+        args.prefill_batch_size = auto_prefill_batch(lambda b: replan(None, b))
+        log(f"prefill batch: {args.prefill_batch_size} tokens (--prefill-batch-size to choose)")
+    plan = replan(None, None)
+    if describe:
+        describe_plan(plan, log)
+    if args.dry_run and args.json:
+        print(json.dumps({"memory_plan": plan.to_json()}))
+    refuse_if_unfit(plan, replan, args)
     if args.dry_run:
         return None
     weights = ModelWeights(path, io=args.io, cache_bytes=plan.cache_experts * plan.expert_bytes,

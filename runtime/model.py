@@ -13,7 +13,6 @@ import os
 
 import numpy as np
 
-from kimistream.formats.codecs import is_float_codec
 from kimistream.formats.config import ModelConfig, RopeConfig
 
 from . import blas, kernels
@@ -91,17 +90,6 @@ GROUPED_CALL_BYTES = 2 << 20
 DECODED_ONCE = ("kv_a", "o", "q_a", "q_b", "q")
 _DECODED_SUFFIXES = ("kv_a_proj_with_mqa.weight", "o_proj.weight", "q_a_proj.weight", "q_b_proj.weight",
                      "q_proj.weight")
-
-
-def resident_copies_bytes(wf) -> int:
-    """Bytes of float32 copies the Model keeps of resident tensors (for the memory plan): attention
-    projections and lm_head stored as f16/bf16. Block codecs run fused and keep no copy."""
-    total = 0
-    for name, t in wf.tensors.items():
-        n = 4 * math.prod(t.shape)
-        if is_float_codec(t.codec) and t.codec != "f32" and (name.endswith(_DECODED_SUFFIXES) or name == "lm_head.weight"):
-            total += n
-    return total
 
 
 class KVCache:

@@ -188,3 +188,23 @@ def test_f16_kv_cache_is_close_and_half_the_memory(synthetic):
     assert np.abs(logits - ref_logits).max() <= 2e-3 * np.abs(ref_logits).max()
     assert m.cache.latent[0].nbytes * 2 == KVCache(w.config, 128).latent[0].nbytes
     w.close()
+
+
+def test_a_config_and_its_converted_file_get_the_same_plan(tmp_path):
+    """One planner: --plan-config on a config and --dry-run on the file converted from it lay out the
+    same resident set, experts, KV cache and buffers; only the header and tokenizer term is an
+    estimate before conversion, and it errs on the safe side."""
+    model = Path(__file__).resolve().parent.parent / "models" / "stdlib-moe"
+    out = tmp_path / "q2.kst"
+    proc = subprocess.run([sys.executable, "-m", "kimistream.convert.cli", str(model), "-o", str(out), "--quant", "q2",
+                           "--calibration", "none", "--quiet"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    flags = ("--memory-budget", "600M", "--max-context", 512, "--prefill-batch-size", 64, "--json")
+    from_config = json.loads(kimi_run("--plan-config", model / "config.json", "--quant", "q2", *flags).stdout)
+    from_file = json.loads(kimi_run("--weights", out, "--dry-run", *flags).stdout)
+    a, b = from_config["memory_plan"], from_file["memory_plan"]
+    for key in ("resident", "expert_bytes", "total_experts", "kv_cache", "activations", "min_cache_experts"):
+        assert a[key] == b[key], key
+    assert b["metadata"] <= a["metadata"] <= b["metadata"] + (80 << 20)
+    # the config's size counts the tensors' bytes; the file adds its header, tokenizer and alignment
+    assert from_config["file_bytes"] <= out.stat().st_size <= 1.1 * from_config["file_bytes"]

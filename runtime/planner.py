@@ -1,0 +1,148 @@
+"""The one memory planner. A plan is a function of the model's config, its footprint (what its
+weights lay out: resident bytes, the float32 copies the model keeps, experts, header, scratch) and
+the flags. The footprint comes from a weight file's header (kimi-run, --dry-run) or from a config and
+a precision preset laid out as the converter would (--plan-config), by the same rules, so a config
+and the file converted from it get the same plan."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+from kimistream.formats.codecs import get_codec, is_float_codec
+from kimistream.formats.config import ModelConfig
+from kimistream.formats.constants import EXTENT_EXPERT, EXTENT_RESIDENT
+from kimistream.formats.layout import plan_extents
+
+from . import budget as B
+from .errors import RunError
+from .model import _DECODED_SUFFIXES
+
+# A header's JSON for a config that has not been converted: bytes per tensor entry and per extent
+# entry, measured on converted files (Kimi K2: 15.2 MB for 69 975 tensors and 23 105 extents), and
+# the tokenizer files assumed (Kimi's tiktoken.model is 2.8 MB, DeepSeek's tokenizer.json 7.8 MB).
+HEADER_BYTES_PER_TENSOR = 175
+HEADER_BYTES_PER_EXTENT = 120
+TOKENIZER_ALLOWANCE = 8 << 20
+
+
+@dataclass
+class Footprint:
+    resident: int            # resident extents plus the float32 copies the model keeps of some
+    expert_bytes: int        # the largest routed expert (one extent)
+    total_experts: int
+    metadata: int            # the parsed header and tokenizer, as Python objects
+    scratch: int             # the largest transient decode buffer
+
+
+def _footprint(tensors, extents, header_bytes: int, blob_bytes: int) -> Footprint:
+    """tensors: (name, class, codec, shape); extents: (kind, bytes)."""
+    copies = scratch = 0
+    for name, cls, codec, shape in tensors:
+        n = 4 * math.prod(shape)
+        float_copy = is_float_codec(codec) and codec != "f32"
+        if float_copy and (name.endswith(_DECODED_SUFFIXES) or name == "lm_head.weight"):
+            copies += n                                   # decoded once and kept
+        if float_copy and cls in ("routed_experts", "shared_experts", "dense_mlp"):
+            scratch = max(scratch, 2 * n)                 # decoded one projection at a time
+        elif not is_float_codec(codec) and len(shape) == 2:
+            scratch = max(scratch, 4 * 64 * shape[1])     # block codecs run fused (a 64-row block)
+        if name.endswith("kv_b_proj.weight") and codec != "f32":
+            scratch = max(scratch, n)                     # decoded per use
+    experts = [nb for kind, nb in extents if kind == EXTENT_EXPERT]
+    return Footprint(resident=sum(nb for kind, nb in extents if kind == EXTENT_RESIDENT) + copies,
+                     expert_bytes=max(experts, default=0), total_experts=len(experts),
+                     metadata=4 * header_bytes + 8 * blob_bytes, scratch=scratch)
+
+
+def of_file(wf) -> Footprint:
+    """A converted weight file's footprint, from its header."""
+    return _footprint([(n, t.cls, t.codec, t.shape) for n, t in wf.tensors.items()],
+                      [(e.kind, e.nbytes) for e in wf.extents], len(json.dumps(wf.header)),
+                      sum(e.nbytes for e in wf.extents if e.kind == "blob"))
+
+
+def of_config(cfg: ModelConfig, precision) -> tuple[Footprint, int]:
+    """The footprint of `cfg` converted with `precision` (a PrecisionPlan for this model), and the
+    file's size, laid out as the converter would."""
+    layout = plan_extents(cfg, precision.codec_for)
+    tensors = [t for _, _, ts in layout for t in ts]
+    extents = [(kind, sum(get_codec(codec).nbytes(shape) for _, _, codec, shape in ts)) for _, kind, ts in layout]
+    header = HEADER_BYTES_PER_TENSOR * len(tensors) + HEADER_BYTES_PER_EXTENT * len(extents)
+    return _footprint(tensors, extents, header, TOKENIZER_ALLOWANCE), sum(nb for _, nb in extents)
+
+
+def plan(cfg: ModelConfig, fp: Footprint, args, baseline: int, max_ctx: int, chunk: int,
+         recorded: bool = False) -> B.MemoryPlan:
+    """The plan under args.budget for a context of max_ctx and prefill chunks of `chunk` tokens;
+    `recorded`: the baseline is the recorded one, not this process's."""
+    return B.make_plan(cfg, budget=args.budget, baseline=baseline, resident=fp.resident,
+                       metadata=fp.metadata + 4 * cfg.hidden_size * chunk,      # plus embedding rows in flight
+                       expert_bytes=fp.expert_bytes, total_experts=fp.total_experts, max_context=max_ctx,
+                       chunk=chunk, expert_scratch=fp.scratch, prefetch=args.prefetch != "off",
+                       kv_itemsize=2 if args.kv_dtype == "f16" else 4, baseline_recorded=recorded)
+
+
+def describe_plan(plan: B.MemoryPlan, log) -> None:
+    log(f"memory plan for a budget of {B.fmt(plan.budget)}:")
+    for label, n in plan.rows():
+        log(f"  {label:<58} {B.fmt(n):>12}")
+    used = plan.fixed + plan.cache_experts * plan.expert_bytes
+    log(f"  {'total planned':<58} {B.fmt(used):>12}")
+
+
+def _largest_fitting(lo: int, hi: int, fits) -> int | None:
+    """The largest n in [lo, hi] with fits(n), for a monotone predicate; None if even lo fails."""
+    if not fits(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def context_length(args, cfg, log) -> int:
+    """--max-context, checked: at least 1, and a warning past the positions the model was trained on;
+    by default 4096 or the model's own limit if lower."""
+    if args.max_context is None:
+        return min(4096, cfg.max_position_embeddings)
+    if args.max_context < 1:
+        raise RunError("--max-context must be at least 1")
+    if args.max_context > cfg.max_position_embeddings:
+        log(f"warning: --max-context {args.max_context} is past the model's max_position_embeddings "
+            f"({cfg.max_position_embeddings}); positions beyond it were never trained")
+    return args.max_context
+
+
+def auto_prefill_batch(plan_with) -> int:
+    """The default prompt chunk: 256 tokens when that costs the expert cache at most a tenth of what it
+    holds at 64 (larger chunks let each expert's rows serve more tokens: 75 against 45 tok/s of
+    prefill in benchmarks/RESULTS.md), else 64, else the largest that fits."""
+    base = plan_with(64)
+    for b in (256, 128):
+        p = plan_with(b)
+        if p.fits and p.cache_experts >= 0.9 * base.cache_experts:
+            return b
+    if base.fits:
+        return 64
+    return _largest_fitting(1, 63, lambda b: plan_with(b).fits) or 64
+
+
+def refuse_if_unfit(plan: B.MemoryPlan, replan, args) -> None:
+    """Refuse an unfit plan, naming each flag that alone would make it fit and the value to use.
+    `replan(max_context, prefill_batch_size)` recomputes the plan with other flags unchanged."""
+    if plan.fits:
+        return
+    tips = [f"raise --memory-budget to at least {B.fmt(plan.budget + plan.shortfall())}"]
+    ctx = _largest_fitting(1, args.max_ctx - 1, lambda c: replan(c, args.prefill_batch_size).fits)
+    if ctx is not None:
+        tips.append(f"lower --max-context from {args.max_ctx} to {ctx}")
+    batch = _largest_fitting(1, args.prefill_batch_size - 1, lambda b: replan(args.max_ctx, b).fits)
+    if batch is not None:
+        tips.append(f"lower --prefill-batch-size from {args.prefill_batch_size} to {batch}")
+    if plan.resident > plan.budget // 2:
+        tips.append(f"convert with a lower-precision --quant (resident weights alone take {B.fmt(plan.resident)})")
+    raise RunError(f"a budget of {B.fmt(plan.budget)} cannot hold the minimum ({B.fmt(plan.fixed)} fixed + "
+                   f"{plan.min_cache_experts} experts × {B.fmt(plan.expert_bytes)}; short by "
+                   f"{B.fmt(plan.shortfall())}): " + "; or ".join(tips))
