@@ -72,6 +72,23 @@ class _TextStream:
 
 # ------------------------------------------------------------------------------------ memory plan
 
+def untrained_chat_markers(tok: Tokenizer, weights: ModelWeights) -> list[str]:
+    """The chat template's markers the model was evidently never trained on: those its vocabulary
+    splits into several tokens, and those whose embedding row is smaller than 95 % of a sample of the
+    vocabulary's rows (a row no training step ever reached only shrinks under weight decay: the
+    bundled base models' <|im_start|> sits at the 1st percentile)."""
+    markers = tok.chat_markers()
+    out = sorted(m for m, i in markers.items() if i is None)
+    single = {m: i for m, i in markers.items() if i is not None}
+    if single:
+        vocab = weights.config.vocab_size
+        sample = np.random.default_rng(0).choice(vocab, size=min(1024, vocab), replace=False)
+        floor = np.percentile(np.linalg.norm(weights.embed_rows(sample), axis=1), 5)
+        norms = np.linalg.norm(weights.embed_rows(list(single.values())), axis=1)
+        out += sorted(m for m, n in zip(single, norms) if n < floor)
+    return out
+
+
 # ------------------------------------------------------------------------------------ run
 
 def run(args) -> int:
@@ -188,6 +205,10 @@ def _generate(args, log) -> int:
     cfg, plan, weights, model, tok, resident = s.cfg, s.plan, s.weights, s.model, s.tok, s.resident
     prompt = _prompt_text(args.prompt)
     if args.chat:
+        untrained = untrained_chat_markers(tok, weights)
+        if untrained:
+            log(f"warning: --chat: this model looks untrained on its chat template's markers "
+                f"({', '.join(untrained)}): a base model continues the text rather than answering")
         prompt_ids = tok.encode(tok.render_chat([{"role": "user", "content": prompt}]), add_special_tokens=False)
     else:
         prompt_ids = tok.encode(prompt)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 
 # Kimi K2's pre-tokenisation pattern (from its tokenizer definition): Han runs, cased words with
 # optional English contractions, 1-3 digit numbers, punctuation runs, newlines and spaces.
@@ -136,6 +137,17 @@ class Tokenizer:
             specials = set(self._special.values())
             ids = [i for i in ids if i not in specials]
         return self._tt.decode(ids)
+
+    def chat_markers(self) -> dict[str, int | None]:
+        """The chat template's role markers (<|im_start|>, DeepSeek's <｜User｜>, ...) and the one token
+        each is in this vocabulary, or None where the tokenizer splits it (a template the model cannot
+        have been trained on)."""
+        found = set(re.findall(r"<\|[^|<>\s]{1,40}\|>|<\uff5c[^\uff5c<>\s]{1,40}\uff5c>", self.chat_template or ""))
+        out = {}
+        for m in sorted(found):
+            ids = self.encode(m, add_special_tokens=False)
+            out[m] = ids[0] if len(ids) == 1 else None
+        return out
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The prompt text, rendered as transformers' `apply_chat_template(..., tokenize=False)` does."""

@@ -189,3 +189,13 @@ def test_long_phases_print_lines_when_stderr_is_not_a_terminal(tiny_ckpt, tmp_pa
     assert lines[0].startswith("kimi-run: scoring: started, ") and lines[-1].startswith("kimi-run: scoring: done, ")
     quiet = convert(tiny_ckpt, "-o", tmp_path / "q.kst", "--quant", "bf16", "--quiet")
     assert "converting" not in quiet.stderr
+
+
+def test_chat_on_a_base_model_warns():
+    """The bundled model is a base model trained on code: its template's markers are tokens, but
+    their embedding rows were never trained, so --chat says what to expect."""
+    proc = kimi_run("--chat", "--prompt", "hi", "--max-tokens", "1")
+    warning = [l for l in proc.stderr.splitlines() if "warning: --chat" in l]
+    assert len(warning) == 1 and "<|im_start|>" in warning[0], proc.stderr
+    proc = kimi_run("--prompt", "hi", "--max-tokens", "1")
+    assert "warning: --chat" not in proc.stderr

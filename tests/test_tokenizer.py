@@ -178,3 +178,19 @@ def test_hostile_chat_templates_are_bounded(hf, case):
         assert time.monotonic() - t0 < 10 and "\n" not in str(e.value)
     finally:
         ours.chat_template = saved
+
+
+def test_chat_markers(pair):
+    """The template's role markers and the one token each is; None where the vocabulary splits one."""
+    ours, _ = pair
+    markers = ours.chat_markers()
+    assert "<|im_start|>" in markers and "<|im_end|>" in markers
+    for m, i in markers.items():
+        ids = ours.encode(m, add_special_tokens=False)
+        assert i == (ids[0] if len(ids) == 1 else None)
+    assert any(i is not None for i in markers.values())
+    ours.chat_template = "<|im_start|>{{ messages[0].content }}<|not_a_token|>"
+    try:
+        assert ours.chat_markers()["<|not_a_token|>"] is None
+    finally:
+        ours.chat_template = ours.config.get("chat_template") or fx.CHAT_TEMPLATE
