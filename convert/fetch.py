@@ -26,6 +26,8 @@ from rich.markup import escape
 from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
                            TransferSpeedColumn)
 
+from kimistream.formats.progress import Phase
+
 from . import hub as H
 from .converter import MANIFEST_NAME
 from .source import INDEX_FILE
@@ -145,14 +147,17 @@ class _Hashes:
 # ------------------------------------------------------------------------------------------- progress
 
 class TransferProgress:
-    """One bar per active file and a total with rate and ETA (rich; transient, on stderr)."""
+    """One bar per active file and a total with rate and ETA (rich; transient, on stderr); when stderr
+    is not a terminal, the total as plain lines instead (formats/progress.py)."""
 
     def __init__(self, console: Console, enabled: bool = True):
         self.console = console
+        self.lines = enabled and not console.is_terminal
         self.p = Progress(TextColumn("{task.description}", justify="left"), BarColumn(), DownloadColumn(),
                           TransferSpeedColumn(), TimeRemainingColumn(), console=console, transient=True,
-                          disable=not enabled)
+                          disable=not enabled or self.lines)
         self.total = None
+        self.phase = None
         self._lock = threading.Lock()
         self.files_done = self.files_total = 0
         self.bytes_total = 0
@@ -161,8 +166,10 @@ class TransferProgress:
         self.p.start()
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, kind, value, tb):
         self.p.stop()
+        if self.phase is not None:
+            self.phase.__exit__(kind, value, tb)
 
     def begin(self, nfiles: int, nbytes: int):
         with self._lock:
@@ -171,6 +178,10 @@ class TransferProgress:
                 self.total = self.p.add_task(self._desc(), total=nbytes)
             else:
                 self.p.reset(self.total, total=nbytes, description=self._desc())
+            if self.lines and self.phase is None:
+                self.phase = Phase("downloading", nbytes, "bytes", terminal=False).__enter__()
+            elif self.phase is not None:
+                self.phase.total = nbytes
 
     def _desc(self) -> str:
         return f"[bold]total[/] {self.files_done}/{self.files_total} files"
@@ -184,6 +195,9 @@ class TransferProgress:
     def transferred(self, task, n: int):
         self.p.update(task, advance=n)
         self.p.update(self.total, advance=n)
+        if self.phase is not None:
+            with self._lock:
+                self.phase.advance(n)
 
     def not_needed(self, n: int):
         """`n` bytes need no transfer (a file found complete, or a partial already on disk); negative:
@@ -191,6 +205,8 @@ class TransferProgress:
         with self._lock:
             self.bytes_total = max(0, self.bytes_total - n)
             self.p.update(self.total, total=self.bytes_total)
+            if self.phase is not None:
+                self.phase.total = self.bytes_total
 
     def remove_file(self, task):
         self.p.remove_task(task)

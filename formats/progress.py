@@ -96,6 +96,8 @@ class Phase:
             return False
         if self._bar is not None:
             self._bar.__exit__(kind, value, tb)
+        elif kind is None and self.done < self.total:         # ended short (failures reported apart)
+            self._line(f"stopped at {self._status(time.monotonic()).split(',')[0]}")
         elif kind is None:
             now = time.monotonic()
             self._line(f"done, {_amount(self.done, self.unit)} in {_duration(now - self.t0)} "

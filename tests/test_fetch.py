@@ -85,7 +85,8 @@ def verify(*args):
 
 
 def error_lines(proc) -> list[str]:
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    # progress lines (stderr is a pipe here) aside, every line is an error
+    lines = [l for l in proc.stderr.splitlines() if l.strip() and not l.startswith("kimi-convert: downloading: ")]
     assert "Traceback" not in proc.stderr, proc.stderr
     assert all(l.startswith("kimi-convert: error: ") for l in lines), proc.stderr
     return lines
@@ -110,6 +111,10 @@ def test_download_pinned_revision_manifest_and_verify(hub, tmp_path):
     d = tmp_path / "dl"
     proc, rep = fetch(hub, d)
     assert proc.returncode == 0, proc.stderr
+    # stderr is a pipe here: the transfer speaks in plain lines, not a vanishing bar
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("kimi-convert: downloading: ")]
+    assert lines[0].startswith("kimi-convert: downloading: started, ") and lines[-1].startswith(
+        "kimi-convert: downloading: done, "), proc.stderr
     assert rep["source"] == f"{REPO}@{hub.commit}"
     assert_complete(d, hub.files)
     # Only what a conversion needs: no README, .gitattributes, unindexed or nested safetensors.
@@ -213,6 +218,7 @@ def test_bad_server_leaves_no_file_and_says_which_and_why(hub, tmp_path):
     proc, _ = fetch(hub, d, "--retries", "3")
     assert proc.returncode == 1
     assert len(error_lines(proc)) == 4
+    assert "downloading: done" not in proc.stderr and "kimi-convert: downloading: stopped at " in proc.stderr
     e = the_error(proc, d / SHARDS[0])
     assert "SHA-256 mismatch" in e and sha256(hub.files[SHARDS[0]]) in e and "LFS" in e
     assert len(hub.gets(SHARDS[0])) == 2           # a wrong hash costs at most one more full download
