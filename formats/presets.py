@@ -48,7 +48,7 @@ PRESETS: dict[str, dict[str, str]] = {
     "q2": _lowbit("q2"),
     "t1": _lowbit("t1"),
     "q1": _lowbit("q1"),
-    # The baseline: round-to-nearest 2-bit min-max on the routed experts, everything else f32.
+    # The quality baseline: round-to-nearest 2-bit min-max on the routed experts, everything else f32.
     "q2rtn-baseline": _mixed("q2rtn", "f32", "f32"),
 }
 

@@ -37,7 +37,7 @@ def one_line_error(proc, *words):
 @pytest.fixture()
 def hostile(tiny_ckpt, tmp_path):
     """A two-shard checkpoint whose index sends one shard outside the directory (a victim file that
-    must survive), in the two ways the issue names: an absolute path and a climb with '..'."""
+    must survive), in the two ways an index can: an absolute path and a climb with '..'."""
     def make(kind):
         ck = _reshard(tiny_ckpt, tmp_path / f"ck-{kind}", lambda i, n: f"model-{i}-of-{n}.safetensors", 2)
         victim_dir = tmp_path / f"outside-{kind}"

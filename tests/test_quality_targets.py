@@ -1,6 +1,6 @@
 """Quantization quality on the bundled trained model, scaled down for CI (a slice of its held-out
 text), through kimi-convert as a user runs it: every preset keeps its routed-expert bit budget, more
-bits give lower KL, and q2 / t1 meet the issue's targets against the round-to-nearest baseline by
+bits give lower KL, and q2 / t1 meet the project's quality targets against the round-to-nearest baseline by
 default (self-calibration: text the model samples itself) and with training-split text, both lower
 than the data-free fit (`--calibration none`). The full table for both trained models is
 benchmarks/bench_quality.py's (RESULTS.md)."""
@@ -67,6 +67,6 @@ def test_presets_bits_kl_and_calibration(setup):
     print(json.dumps({"data-free": free, "baseline": base["kl_mean"], "calibrated": {" ".join(k): v
                                                                                     for k, v in kl.items()}}))
     for (preset, calibration), got in kl.items():
-        # calibration lowers KL, and the issue's targets against round-to-nearest 2-bit (all else f32)
+        # calibration lowers KL, and the project's quality targets against round-to-nearest 2-bit (all else f32)
         assert got < free[preset], (preset, calibration, got, free)
         assert got <= (0.5 if preset == "q2" else 1.0) * base["kl_mean"], (preset, calibration, got, base)
