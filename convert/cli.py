@@ -80,17 +80,11 @@ def main(argv=None) -> int:
     # Parsing and imports (rich, the hub client, the quantizers: only after the arguments parse) run to
     # their end; Ctrl-C at any point ends with one line.
     def start():
-        sys.argv[0] = "kimi-convert"    # messages name the command, also when run as python -m
         args = build_parser().parse_args(argv)
         from .commands import run
         return lambda: run(args)
-    return interrupts.command(start, _interrupted)
-
-
-def _interrupted() -> int:
-    print("kimi-convert: error: interrupted; partial output kept as *.partial, run the same command to resume",
-          file=sys.stderr, flush=True)
-    return 130
+    return interrupts.command("kimi-convert", start,
+                              "error: interrupted; partial output kept as *.partial, run the same command to resume")
 
 
 if __name__ == "__main__":

@@ -32,16 +32,10 @@ def main(argv=None) -> int:
     # Parsing and imports (rich, the hub client: only after the arguments parse) run to their end;
     # Ctrl-C at any point ends with one line.
     def start():
-        sys.argv[0] = "kimi-verify"    # messages name the command, also when run as python -m
         args = build_parser().parse_args(argv)
         from .verify_report import run
         return lambda: run(args)
-    return interrupts.command(start, _interrupted)
-
-
-def _interrupted() -> int:
-    print("kimi-verify: interrupted", file=sys.stderr)
-    return 130
+    return interrupts.command("kimi-verify", start, "interrupted")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ wrapped that way."""
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from contextlib import contextmanager
 
@@ -39,10 +40,12 @@ def caused_by_interrupt(e: BaseException | None) -> bool:
     return False
 
 
-def command(start, on_interrupt) -> int:
+def command(prog: str, start, interrupted: str) -> int:
     """A command's main: `start()` (parse the arguments, import the work) runs with the interrupt held
-    and returns the work, a callable giving the exit status; Ctrl-C at any point, even wrapped in
-    another exception, returns on_interrupt() instead."""
+    and returns the work, a callable giving the exit status. Ctrl-C at any point, even wrapped in
+    another exception, prints "PROG: INTERRUPTED" and returns 130. Messages name `prog`, also when the
+    command runs as `python -m`."""
+    sys.argv[0] = prog
     try:
         with held():
             work = start()
@@ -50,6 +53,7 @@ def command(start, on_interrupt) -> int:
     except Exception as e:
         if not caused_by_interrupt(e):
             raise
-        return on_interrupt()
     except KeyboardInterrupt:
-        return on_interrupt()
+        pass
+    print(f"{prog}: {interrupted}", file=sys.stderr, flush=True)
+    return 130

@@ -76,12 +76,11 @@ def _set_threads(n: int | None) -> None:
 def main(argv=None) -> int:
     # Parsing and imports run with Ctrl-C held (it acts once they are done): one line at any point.
     def start():
-        sys.argv[0] = "kimi-run"    # messages name the command, also when run as python -m
         args = build_parser().parse_args(argv)
         _set_threads(args.threads)
         from .app import run
         return lambda: _run(run, args)
-    return interrupts.command(start, _interrupted)
+    return interrupts.command("kimi-run", start, "interrupted")
 
 
 def _run(run, args) -> int:
@@ -91,12 +90,6 @@ def _run(run, args) -> int:
         # stdout closed early (e.g. piped into `head`): stop quietly like other Unix tools.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
-
-
-def _interrupted() -> int:
-    # Ctrl-C before generation started (planning, loading): nothing to keep, say so and stop
-    sys.stderr.write("kimi-run: interrupted\n")
-    return 130
 
 
 if __name__ == "__main__":
