@@ -17,7 +17,7 @@ from kimistream.formats.progress import Phase
 from . import fetch as F
 from . import hub as H
 from . import calibration as C
-from .converter import ConversionError, check_output_apart, convert_checkpoint
+from .converter import ConversionError, check_output_apart, consumed_shards, convert_checkpoint
 from kimistream.formats.presets import PrecisionPlan
 from .source import HFCheckpoint
 
@@ -59,14 +59,17 @@ def _error(msg, code: int = 1) -> int:
 
 def _download(args, err: Console, out: Path | None):
     """Fetch the checkpoint named by SOURCE or --urls; the Report, or an exit code after the errors."""
+    # Shards an interrupted --delete-source conversion to `out` already consumed are not fetched again.
+    consumed = consumed_shards(out) if args.delete_source and out is not None else None
     try:
         if args.urls:
             return F.download_urls(args.urls, args.dir, jobs=args.jobs, retries=args.retries,
-                                   retry_wait=args.retry_wait, manifest=args.manifest, console=err, quiet=args.quiet)
+                                   retry_wait=args.retry_wait, manifest=args.manifest, console=err, quiet=args.quiet,
+                                   consumed=consumed)
         base = out.parent if out is not None else Path(".")
         return F.download_repo(args.source, args.dir, base, endpoint=args.endpoint, jobs=args.jobs,
                                retries=args.retries, retry_wait=args.retry_wait, checksums_dir=args.checksums,
-                               manifest=args.manifest, console=err, quiet=args.quiet)
+                               manifest=args.manifest, console=err, quiet=args.quiet, consumed=consumed)
     except F.DownloadFailed as e:
         for fe in e.errors:
             _error(fe)

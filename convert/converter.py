@@ -176,6 +176,8 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
     previous = writer.journaled_meta()
     if previous and all(previous.get(k) == v for k, v in meta.items()) and same_sources(ckpt, previous):
         meta["source"] = previous["source"]        # shards may have been deleted since: trust the journal
+    elif ckpt.missing_shards:
+        raise ConversionError(_cannot_resume(ckpt, out, previous or {}, meta))
     else:
         meta["source"] = source_record(ckpt)
     if imatrix:
@@ -197,6 +199,8 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
                 progress("tensor", name=n, nbytes=t.nbytes)
                 _tally(summary, t)
                 left_in_shard[shard] -= 1
+                if delete_source and left_in_shard[shard] == 0 and shard not in ckpt.missing_shards:
+                    _consume(ckpt, shard, writer, meta, progress)     # fetched again since: delete it again
                 continue
             if shard in ckpt.missing_shards:
                 raise ConversionError(f"{ckpt.dir / shard}: deleted, but tensor {n} from it is not in the journal "
@@ -217,9 +221,7 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
             del values, encoded
             left_in_shard[shard] -= 1
             if delete_source and left_in_shard[shard] == 0:
-                ckpt.shards[shard].close()
-                (ckpt.dir / shard).unlink(missing_ok=True)
-                progress("shard-done", path=str(ckpt.dir / shard))
+                _consume(ckpt, shard, writer, meta, progress)
         path = writer.finish()
     except BaseException:
         writer.abort()
@@ -231,6 +233,40 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
     summary.peak_rss_bytes = _vm_hwm()
     progress("done")
     return summary
+
+
+def _cannot_resume(ckpt: HFCheckpoint, out, previous: dict, meta: dict) -> str:
+    """Why an interrupted --delete-source conversion cannot go on, and what the user can do."""
+    what = {"plan": "another precision plan (--quant/--override)", "tokenizer": "another tokenizer",
+            "config": "another config.json", "hf_config": "another config.json"}
+    why = next((f"it used {what[k]}" for k in meta if previous.get(k) != meta[k]), None)
+    if why is None:
+        known = _manifest(ckpt)
+        changed = next((n for n, rec in previous.get("source", {}).get("files", {}).items()
+                        if (ckpt.dir / n).exists() and ((ckpt.dir / n).stat().st_size != rec.get("size")
+                                                        or _sha256_of(ckpt.dir / n, known, n) != rec.get("sha256"))),
+                       None)
+        why = f"{ckpt.dir / changed} is not the file it read" if changed else "its journal is unreadable"
+    gone = sorted(ckpt.missing_shards)
+    return (f"{out}: cannot resume the interrupted conversion: {why}, and it already deleted "
+            f"{', '.join(gone)} (--delete-source); rerun it as it was, or fetch "
+            f"{'that shard' if len(gone) == 1 else 'those shards'} again to start over")
+
+
+def _consume(ckpt: HFCheckpoint, shard: str, writer: WeightFileWriter, meta: dict, progress) -> None:
+    """Delete a source shard all of whose tensors are written. The journal says so first (durably),
+    so that a resumed download knows not to fetch it again (`consumed_shards`)."""
+    ckpt.shards[shard].close()
+    writer.note({"consumed": shard, "sha256": meta["source"]["files"][shard]["sha256"]})
+    (ckpt.dir / shard).unlink(missing_ok=True)
+    progress("shard-done", path=str(ckpt.dir / shard))
+
+
+def consumed_shards(out) -> dict[str, str]:
+    """{shard name: SHA-256} of the source shards that an interrupted `--delete-source` conversion to
+    `out` wrote completely and deleted: a download resuming for it need not fetch them again."""
+    return {r["consumed"]: r.get("sha256") for r in WeightFileWriter(out).journaled_notes("consumed")
+            if isinstance(r["consumed"], str) and isinstance(r.get("sha256"), str)}
 
 
 def _tally(summary: Summary, t) -> None:

@@ -119,7 +119,7 @@ class Result:
     name: str
     size: int
     sha256: str
-    status: str                   # "downloaded" or "present"
+    status: str                   # "downloaded", "present" or "consumed" (see Downloader)
     resumed_from: int = 0         # bytes already in NAME.partial when this run started on it
     transferred: int = 0          # bytes received over the network for it in this run
     attempts: int = 0
@@ -309,11 +309,14 @@ def _looks_like_html(block: bytes) -> bool:
 # ----------------------------------------------------------------------------------------- downloader
 
 class Downloader:
-    """Fetches Targets into a directory: several at once, each with its own Range resume and retries."""
+    """Fetches Targets into a directory: several at once, each with its own Range resume and retries.
+    `consumed` ({name: SHA-256}) names files an interrupted `--delete-source` conversion already wrote
+    out and deleted: such a file, absent and expected with that very hash, is not fetched again."""
 
     def __init__(self, directory: Path, journal: Journal, progress: TransferProgress, *, jobs: int = 4,
-                 retries: int = 5, retry_wait: float = 2.0, timeout: float = 60.0):
+                 retries: int = 5, retry_wait: float = 2.0, timeout: float = 60.0, consumed: dict | None = None):
         self.dir = Path(directory)
+        self.consumed = consumed or {}
         self.journal = journal
         self.progress = progress
         self.jobs, self.retries, self.retry_wait = max(1, jobs), max(1, retries), max(0.0, retry_wait)
@@ -338,7 +341,7 @@ class Downloader:
         need = 0
         for t in targets:
             dest, part = self._paths(t)
-            if dest.is_file() and (t.size is None or dest.stat().st_size == t.size):
+            if self._is_consumed(t) or dest.is_file() and (t.size is None or dest.stat().st_size == t.size):
                 continue
             have = part.stat().st_size if part.is_file() else 0
             need += max(0, (t.size or 0) - have)
@@ -366,12 +369,21 @@ class Downloader:
         dest = self.dir / t.name
         return dest, dest.with_name(dest.name + ".partial")
 
+    def _is_consumed(self, t: Target) -> bool:
+        return (t.sha256 is not None and self.consumed.get(t.name) == t.sha256
+                and not (self.dir / t.name).exists())
+
     # ---- one file ----
     def fetch(self, t: Target) -> Result:
         dest, part = self._paths(t)
         if self.stop.is_set():
             raise Interrupted()
         try:
+            if self._is_consumed(t):
+                part.unlink(missing_ok=True)
+                self.journal.add(t.name, t.sha256)
+                self.progress.not_needed(t.size or 0)
+                return Result(t.name, t.size or 0, t.sha256, "consumed")
             dest.parent.mkdir(parents=True, exist_ok=True)
             if dest.is_file():
                 done = self._check_existing(t, dest)
@@ -602,11 +614,13 @@ class Report:
     def describe(self) -> str:
         down = [r for r in self.results if r.status == "downloaded"]
         resumed = [r for r in down if r.resumed_from]
+        consumed = sum(r.status == "consumed" for r in self.results)
         moved = sum(r.transferred for r in self.results)
         rate = moved / self.elapsed / 1e6 if self.elapsed > 0 else 0.0
+        gone = f", {consumed} already converted and deleted (not fetched again)" if consumed else ""
         return (f"{self.source}: {len(self.results)} files in {self.directory} "
-                f"({len(down)} downloaded, {len(resumed)} of them resumed, {len(self.results) - len(down)} already "
-                f"present); {moved:,} bytes in {self.elapsed:.1f} s ({rate:.1f} MB/s); every file's size and "
+                f"({len(down)} downloaded, {len(resumed)} of them resumed, "
+                f"{len(self.results) - len(down) - consumed} already present{gone}); {moved:,} bytes in {self.elapsed:.1f} s ({rate:.1f} MB/s); every file's size and "
                 f"hash checked against {', '.join(self.checked_against)}; manifest {self.manifest}")
 
 
@@ -637,9 +651,10 @@ def _hub_target(snap: H.Snapshot, name: str, directory: Path, extra: dict) -> Ta
 def download_repo(spec: str, directory: Path | None = None, base: Path | None = None, *,
                   endpoint: str | None = None, jobs: int = 4, retries: int = 5, retry_wait: float = 2.0,
                   checksums_dir: Path | None = None, manifest: Path | None = None,
-                  console: Console | None = None, quiet: bool = False) -> Report:
+                  console: Console | None = None, quiet: bool = False, consumed=None) -> Report:
     """Download the files a conversion needs from a hub repo at REVISION (pinned to its commit) into
-    `directory` (default: BASE/ORG--NAME@COMMIT). Raises DownloadFailed listing every file that failed."""
+    `directory` (default: BASE/ORG--NAME@COMMIT). Raises DownloadFailed listing every file that failed.
+    `consumed` names files not to fetch again (see Downloader)."""
     t0 = time.monotonic()
     repo_id, revision = H.parse_spec(spec)
     snap = H.list_snapshot(repo_id, revision, endpoint)
@@ -667,8 +682,9 @@ def download_repo(spec: str, directory: Path | None = None, base: Path | None = 
         return targets
 
     try:
-        with TransferProgress(console, not quiet) as prog, Downloader(directory, journal, prog, jobs=jobs,
-                                                                      retries=retries, retry_wait=retry_wait) as dl:
+        with TransferProgress(console, not quiet) as prog, Downloader(
+                directory, journal, prog, jobs=jobs, retries=retries, retry_wait=retry_wait,
+                consumed=consumed) as dl:
             _fetch_snapshot(snap, directory, dl, plan, results, errors)
     except (KeyboardInterrupt, Interrupted):
         raise Interrupted(str(directory)) from None
@@ -753,7 +769,8 @@ def read_url_list(path: Path, directory: Path) -> tuple[list[tuple[str, str, str
 
 
 def download_urls(url_file: Path, directory: Path, *, jobs: int = 4, retries: int = 5, retry_wait: float = 2.0,
-                  manifest: Path | None = None, console: Console | None = None, quiet: bool = False) -> Report:
+                  manifest: Path | None = None, console: Console | None = None, quiet: bool = False,
+                  consumed=None) -> Report:
     """Download plain http(s) URLs (release assets, mirrors) with the same resume, hashing and rules:
     every file needs an expected SHA-256, on its line or in `manifest`."""
     t0 = time.monotonic()
@@ -779,7 +796,8 @@ def download_urls(url_file: Path, directory: Path, *, jobs: int = 4, retries: in
     journal = Journal(directory, {"urls": str(Path(url_file).resolve())})
     console = console or Console(stderr=True)
     try:
-        results = _fetch_urls(targets, directory, journal, console, quiet, jobs, retries, retry_wait, errors)
+        results = _fetch_urls(targets, directory, journal, console, quiet, jobs, retries, retry_wait, errors,
+                              consumed)
     except (KeyboardInterrupt, Interrupted):
         raise Interrupted(str(directory)) from None
     if errors:
@@ -790,9 +808,10 @@ def download_urls(url_file: Path, directory: Path, *, jobs: int = 4, retries: in
     return Report(directory, str(url_file), man, checked, results, time.monotonic() - t0)
 
 
-def _fetch_urls(targets, directory, journal, console, quiet, jobs, retries, retry_wait, errors) -> list[Result]:
-    with TransferProgress(console, not quiet) as prog, Downloader(directory, journal, prog, jobs=jobs,
-                                                                  retries=retries, retry_wait=retry_wait) as dl:
+def _fetch_urls(targets, directory, journal, console, quiet, jobs, retries, retry_wait, errors,
+                consumed) -> list[Result]:
+    with TransferProgress(console, not quiet) as prog, Downloader(directory, journal, prog, jobs=jobs, retries=retries,
+                                                                  retry_wait=retry_wait, consumed=consumed) as dl:
         def head(t: Target):            # sizes up front, for the total and the free-space check
             try:
                 r = dl.client.head(t.url)

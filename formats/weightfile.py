@@ -141,6 +141,28 @@ class WeightFileWriter:
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
+    def journaled_notes(self, key: str) -> list[dict]:
+        """The records of an interrupted write's journal that carry `key` (see `note`)."""
+        try:
+            lines = self.journal_path.read_text().splitlines()[1:]
+        except (OSError, UnicodeDecodeError):
+            return []
+        out = []
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                break                          # a torn last line
+            if isinstance(rec, dict) and key in rec:
+                out.append(rec)
+        return out
+
+    def note(self, rec: dict) -> None:
+        """Journal a caller's record durably (fsync) before the caller acts on it, e.g. deletes the
+        source a tensor came from. Resuming ignores such records; `journaled_notes` reads them."""
+        self._log(rec)
+        os.fsync(self._journal.fileno())
+
     def begin(self, meta: dict, resume: bool = True) -> int:
         """Lay out the file and open `NAME.partial`. With `resume`, an interrupted write of the same
         layout (same header before checksums) continues: its journal says which tensors and extent

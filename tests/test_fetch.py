@@ -372,6 +372,62 @@ def test_convert_repo_end_to_end(hub, ckpt, tmp_path):
     assert out.read_bytes() == ref.read_bytes()
 
 
+def test_delete_source_interrupted_is_not_downloaded_again(hub, ckpt, tmp_path):
+    """An interrupted `--delete-source` conversion from the hub: the rerun does not fetch the shard it
+    already converted and deleted, resumes, and deletes a shard the user fetched again by hand."""
+    out = tmp_path / "out" / "model.kst"
+    out.parent.mkdir()
+    args = [sys.executable, "-m", "kimistream.convert.cli", f"{REPO}@main", "-o", str(out), "--endpoint", hub.url,
+            "--quant", "f32", "--delete-source", *FAST]
+    env = {**os.environ, **HF_ENV}
+    proc = subprocess.Popen(args, stderr=subprocess.PIPE, text=True, env=env)
+    for line in proc.stderr:
+        if "consumed and deleted" in line:
+            proc.send_signal(signal.SIGINT)
+            break
+    rest = proc.stderr.read()
+    assert proc.wait(60) == 130, rest
+    d = out.parent / f"test-org--tiny-moe@{hub.commit}"
+    assert not (d / SHARDS[0]).exists() and (d / SHARDS[2]).exists()
+    n = len(hub.log)
+    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "1 already converted and deleted (not fetched again)" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert SHARDS[0] not in {e.name for e in hub.log[n:] if e.method == "GET"}
+    assert not list(d.glob("*.safetensors")) and not list(out.parent.glob("*.partial*"))
+    from kimistream.convert.converter import convert_checkpoint
+    from kimistream.formats.presets import PrecisionPlan
+    ref = tmp_path / "ref.kst"
+    convert_checkpoint(ckpt[0], ref, PrecisionPlan.from_preset("f32"))
+    assert out.read_bytes() == ref.read_bytes()
+
+
+def test_refetched_shard_is_deleted_again_on_resume(ckpt, tmp_path):
+    """A shard fetched again after an interrupted `--delete-source` run (all its tensors already
+    written) is deleted when the conversion resumes, as the flag asks."""
+    from kimistream.convert.converter import convert_checkpoint
+    from kimistream.formats.presets import PrecisionPlan
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_first_shard(kind, **info):
+        if kind == "shard-done":
+            raise Stop
+    src = tmp_path / "src"
+    shutil.copytree(ckpt[0], src)
+    out = tmp_path / "m.kst"
+    with pytest.raises(Stop):
+        convert_checkpoint(src, out, PrecisionPlan.from_preset("f32"), progress=stop_after_first_shard,
+                           delete_source=True)
+    gone = [n for n in SHARDS if not (src / n).exists()]
+    assert len(gone) == 1
+    shutil.copy(ckpt[0] / gone[0], src / gone[0])          # "repaired"
+    convert_checkpoint(src, out, PrecisionPlan.from_preset("f32"), delete_source=True)
+    assert not list(src.glob("*.safetensors"))
+
+
 def test_hf_endpoint_token_and_bad_revision(ckpt, tmp_path):
     _, files = ckpt
     env = {"HF_TOKEN": ""}

@@ -98,6 +98,50 @@ def test_delete_source_resumes_without_consumed_shards(tiny_ckpt, reference, tmp
         assert set(a.header["source"]["files"]) >= {"model-00001-of-00003.safetensors"}
 
 
+@pytest.mark.parametrize("change", ["plan", "shard"])
+def test_delete_source_run_that_cannot_resume_says_why(tiny_ckpt, reference, tmp_path, change):
+    """After an interrupted --delete-source run, a rerun with another plan, or with a source shard
+    that is no longer the file it read (a repaired copy), cannot use the journal and cannot start
+    over: one line names the output, the reason and the deleted shard. Fetching it again recovers."""
+    import shutil
+    src = _reshard(tiny_ckpt, tmp_path / "src", lambda i, n: f"model-{i:05d}-of-{n:05d}.safetensors", 3)
+    keep = tmp_path / "copy"
+    shutil.copytree(src, keep)
+    out = tmp_path / "m.kst"
+
+    def stop_at_first_shard(kind, **info):
+        if kind == "shard-done":
+            raise Stop
+    with pytest.raises(Stop):
+        convert_checkpoint(src, out, PLAN, progress=stop_at_first_shard, delete_source=True)
+    quant = "bf16"
+    if change == "plan":
+        quant = "f32"
+    else:
+        last = src / "model-00003-of-00003.safetensors"
+        data = bytearray(last.read_bytes())
+        data[-1] ^= 1                                   # same size, other bytes: not the file it read
+        last.write_bytes(bytes(data))
+    argv = [sys.executable, "-m", "kimistream.convert.cli", str(src), "-o", str(out), "--quant", quant,
+            "--calibration", "none", "--delete-source", "--quiet"]
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    (line,) = proc.stderr.splitlines()
+    why = ("it used another precision plan" if change == "plan"
+           else f"{src / 'model-00003-of-00003.safetensors'} is not the file it read")
+    assert line.startswith(f"kimi-convert: error: {out}: cannot resume the interrupted conversion: {why}")
+    assert "already deleted model-00001-of-00003.safetensors (--delete-source)" in line
+    assert (tmp_path / "m.kst.partial.journal").exists()          # nothing thrown away
+    shutil.copy(keep / "model-00001-of-00003.safetensors", src)     # fetched again: starts over
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert not list(src.glob("*.safetensors"))
+    if change == "plan":
+        ref = tmp_path / "ref.kst"
+        convert_checkpoint(keep, ref, PrecisionPlan.from_preset("f32"))
+        assert out.read_bytes() == ref.read_bytes()
+
+
 def test_missing_shard_without_journal_is_an_error(tiny_ckpt, tmp_path):
     from kimistream.convert.converter import ConversionError
     src = _reshard(tiny_ckpt, tmp_path / "src", lambda i, n: f"model-{i:05d}-of-{n:05d}.safetensors", 3)
