@@ -953,9 +953,6 @@ static void sum_job(task_t *t, int64_t j, float *scratch) {
 
 /* digit j of span s (whole chunks only), for every j: a plain loop per codec that the compiler
    vectorizes */
-#if HAVE_X86
-__attribute__((target("avx2,fma,f16c")))
-#endif
 static void span_digits(int kind, const uint8_t *codes, int64_t s, int64_t cols, float *d) {
     switch (kind) {
     case K_Q2: case K_Q2RTN: {
@@ -984,65 +981,148 @@ static void span_digits(int kind, const uint8_t *codes, int64_t s, int64_t cols,
     }
 }
 
-/* a transposed job: out[h] = sum_j v[h, j] * W[h * stride + j] for head h = j, each row taken as
-   A * (mul * digit - z) + B span by span, its outliers exact */
 #if HAVE_X86
-__attribute__((target("avx2,fma,f16c")))
+/* The whole chunks of a transposed job, chunk by chunk: the chunk's output columns stay in registers
+   while every row of the head adds its digits times a[j * nsp + s] (its scaled span coefficient times
+   v[j]). Digits come de-interleaved (even bytes, odd bytes), so the accumulators are too; they are
+   put back in column order once per chunk. */
+AVX2 static inline __attribute__((always_inline)) void heads_t_body(const int kind, const int spc, const uint8_t *codes0,
+                                                                  int64_t code_row, int64_t n, const float *a, int64_t nsp,
+                                                                  int64_t nch, int64_t lo_bytes, float *out) {
+    __m256i ev[8], od[8];
+    for (int k = 0; k < 8; k++) ev[k] = od[k] = _mm256_setzero_si256();
+    for (int64_t ch = 0; ch < nch; ch++) {
+        __m256 o[8][4];
+        for (int k = 0; k < spc; k++) o[k][0] = o[k][1] = o[k][2] = o[k][3] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; j++) {
+            chunk_digits(kind, codes0 + j * code_row, ch, lo_bytes, ev, od);
+            const float *aj = a + j * nsp + ch * spc;
+            for (int k = 0; k < spc; k++) {
+                __m256 w = _mm256_broadcast_ss(aj + k);
+                o[k][0] = _mm256_fmadd_ps(w, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(ev[k]))), o[k][0]);
+                o[k][1] = _mm256_fmadd_ps(w, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(ev[k], 1))), o[k][1]);
+                o[k][2] = _mm256_fmadd_ps(w, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(od[k]))), o[k][2]);
+                o[k][3] = _mm256_fmadd_ps(w, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(od[k], 1))), o[k][3]);
+            }
+        }
+        for (int k = 0; k < spc; k++) {
+            /* o[k][0] holds columns 0, 2, .., 14 of the span, o[k][2] columns 1, 3, .., 15; [1], [3] the next 16 */
+            float *dst = out + 32 * (ch * spc + k);
+            for (int half = 0; half < 2; half++) {
+                __m256 lo = _mm256_unpacklo_ps(o[k][half], o[k][half + 2]);   /* 0 1 2 3 | 8 9 10 11 */
+                __m256 hi = _mm256_unpackhi_ps(o[k][half], o[k][half + 2]);   /* 4 5 6 7 | 12 13 14 15 */
+                _mm256_storeu_ps(dst + 16 * half, _mm256_permute2f128_ps(lo, hi, 0x20));
+                _mm256_storeu_ps(dst + 16 * half + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+            }
+        }
+    }
+}
+
+AVX2 static void heads_t_avx2(int kind, const uint8_t *codes0, int64_t code_row, int64_t n, const float *a,
+                              int64_t nsp, int64_t done, int64_t cols, float *out) {
+    int64_t lb = q6_lo_bytes(cols);
+    switch (kind) {   /* constant spans per chunk: the span loop unrolls */
+    case K_Q2: case K_Q2RTN: heads_t_body(K_Q2, 4, codes0, code_row, n, a, nsp, done / 128, lb, out); break;
+    case K_Q4: heads_t_body(K_Q4, 2, codes0, code_row, n, a, nsp, done / 64, lb, out); break;
+    case K_Q8: heads_t_body(K_Q8, 1, codes0, code_row, n, a, nsp, done / 32, lb, out); break;
+    case K_Q6: heads_t_body(K_Q6, 4, codes0, code_row, n, a, nsp, done / 128, lb, out); break;
+    case K_T1: heads_t_body(K_T1, 5, codes0, code_row, n, a, nsp, done / 160, lb, out); break;
+    default: heads_t_body(K_Q1, 8, codes0, code_row, n, a, nsp, done / 256, lb, out); break;
+    }
+}
 #endif
-static void heads_t_job(task_t *t, int64_t h, float *scratch) {
+
+#if HAVE_X86
+static void heads_t_rest(task_t *t, int64_t h, int64_t r, float cj, float *acc, float *lev);
+
+AVX2 static void heads_t_job_avx2(task_t *t, int64_t h, float *scratch) {
     const int64_t *g = t->geoms;
     int kind = (int)g[G_KIND];
-    int64_t cols = g[G_COLS], done = full_cols(g), k = g[G_K], nsp = cols / 32;
+    int64_t cols = g[G_COLS], done = full_cols(g), nsp = cols / 32, nfs = done / 32, n = t->n;
+    float *acc = t->out + h * cols, *a = scratch, *ce = a + n * nsp, *bacc = ce + 2 * nsp,
+          *ones = bacc + nsp, *zeros = ones + nsp, lev[256];
+    for (int64_t s = 0; s < nsp; s++) { ones[s] = 1.0f; zeros[s] = 0.0f; bacc[s] = 0.0f; }
+    for (int64_t j = 0; j < n; j++) {           /* span coefficients, digits' powers of two divided out */
+        float cj = t->xf[h * n + j];
+        coefs_avx2(t->raw, g, h * t->stride + j, ones, zeros, nfs, ce, 1);
+        for (int64_t s = 0; s < nfs; s++) {
+            a[j * nsp + s] = cj * ce[s];
+            bacc[s] += cj * ce[nfs + s];
+        }
+    }
+    memset(acc + done, 0, sizeof(float) * (cols - done));
+    heads_t_avx2(kind, t->raw + g[G_OFFCODE] + h * t->stride * g[G_CODEROW], g[G_CODEROW], n, a, nsp, done,
+                 cols, acc);
+    for (int64_t s = 0; s < nfs; s++)
+        for (int i = 0; i < 32; i++) acc[32 * s + i] += bacc[s];
+    for (int64_t j = 0; j < n; j++)
+        heads_t_rest(t, h, h * t->stride + j, t->xf[h * n + j], acc, lev);
+}
+#endif
+
+/* row r's tail columns and outliers, times cj, into acc */
+static void heads_t_rest(task_t *t, int64_t h, int64_t r, float cj, float *acc, float *lev) {
+    (void)h;
+    const int64_t *g = t->geoms;
+    int kind = (int)g[G_KIND];
+    int64_t cols = g[G_COLS], done = full_cols(g), k = g[G_K];
+    float mul, z;
+    digit_form(kind, &mul, &z);
+    const uint8_t *codes = t->raw + g[G_OFFCODE] + r * g[G_CODEROW];
+    if (done < cols) {
+        tail_levels(codes, g, done, lev);
+        for (int64_t col = done; col < cols; col++) {
+            float A, B;
+            span_ab(t->raw, g, r, col >> 5, &A, &B);
+            acc[col] += cj * (A * lev[col - done] + B);
+        }
+    }
+    const uint8_t *oc = t->raw + g[G_OFFOCOL] + 2 * r * k, *ov = t->raw + g[G_OFFOVAL] + 2 * r * k;
+    int64_t no = outliers_valid(t->raw, g, r, &t->bad);
+    for (int64_t i = 0; i < no; i++) {
+        int64_t col = oc[2 * i] | (oc[2 * i + 1] << 8);
+        float A, B;
+        span_ab(t->raw, g, r, col >> 5, &A, &B);
+        float stored = col < done ? A * (mul * (float)digit_full(kind, codes, col, cols) - z) + B
+                                  : A * lev[col - done] + B;
+        acc[col] += cj * (f16_at(ov + 2 * i) - stored);
+    }
+}
+
+/* a transposed job: out[h] = sum_j v[h, j] * W[h * stride + j] for head h = j, each row taken as
+   A * (mul * digit - z) + B span by span, its outliers exact. With AVX2 the whole chunks run span-major
+   (heads_t_avx2); the tail and the outliers row by row. */
+static void heads_t_job(task_t *t, int64_t h, float *scratch) {
+#if HAVE_X86
+    if (use_avx2) {
+        heads_t_job_avx2(t, h, scratch);
+        return;
+    }
+#endif
+    const int64_t *g = t->geoms;
+    int kind = (int)g[G_KIND];
+    int64_t cols = g[G_COLS], done = full_cols(g), nsp = cols / 32, nfs = done / 32;
     float mul, z, d[32], lev[256];
     digit_form(kind, &mul, &z);
-    float *acc = t->out + h * cols, *bacc = scratch, *ce = scratch + nsp, *ones = scratch + 3 * nsp,
-          *zeros = scratch + 4 * nsp;
+    float *acc = t->out + h * cols, *bacc = scratch;
     memset(acc, 0, sizeof(float) * cols);
     memset(bacc, 0, sizeof(float) * nsp);
-    for (int64_t s = 0; s < nsp; s++) { ones[s] = 1.0f; zeros[s] = 0.0f; }
     for (int64_t j = 0; j < t->n; j++) {
         float cj = t->xf[h * t->n + j];
-        int64_t r = h * t->stride + j, nfs = done / 32;
+        int64_t r = h * t->stride + j;
         const uint8_t *codes = t->raw + g[G_OFFCODE] + r * g[G_CODEROW];
-        /* weight = ce[s] * digit + ce[nfs + s] on span s */
-#if HAVE_X86
-        if (use_avx2)
-            coefs_avx2(t->raw, g, r, ones, zeros, nfs, ce, 0);
-        else
-#endif
-            for (int64_t s = 0; s < nfs; s++) {
-                float A, B;
-                span_ab(t->raw, g, r, s, &A, &B);
-                ce[s] = A * mul;
-                ce[nfs + s] = B - z * A;
-            }
-        for (int64_t s = 0; s < nfs; s++) {
-            float a = cj * ce[s];
-            bacc[s] += cj * ce[nfs + s];
+        for (int64_t s = 0; s < nfs; s++) {      /* weight = A * (mul * digit - z) + B on span s */
+            float A, B;
+            span_ab(t->raw, g, r, s, &A, &B);
+            float a = cj * A * mul;
+            bacc[s] += cj * (B - z * A);
             span_digits(kind, codes, s, cols, d);
             float *o = acc + 32 * s;
             for (int i = 0; i < 32; i++) o[i] += a * d[i];
         }
-        if (done < cols) {
-            tail_levels(codes, g, done, lev);
-            for (int64_t col = done; col < cols; col++) {
-                float A, B;
-                span_ab(t->raw, g, r, col >> 5, &A, &B);
-                acc[col] += cj * (A * lev[col - done] + B);
-            }
-        }
-        const uint8_t *oc = t->raw + g[G_OFFOCOL] + 2 * r * k, *ov = t->raw + g[G_OFFOVAL] + 2 * r * k;
-        int64_t n = outliers_valid(t->raw, g, r, &t->bad);
-        for (int64_t i = 0; i < n; i++) {
-            int64_t col = oc[2 * i] | (oc[2 * i + 1] << 8);
-            float A, B;
-            span_ab(t->raw, g, r, col >> 5, &A, &B);
-            float stored = col < done ? A * (mul * (float)digit_full(kind, codes, col, cols) - z) + B
-                                      : A * lev[col - done] + B;
-            acc[col] += cj * (f16_at(ov + 2 * i) - stored);
-        }
+        heads_t_rest(t, h, r, cj, acc, lev);
     }
-    for (int64_t s = 0; s < done / 32; s++)      /* the tail added its offsets above */
+    for (int64_t s = 0; s < nfs; s++)      /* the tail added its offsets in heads_t_rest */
         for (int i = 0; i < 32; i++) acc[32 * s + i] += bacc[s];
 }
 
@@ -1547,7 +1627,8 @@ static PyObject *py_heads_t(PyObject *self, PyObject *args) {
         goto done;
     }
     task_t t = {.job = heads_t_job, .raw = b[0].b.buf, .geoms = g, .xf = b[2].b.buf, .cols = cols,
-                .nspan = cols / 32, .n = n, .stride = stride, .njobs = nh, .out = b[3].b.buf};
+                .nspan = cols / 32, .n = n, .stride = stride, .njobs = nh, .out = b[3].b.buf,
+                .scratch_floats = (n + 5) * (cols / 32) + 16};
     int bad = run_unlocked(&t, threads);
     if (bad >= 0) ret = PyLong_FromLong(bad);
 done:
