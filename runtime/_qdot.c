@@ -1520,6 +1520,30 @@ PyDoc_STRVAR(rows_doc,
 "writes x_t . W[r] for its rows and its ntok inputs into out (float32) at offset + t * ostride + row.\n"
 "Returns 1 if a tensor's outlier columns are corrupt.");
 
+/* nx rows of xf [nx, cols] quantised for rows_job: *xq holds the natural order then the de-interleaved
+   one (AVX2), *xsc the span scales, *xs the span sums; -1 with MemoryError set */
+static int quantize_rows(const float *xf, int64_t nx, int64_t cols, int16_t **xq, float **xsc, float **xs) {
+    int64_t nspan = cols / 32, n = nx * cols;
+    *xq = malloc(sizeof(int16_t) * 2 * (n ? n : 1));
+    *xsc = malloc(sizeof(float) * (nx * nspan + 1));
+    *xs = malloc(sizeof(float) * (nx * nspan + 1));
+    if (!*xq || !*xsc || !*xs) { PyErr_NoMemory(); return -1; }
+    for (int64_t i = 0; i < nx; i++) {
+#if HAVE_X86
+        if (use_avx2) {
+            quantize_avx2(xf + i * cols, cols, *xq + n + i * cols, *xsc + i * nspan, *xs + i * nspan);
+            continue;
+        }
+#endif
+        quantize_x(xf + i * cols, cols, *xq + i * cols, *xsc + i * nspan, *xs + i * nspan);
+    }
+    return 0;
+}
+
+static inline int64_t rows_scratch(int64_t max_rows, int64_t tile, int64_t nspan) {
+    return max_rows * (8 * tile + (2 + tile) * nspan) + 7 * nspan + 16;
+}
+
 static PyObject *py_rows(PyObject *self, PyObject *args) {
     PyObject *o[5];
     int threads;
@@ -1563,23 +1587,11 @@ static PyObject *py_rows(PyObject *self, PyObject *args) {
         if (jb[3] - jb[2] > max_rows) max_rows = jb[3] - jb[2];
     }
     int64_t nspan = cols / 32, tile = ntok < TOKEN_TILE ? ntok : TOKEN_TILE;
-    xq = malloc(sizeof(int16_t) * 2 * nxf);           /* natural order, then de-interleaved */
-    xsc = malloc(sizeof(float) * nx * nspan);
-    xs = malloc(sizeof(float) * nx * nspan);
-    if (!xq || !xsc || !xs) { PyErr_NoMemory(); goto done; }
+    if (quantize_rows(b[2].b.buf, nx, cols, &xq, &xsc, &xs)) goto done;
     task_t t = {.job = rows_job, .raw = b[0].b.buf, .geoms = geoms, .xf = b[2].b.buf, .xsc = xsc, .xs = xs,
                 .xq = xq, .xp = xq + nxf,
                 .cols = cols, .nspan = nspan, .jobs = jobs, .njobs = njobs, .out = b[4].b.buf, .ntok = ntok,
-                .ostride = ostride, .scratch_floats = max_rows * (8 * tile + (2 + tile) * nspan) + 7 * nspan + 16};
-    for (int64_t i = 0; i < nx; i++) {
-#if HAVE_X86
-        if (use_avx2) {
-            quantize_avx2(t.xf + i * cols, cols, xq + nxf + i * cols, xsc + i * nspan, xs + i * nspan);
-            continue;
-        }
-#endif
-        quantize_x(t.xf + i * cols, cols, xq + i * cols, xsc + i * nspan, xs + i * nspan);
-    }
+                .ostride = ostride, .scratch_floats = rows_scratch(max_rows, tile, nspan)};
     int bad = run_unlocked(&t, threads);
     if (bad >= 0) ret = PyLong_FromLong(bad);
 done:
@@ -1599,6 +1611,124 @@ static const int64_t *tensor_geometry(const buf_t *raw, const buf_t *geom, const
         return NULL;
     }
     return g;
+}
+
+#define MOE_JOB_WEIGHTS (1 << 15)   /* weights per job (at least 8 rows), as kernels.JOB_WEIGHTS */
+
+/* jobs over rows 0 .. rows-1 of one tensor, cut in blocks of at least 8 rows and about MOE_JOB_WEIGHTS
+   weights; returns the number written at jb */
+static int64_t moe_jobs(int64_t *jb, int64_t off, int64_t gi, int64_t rows, int64_t cols, int64_t xi, int64_t out0) {
+    int64_t per = MOE_JOB_WEIGHTS / cols > 8 ? MOE_JOB_WEIGHTS / cols : 8, n = 0;
+    for (int64_t r = 0; r < rows; r += per, n++) {
+        int64_t *j = jb + JOB_LEN * n;
+        j[0] = off; j[1] = gi; j[2] = r; j[3] = r + per < rows ? r + per : rows; j[4] = xi; j[5] = out0 + r;
+    }
+    return n;
+}
+
+PyDoc_STRVAR(moe_doc,
+"moe(base, geoms, offs, pick, tok, wts, x, out, threads) -> int\n\n"
+"Tokens through their experts: out[tok[i]] += wts[i] * down_i(silu(gate_i x[tok[i]]) * up_i x[tok[i]])\n"
+"for every pair i, in two passes over the thread pool (all gate and up rows, then all down rows).\n"
+"geoms (int64 [2m, 22]) holds m (gate/up, down) geometries of one shape, pick (int64 [n]) chooses pair\n"
+"i's, offs (int64 [n, 3]) are the byte offsets in base of its gate, up and down tensors, tok (int64 [n])\n"
+"its token, wts (float32 [n]) its weight; x and out are float32 [T, hidden].\n"
+"Returns 1 if a tensor's outlier columns are corrupt.");
+
+static PyObject *py_moe(PyObject *self, PyObject *args) {
+    PyObject *o[8];
+    int threads;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOi", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], &threads))
+        return NULL;
+    buf_t b[8];
+    memset(b, 0, sizeof b);
+    PyObject *ret = NULL;
+    int64_t *jobs = NULL;
+    float *h = NULL, *y = NULL, *xsc = NULL, *xs = NULL, *asc = NULL, *as = NULL;
+    int16_t *xq = NULL, *aq = NULL;
+    if (get_buf(o[0], &b[0], 0, 1, "base") || get_buf(o[1], &b[1], 0, 8 * G_LEN, "geoms") ||
+        get_buf(o[2], &b[2], 0, 24, "offs") || get_buf(o[3], &b[3], 0, 8, "pick") ||
+        get_buf(o[4], &b[4], 0, 8, "tok") || get_buf(o[5], &b[5], 0, 4, "wts") || get_buf(o[6], &b[6], 0, 4, "x") ||
+        get_buf(o[7], &b[7], 1, 4, "out"))
+        goto done;
+    const int64_t *geoms = b[1].b.buf, *offs = b[2].b.buf, *pick = b[3].b.buf, *tok = b[4].b.buf;
+    const float *wts = b[5].b.buf, *x = b[6].b.buf;
+    float *out = b[7].b.buf;
+    int64_t ng = b[1].b.len / (8 * G_LEN), n = b[2].b.len / 24, nraw = b[0].b.len;
+    if (ng < 2 || ng % 2) { PyErr_SetString(PyExc_ValueError, "moe: geometries come in (gate/up, down) pairs"); goto done; }
+    int64_t hidden = geoms[G_COLS], inter = geoms[G_ROWS];
+    for (int64_t p = 0; p < ng; p += 2) {
+        const int64_t *gu = geoms + G_LEN * p, *d = gu + G_LEN;
+        if (gu[G_COLS] != hidden || gu[G_ROWS] != inter || d[G_COLS] != inter || d[G_ROWS] != hidden ||
+            hidden <= 0 || hidden % 32 || inter <= 0 || inter % 32 || gu[G_KIND] < K_Q8 || gu[G_KIND] > K_Q1 ||
+            d[G_KIND] < K_Q8 || d[G_KIND] > K_Q1) {
+            PyErr_SetString(PyExc_ValueError, "moe: expert shapes do not chain: gate/up [inter, hidden], down [hidden, inter]");
+            goto done;
+        }
+    }
+    int64_t T = b[6].b.len / (4 * hidden);
+    if (b[3].b.len != 8 * n || b[4].b.len != 8 * n || b[5].b.len != 4 * n || b[6].b.len != 4 * T * hidden ||
+        b[7].b.len != b[6].b.len) {
+        PyErr_SetString(PyExc_ValueError, "moe: pick, tok, wts need one entry per pair; x and out [T, hidden]");
+        goto done;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t *gu = geoms + G_LEN * 2 * pick[i];
+        if (pick[i] < 0 || 2 * pick[i] >= ng || tok[i] < 0 || tok[i] >= T) {
+            PyErr_SetString(PyExc_ValueError, "moe: a pair's geometry or token is out of range");
+            goto done;
+        }
+        if (offs[3 * i] < 0 || offs[3 * i] > nraw - gu[G_NBYTES] || offs[3 * i + 1] < 0 ||
+            offs[3 * i + 1] > nraw - gu[G_NBYTES] || offs[3 * i + 2] < 0 || offs[3 * i + 2] > nraw - gu[G_LEN + G_NBYTES]) {
+            PyErr_SetString(PyExc_ValueError, "moe: expert tensors lie outside their buffer");
+            goto done;
+        }
+    }
+    if (!n) { ret = PyLong_FromLong(0); goto done; }
+    int64_t per1 = MOE_JOB_WEIGHTS / hidden > 8 ? MOE_JOB_WEIGHTS / hidden : 8;
+    int64_t per2 = MOE_JOB_WEIGHTS / inter > 8 ? MOE_JOB_WEIGHTS / inter : 8;
+    int64_t nb1 = (inter + per1 - 1) / per1, nb2 = (hidden + per2 - 1) / per2;
+    jobs = malloc(sizeof(int64_t) * JOB_LEN * (2 * n * nb1 > n * nb2 ? 2 * n * nb1 : n * nb2));
+    h = malloc(sizeof(float) * 3 * n * inter);         /* gate and up outputs, then the activations */
+    y = malloc(sizeof(float) * n * hidden);
+    if (!jobs || !h || !y) { PyErr_NoMemory(); goto done; }
+    /* gate and up rows of every pair */
+    int64_t nj = 0;
+    for (int64_t i = 0; i < n; i++)
+        for (int w = 0; w < 2; w++)
+            nj += moe_jobs(jobs + JOB_LEN * nj, offs[3 * i + w], 2 * pick[i], inter, hidden, tok[i], (2 * i + w) * inter);
+    if (quantize_rows(x, T, hidden, &xq, &xsc, &xs)) goto done;
+    task_t t1 = {.job = rows_job, .raw = b[0].b.buf, .geoms = geoms, .xf = x, .xsc = xsc, .xs = xs, .xq = xq,
+                 .xp = xq + T * hidden, .cols = hidden, .nspan = hidden / 32, .jobs = jobs, .njobs = nj, .out = h,
+                 .ntok = 1, .scratch_floats = rows_scratch(per1, 1, hidden / 32)};
+    int bad = run_unlocked(&t1, threads);
+    if (bad < 0) goto done;
+    float *act = h + 2 * n * inter;
+    for (int64_t i = 0; i < n; i++) {
+        const float *g = h + 2 * i * inter, *u = g + inter;
+        float *a = act + i * inter;
+        for (int64_t r = 0; r < inter; r++) a[r] = g[r] / (1.0f + expf(-g[r])) * u[r];
+    }
+    /* down rows of every pair */
+    nj = 0;
+    for (int64_t i = 0; i < n; i++)
+        nj += moe_jobs(jobs + JOB_LEN * nj, offs[3 * i + 2], 2 * pick[i] + 1, hidden, inter, i, i * hidden);
+    if (quantize_rows(act, n, inter, &aq, &asc, &as)) goto done;
+    task_t t2 = {.job = rows_job, .raw = b[0].b.buf, .geoms = geoms, .xf = act, .xsc = asc, .xs = as, .xq = aq,
+                 .xp = aq + n * inter, .cols = inter, .nspan = inter / 32, .jobs = jobs, .njobs = nj, .out = y,
+                 .ntok = 1, .scratch_floats = rows_scratch(per2, 1, inter / 32)};
+    int bad2 = run_unlocked(&t2, threads);
+    if (bad2 < 0) goto done;
+    for (int64_t i = 0; i < n; i++) {
+        float w = wts[i], *o = out + tok[i] * hidden;
+        const float *yi = y + i * hidden;
+        for (int64_t c = 0; c < hidden; c++) o[c] += w * yi[c];
+    }
+    ret = PyLong_FromLong(bad || bad2);
+done:
+    free(jobs); free(h); free(y); free(xq); free(xsc); free(xs); free(aq); free(asc); free(as);
+    release(b, 8);
+    return ret;
 }
 
 PyDoc_STRVAR(heads_t_doc,
@@ -1775,6 +1905,7 @@ done:
 static PyMethodDef methods[] = {
     {"rows", py_rows, METH_VARARGS, rows_doc},
     {"heads_t", py_heads_t, METH_VARARGS, heads_t_doc},
+    {"moe", py_moe, METH_VARARGS, moe_doc},
     {"attend", py_attend, METH_VARARGS, attend_doc},
     {"dequantize", py_dequantize, METH_VARARGS, dequantize_doc},
     {"read_sum", py_read_sum, METH_VARARGS, "read_sum(buffer, threads): the buffer's uint64 words summed (reads it all)"},

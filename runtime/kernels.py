@@ -207,16 +207,16 @@ def _dequantized_matmul(x2, raw, g, rows, cols, y, codec):
 
 
 def moe_decode(base: np.ndarray, offsets: np.ndarray, gate_up: tuple, down: tuple, x: np.ndarray,
-               weights: np.ndarray, out: np.ndarray) -> None:
+               weights: np.ndarray, out: np.ndarray, shared: tuple | None = None) -> None:
     """out[t] += sum_e weights[t, e] * down_te(silu(gate_te x[t]) * up_te x[t]) for tokens t and their
-    routed experts e, in two kernel calls whatever the number of tokens (every token's gate and up rows,
-    then every down row), so both cores stay busy even when each expert is small and no Python runs
-    per expert. `offsets` [T, k, 3] are the byte offsets in `base` of each expert's gate, up and down
-    tensors ([k, 3] and x [hidden], weights [k], out [hidden] for one token); `gate_up` and `down` are
-    (codec, shape)."""
-    g_gu = _geometry_vector(get_codec(gate_up[0]), gate_up[1])
-    g_d = _geometry_vector(get_codec(down[0]), down[1])
-    one = np.ndim(x) == 1
+    routed experts e, in one C call of two passes whatever the number of tokens (every token's gate and
+    up rows, then every down row), so both cores stay busy even when each expert is small and no Python
+    runs per expert. `offsets` [T, k, 3] are the byte offsets in `base` of each expert's gate, up and
+    down tensors ([k, 3] and x [hidden], weights [k], out [hidden] for one token); `gate_up` and `down`
+    are (codec, shape). `shared` = (offsets [3], gate_up, down): an expert every token also goes
+    through with weight 1 (DeepSeek's shared expert), in the same passes; same shapes as the routed."""
+    specs = (gate_up, down) + ((shared[1], shared[2]) if shared is not None else ())
+    geoms = _moe_geometries(tuple((c, tuple(int(d) for d in sh)) for c, sh in specs))
     offsets = np.asarray(offsets, np.int64).reshape(-1, 3)
     x2 = np.ascontiguousarray(np.reshape(x, (-1, np.shape(x)[-1])), np.float32)
     T = x2.shape[0]
@@ -224,24 +224,32 @@ def moe_decode(base: np.ndarray, offsets: np.ndarray, gate_up: tuple, down: tupl
     k = w.shape[1]
     if offsets.shape[0] != T * k:
         raise ValueError(f"offsets for {offsets.shape[0]} experts, weights for {T} x {k}")
-    if offsets.size and (offsets.min() < 0 or offsets[:, :2].max() + g_gu[G_NBYTES] > base.size
-                         or offsets[:, 2].max() + g_d[G_NBYTES] > base.size):
-        raise CodecError("expert tensors lie outside their buffer")
-    n, inter, hidden = T * k, int(g_gu[G_ROWS]), int(g_d[G_ROWS])
+    pick = np.zeros(T * k, np.int64)
+    tok = np.repeat(np.arange(T, dtype=np.int64), k)
+    wts = w.reshape(-1)
+    if shared is not None:
+        offsets = np.concatenate([offsets, np.broadcast_to(np.asarray(shared[0], np.int64), (T, 3))])
+        pick = np.concatenate([pick, np.ones(T, np.int64)])
+        tok = np.concatenate([tok, np.arange(T, dtype=np.int64)])
+        wts = np.concatenate([wts, np.ones(T, np.float32)])
     out2 = out.reshape(T, -1)
-    if int(g_d[G_COLS]) != inter or int(g_gu[G_COLS]) != x2.shape[1] or hidden != out2.shape[1]:
-        raise ValueError("expert shapes do not chain: gate/up [inter, hidden], down [hidden, inter]")
-    h = np.empty(2 * n * inter, np.float32)
-    jobs = _jobs(offsets[:, :2].reshape(-1), 0, 0, inter, np.repeat(np.arange(T), 2 * k),
-                 np.arange(2 * n) * inter, x2.shape[1])
-    _run(base, g_gu[None, :], x2, jobs, h, 2 * n * inter * x2.shape[1], gate_up[0])
-    h = h.reshape(n, 2, inter)
-    with np.errstate(over="ignore"):
-        act = (h[:, 0] / (1 + np.exp(-h[:, 0])) * h[:, 1]).astype(np.float32)
-    y = np.empty(n * hidden, np.float32)
-    jobs = _jobs(offsets[:, 2], 0, 0, hidden, np.arange(n), np.arange(n) * hidden, inter)
-    _run(base, g_d[None, :], act, jobs, y, n * hidden * inter, down[0])
-    out2 += np.einsum("tk,tkh->th", w, y.reshape(T, k, hidden)) if not one else w[0] @ y.reshape(k, hidden)
+    if not out2.flags.c_contiguous or out2.dtype != np.float32:
+        raise ValueError("moe_decode: out must be contiguous float32")
+    work = offsets.shape[0] * 3 * int(geoms[0, G_ROWS]) * int(geoms[0, G_COLS])
+    try:
+        bad = _qdot.moe(base, geoms, np.ascontiguousarray(offsets), pick, tok, np.ascontiguousarray(wts), x2, out2,
+                        _threads if work >= PARALLEL_MIN_WEIGHTS else 1)
+    except ValueError as e:
+        raise (CodecError(str(e)) if "outside" in str(e) else e) from None
+    if bad:
+        raise CodecError(f"{gate_up[0]}: corrupt data: outlier columns out of range or not increasing")
+
+
+@functools.lru_cache(maxsize=64)
+def _moe_geometries(specs: tuple) -> np.ndarray:
+    geoms = np.stack([_geometry_vector(get_codec(c), sh) for c, sh in specs])
+    geoms.flags.writeable = False
+    return geoms
 
 
 def attend(q: np.ndarray, q_rot: np.ndarray, latent: np.ndarray, k_rot: np.ndarray, length: int,

@@ -291,10 +291,12 @@ class Model:
         out = np.zeros_like(h)
         if self.observer is None and self.w.pager.holds_together(len(used)):
             experts = {int(e): self.w.expert(L["index"], int(e)) for e in used}
-            if self._fusing_pays(idx, experts) and self._moe_fused(experts, idx, h, weights, out):
-                if "shared" in L:
-                    out += self._mlp(h, *L["shared"])
-                return out
+            if self._fusing_pays(idx, experts):
+                shared = self._shared_in_base(L, experts)
+                if self._moe_fused(experts, idx, h, weights, out, shared):
+                    if "shared" in L and shared is None:
+                        out += self._mlp(h, *L["shared"])
+                    return out
         # Group the chunk's tokens by expert: each expert is fetched once per chunk.
         for e in used:
             tok, slot = np.nonzero(idx == e)
@@ -316,10 +318,30 @@ class Model:
         expert_bytes = gate.raw.nbytes + up.raw.nbytes + down.raw.nbytes
         return (T * k - len(experts)) * expert_bytes <= len(experts) * GROUPED_CALL_BYTES
 
-    def _moe_fused(self, experts: dict, idx: np.ndarray, h: np.ndarray, weights: np.ndarray, out) -> bool:
-        """Tokens h [T, hidden] through all their routed experts in two kernel calls (both cores busy
-        even when each expert is small). False when the experts' tensors do not allow it (float
-        codecs, mixed codecs or shapes): the caller then groups tokens by expert."""
+    def _shared_in_base(self, L: dict, experts: dict):
+        """The shared expert as moe_decode's `shared` argument when it can join the routed experts' call
+        (same shapes, fused codecs, its bytes inside the pager's buffer, as with the mmap pager); None
+        otherwise (it then runs as its own three products)."""
+        if "shared" not in L:
+            return None
+        if "shared_fused" not in L:
+            gate, up, down = L["shared"]
+            rg, _, rd = next(iter(experts.values()))
+            base = self.w.pager.base
+            b0, end = base.ctypes.data, base.ctypes.data + base.size
+            inside = all(b0 <= t.raw.ctypes.data and t.raw.ctypes.data + t.raw.nbytes <= end for t in L["shared"])
+            fits = (gate.shape == up.shape == rg.shape and down.shape == rd.shape and gate.codec == up.codec
+                    and has_fused_kernel(gate.codec) and has_fused_kernel(down.codec))
+            L["shared_fused"] = ((gate.raw.ctypes.data - b0, up.raw.ctypes.data - b0, down.raw.ctypes.data - b0),
+                                 (gate.codec, gate.shape), (down.codec, down.shape)) if inside and fits else None
+        return L["shared_fused"]
+
+    def _moe_fused(self, experts: dict, idx: np.ndarray, h: np.ndarray, weights: np.ndarray, out,
+                   shared=None) -> bool:
+        """Tokens h [T, hidden] through all their routed experts (and `shared`, see _shared_in_base) in
+        one kernel call (both cores busy even when each expert is small). False when the experts'
+        tensors do not allow it (float codecs, mixed codecs or shapes): the caller then groups tokens
+        by expert."""
         gate, up, down = next(iter(experts.values()))
         spec_gu, spec_d = (gate.codec, gate.shape), (down.codec, down.shape)
         if not (has_fused_kernel(gate.codec) and has_fused_kernel(down.codec)):
@@ -332,7 +354,7 @@ class Model:
                 return False
             where[e] = (g.raw.ctypes.data - b0, u.raw.ctypes.data - b0, d.raw.ctypes.data - b0)
         offs = np.array([[where[int(e)] for e in row] for row in idx], np.int64)     # [T, k, 3]
-        kernels.moe_decode(base, offs, spec_gu, spec_d, h, weights, out)
+        kernels.moe_decode(base, offs, spec_gu, spec_d, h, weights, out, shared)
         return True
 
     # ------------------------------------------------------------------ forward

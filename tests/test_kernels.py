@@ -269,6 +269,35 @@ def test_fused_experts_for_several_tokens(isa):
     with pytest.raises(ValueError, match="offsets"):
         kernels.moe_decode(base, offs[:4], ("q2", (inter, hidden)), ("q2", (hidden, inter)), x, w, out)
 
+def test_fused_experts_with_a_shared_expert(isa):
+    """moe_decode's `shared` expert (another codec, same shapes) goes through every token with weight 1
+    in the same call: the output is the routed experts' plus the shared expert's, as linear() gives."""
+    hidden, inter, T, k = 256, 192, 3, 2
+    rng = np.random.default_rng(9)
+    base_r, where, mats = _expert_buffer(rng, 3, "q2", "q2", hidden, inter)
+    base_s, where_s, mats_s = _expert_buffer(rng, 1, "q4", "q6", hidden, inter)
+    base = np.concatenate([base_r, base_s])
+    choice = np.array([[0, 2], [1, 1], [2, 0]])
+    x = rng.standard_normal((T, hidden)).astype(np.float32)
+    w = rng.standard_normal((T, k)).astype(np.float32)
+    out = np.zeros((T, hidden), np.float32)
+    shared = (where_s[0] + base_r.size, ("q4", (inter, hidden)), ("q6", (hidden, inter)))
+    kernels.moe_decode(base, where[choice], ("q2", (inter, hidden)), ("q2", (hidden, inter)), x, w, out, shared)
+
+    def expert(xt, codecs, m):
+        g = kernels.linear(xt, codecs[0], m[0], (inter, hidden))
+        u = kernels.linear(xt, codecs[0], m[1], (inter, hidden))
+        return kernels.linear((g / (1 + np.exp(-g)) * u).astype(np.float32), codecs[1], m[2], (hidden, inter))
+    for t in range(T):
+        want = expert(x[t], ("q4", "q6"), mats_s).astype(np.float64)
+        for j, e in enumerate(choice[t]):
+            want += w[t, j] * expert(x[t], ("q2", "q2"), mats[3 * e:3 * e + 3])
+        np.testing.assert_allclose(out[t], want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+    with pytest.raises(ValueError, match="chain"):
+        kernels.moe_decode(base, where[choice], ("q2", (inter, hidden)), ("q2", (hidden, inter)), x, w, out,
+                           (shared[0], ("q4", (inter + 32, hidden)), ("q6", (hidden, inter + 32))))
+
+
 # ----------------------------------------------------------------------------------- decode attention
 
 def _attention_f64(q, q_rot, latent, k_rot, length, scale):
