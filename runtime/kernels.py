@@ -30,7 +30,11 @@ PARALLEL_MIN_WEIGHTS = 1 << 20
 # From this many tokens on, dequantized row blocks + BLAS beat the several-token integer kernel
 # (benchmarks/RESULTS.md: at 24 tokens q2 2048x7168 takes 10 ms against 25; at 48 they are even).
 BLAS_MIN_TOKENS = 32
-BLOCK_ROWS = 64           # rows per dequantized block: 64 x 7168 floats = 1.8 MB
+BLOCK_BYTES = 2 << 20    # float32 bytes per dequantized block of rows (at least 64 rows): fewer, larger
+                          # products (BLAS packs the tokens again for each; measured: 256 tokens x 1024
+                          # columns prefill +15-20 % with 512-row blocks against 64)
+MIN_BLOCK_ROWS = 64
+SPIN_US = 1000            # decode: the pool's idle workers spin this long for the next call
 XQ_MAX = 32767            # activations are quantised to -XQ_MAX .. XQ_MAX per 32 values
 XQ_DTYPE = np.int16
 _threads = int(os.environ.get("KIMI_STREAM_THREADS") or len(os.sched_getaffinity(0)))   # kimi-run --threads
@@ -96,6 +100,12 @@ def quantize_activations(x: np.ndarray):
 def isa() -> str:
     """The instruction set the mat-vec kernel runs with ("avx2" or "generic")."""
     return _qdot.isa()
+
+
+def set_spin(decoding: bool) -> None:
+    """Decode steps call the kernels back to back: idle pool workers spin for the next call. With
+    several tokens BLAS runs between the kernel calls and wants every core: workers sleep at once."""
+    _qdot.set_spin_us(SPIN_US if decoding else 0)
 
 
 def set_threads(n: int) -> None:
@@ -194,12 +204,13 @@ def linear(x: np.ndarray, codec: str, raw, shape: tuple) -> np.ndarray:
 
 
 def _dequantized_matmul(x2, raw, g, rows, cols, y, codec):
-    """More tokens: dequantize BLOCK_ROWS rows at a time (cache-sized, never the whole weight) and
+    """More tokens: dequantize a block of rows at a time (BLOCK_BYTES, never the whole weight) and
     let BLAS do the products."""
     _check_outliers(codec, raw, g)
-    buf = np.empty((min(BLOCK_ROWS, rows), cols), np.float32)
-    for r0 in range(0, rows, BLOCK_ROWS):
-        blk = buf[:min(BLOCK_ROWS, rows - r0)]
+    step = max(MIN_BLOCK_ROWS, BLOCK_BYTES // (4 * cols) // 8 * 8)
+    buf = np.empty((min(step, rows), cols), np.float32)
+    for r0 in range(0, rows, step):
+        blk = buf[:min(step, rows - r0)]
         # on this thread: BLAS's threads spin between products, and a parallel region next to
         # them waits for a core (measured: 3.8 ms per 64-row block instead of 0.1)
         _qdot.dequantize(raw, g, r0, blk, 1)

@@ -370,6 +370,7 @@ class Model:
             raise ContextFull(f"context of {self.cache.max_context} tokens is full (raise --max-context)")
         cfg = self.cfg
         blas.set_threads(1 if T == 1 else _THREADS)   # see runtime/blas.py: decode steps, one or several sequences
+        kernels.set_spin(T == 1)
         x = self.w.embed_rows(ids2.reshape(-1))
         for L in self.layers:
             x = x + self._attention(L, rms_norm(x, L["ln1"], cfg.rms_norm_eps), start)
