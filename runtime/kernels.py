@@ -7,8 +7,8 @@ multiplies each codec's stored digits by them in int32 lanes, applies each span'
 once, and corrects outliers exactly; nothing is dequantized. Every caller hands it a list of row jobs
 (a linear, all routed experts of a token, kv_b's heads), shared out over a small thread pool.
 Several tokens (prefill, or the tokens routed to one expert): the same kernel takes each chunk's
-digits out once and multiplies them by every token. Many tokens: rows are dequantized 64 at a time
-into a cache-sized block (bit for bit as the reference decoder) and BLAS multiplies.
+digits out once and multiplies them by every token. Many tokens: rows are dequantized one block at a
+time (BLOCK_BYTES, bit for bit as the reference decoder) and BLAS multiplies.
 `dequantize` equals the numpy reference decoder bit for bit (no fastmath there); tests hold it to it.
 """
 
