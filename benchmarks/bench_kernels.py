@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 
+from kimistream.convert.encoder import encode
 from kimistream.formats.codecs import get_codec
 from kimistream.runtime import _qdot, kernels
 
@@ -70,7 +71,7 @@ def main():
             codec = get_codec(name)
             if not codec.supports(shape):
                 continue
-            raw = codec.encode(w)
+            raw = encode(codec, w)
             copies = [raw.copy() for _ in range(max(1, ws // raw.nbytes))]
             cells = []
             for t in threads:

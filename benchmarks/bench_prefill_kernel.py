@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 
+from kimistream.convert.encoder import encode
 from kimistream.formats.codecs import get_codec
 from kimistream.runtime import _qdot, kernels
 
@@ -36,7 +37,7 @@ def main():
     rows, cols = (int(v) for v in args.shape.split("x"))
     rng = np.random.default_rng(0)
     c = get_codec(args.codec)
-    _, g, raw = kernels._prepare(args.codec, c.encode((rng.standard_t(4, size=(rows, cols)) * 0.02).astype(np.float32)),
+    _, g, raw = kernels._prepare(args.codec, encode(c, (rng.standard_t(4, size=(rows, cols)) * 0.02).astype(np.float32)),
                                  (rows, cols))
     jobs = kernels._linear_jobs(rows, cols)
     print(f"{args.codec} {rows}x{cols}, {args.threads} threads, instruction set {kernels.isa()}\n")

@@ -15,10 +15,10 @@ from kimistream.formats.codecs import CodecError, get_codec
 from kimistream.formats.imatrix import ImatrixError
 from kimistream.formats.constants import DEFAULT_ALIGNMENT, TENSOR_CLASSES
 from kimistream.formats.layout import model_shapes, plan_extents
-from kimistream.formats.quants import clear_factor_cache
 from kimistream.formats.weightfile import WeightFileWriter
 
 from kimistream.formats.presets import PrecisionPlan
+from .encoder import clear_factor_cache, encode
 from .source import INDEX_FILE, HFCheckpoint, SourceError
 
 MANIFEST_NAME = "kimi-stream.sha256"   # written by a verified download; saves re-hashing sources
@@ -210,7 +210,7 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
                 summary.largest_tensor_bytes = max(summary.largest_tensor_bytes, values.size * 4)
                 codec = get_codec(t.codec)
                 moment = imatrix.moment(n) if hasattr(imatrix, "moment") else None
-                encoded = codec.encode(values, importance=imatrix.get(n) if imatrix else None, moment=moment)
+                encoded = encode(codec, values, importance=imatrix.get(n) if imatrix else None, moment=moment)
             except (SourceError, ImatrixError) as e:
                 raise ConversionError(str(e)) from None
             except CodecError as e:

@@ -16,6 +16,8 @@ from kimistream.formats.constants import EXTENT_EXPERT
 from kimistream.formats.layout import plan_extents
 from kimistream.formats.weightfile import WeightFileWriter
 
+from .encoder import encode
+
 from kimistream.formats.presets import PrecisionPlan
 
 
@@ -56,12 +58,12 @@ def _encoded(rng, name: str, shape, codec_name: str, cfg: ModelConfig) -> np.nda
     row-tiled matrix at memory speed (encoding a trillion-parameter geometry would take hours)."""
     codec = get_codec(codec_name)
     if len(shape) != 2 or shape[0] <= 4 * TILE_ROWS:
-        return codec.encode(_values(rng, name, shape, cfg))
+        return encode(codec, _values(rng, name, shape, cfg))
     rows, cols = shape
-    block = codec.encode(_values(rng, name, (TILE_ROWS, cols), cfg))
+    block = encode(codec, _values(rng, name, (TILE_ROWS, cols), cfg))
     per_row_total = codec.nbytes((1, cols))
     if codec.nbytes((TILE_ROWS, cols)) != TILE_ROWS * per_row_total:
-        return codec.encode(_values(rng, name, shape, cfg))
+        return encode(codec, _values(rng, name, shape, cfg))
     planes = _plane_rows(codec, cols)
     out, pos = [], 0
     for per_row in planes:

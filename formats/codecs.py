@@ -1,8 +1,8 @@
-"""Codecs: how a tensor's values become bytes in a weight file, and back.
-
-Each codec defines its byte layout once (documented in SPEC.md), an encoder used by the
-converter, and a numpy reference decoder that tests hold the runtime's kernels to. All codecs
-take and give float32 arrays; a 2-D weight has shape [out_features, in_features] (row-major).
+"""Codecs: how a tensor's values are laid out as bytes in a weight file, and the numpy reference
+decoders that read them back (tests hold the runtime's kernels to them). The float codecs are here;
+the block codecs are formats/quants.py. Encoding (fitting values to a layout) is the converter's:
+convert/encoder.py. All codecs give float32 arrays; a 2-D weight has shape [out_features,
+in_features] (row-major).
 """
 
 from __future__ import annotations
@@ -31,14 +31,6 @@ class Codec:
         except CodecError:
             return False
 
-    def encode(self, values: np.ndarray, importance: np.ndarray | None = None,
-               moment: np.ndarray | None = None) -> np.ndarray:
-        """Encode float values into a uint8 array of exactly nbytes(values.shape). `importance`
-        (per input channel) weights the fitting error of codecs that fit anything, and `moment`
-        (the inputs' second moment, [cols, cols]) lets them round with error feedback; codecs that
-        fit nothing ignore both."""
-        raise NotImplementedError
-
     def decode(self, buf, shape) -> np.ndarray:
         """Reference decoder: float32 array of `shape` from the codec's bytes."""
         raise NotImplementedError
@@ -52,12 +44,6 @@ class Codec:
         return 8.0 * self.nbytes(shape) / n if n else 0.0
 
 
-def _check_finite(values: np.ndarray) -> None:
-    if not np.isfinite(values).all():
-        bad = int(values.size - np.isfinite(values).sum())
-        raise CodecError(f"{bad} non-finite value(s) (NaN or Inf) in the source tensor")
-
-
 class _Float(Codec):
     """IEEE little-endian floats, row-major."""
 
@@ -66,15 +52,6 @@ class _Float(Codec):
 
     def nbytes(self, shape) -> int:
         return math.prod(shape) * self.dtype.itemsize
-
-    def encode(self, values, importance=None, moment=None):
-        values = np.asarray(values, dtype=np.float32)
-        _check_finite(values)
-        with np.errstate(over="ignore"):
-            out = np.ascontiguousarray(values.astype(self.dtype))
-        if self.dtype.itemsize == 2 and not np.isfinite(out).all():
-            raise CodecError(f"value out of float16 range (|x| > {float(np.finfo(np.float16).max)})")
-        return out.view(np.uint8).reshape(-1)
 
     def decode(self, buf, shape):
         arr = np.frombuffer(buf, dtype=self.dtype, count=math.prod(shape)).reshape(shape)
@@ -93,15 +70,6 @@ class _BFloat16(Codec):
 
     def nbytes(self, shape) -> int:
         return math.prod(shape) * 2
-
-    def encode(self, values, importance=None, moment=None):
-        values = np.ascontiguousarray(values, dtype=np.float32)
-        _check_finite(values)
-        bits = values.view(np.uint32).astype(np.uint64)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        if (rounded & 0x7F80 == 0x7F80).any():
-            raise CodecError("value out of bfloat16 range")
-        return rounded.astype("<u2").view(np.uint8).reshape(-1)
 
     def decode(self, buf, shape):
         raw = np.frombuffer(buf, dtype="<u2", count=math.prod(shape))

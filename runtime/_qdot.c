@@ -73,15 +73,38 @@ static inline int64_t full_cols(const int64_t *g) {
 
 static inline int64_t q6_lo_bytes(int64_t cols) { return (cols / 64) * 32 + ((cols % 64) + 1) / 2; }
 
+/* What the per-codec code paths below assume of each codec's layout (formats/quants.py defines it):
+   sub-block and parameter-block weights, f16 parameters per block, then (bits, fields per byte) of
+   the two code planes (bits 0: trits; a codec with one plane has (0, 1) as the second). Every call
+   checks the geometry it is given against this table (known_layout), so a codec redefined on the
+   Python side fails loudly here instead of being decoded with stale constants. */
+static const int64_t LAYOUT[7][7] = {
+    [K_Q8] = {32, 32, 1, 8, 1, 0, 1},   [K_Q6] = {32, 256, 1, 4, 2, 2, 4}, [K_Q4] = {32, 256, 2, 4, 2, 0, 1},
+    [K_Q2] = {32, 256, 2, 2, 4, 0, 1},  [K_Q2RTN] = {64, 64, 2, 2, 4, 0, 1}, [K_T1] = {32, 256, 1, 0, 5, 0, 1},
+    [K_Q1] = {32, 256, 2, 1, 8, 0, 1},
+};
+
+static int known_layout(const int64_t *g) {
+    int64_t kind = g[G_KIND];
+    if (kind < K_Q8 || kind > K_Q1) return 0;
+    const int64_t *l = LAYOUT[kind];
+    return g[G_S] == l[0] && g[G_P] == l[1] && g[G_NPAR] == l[2] && g[G_BITS0] == l[3] && g[G_PB0] == l[4] &&
+           g[G_BITS1] == l[5] && g[G_PB1] == l[6];
+}
+
 /* (A, B) of span s of row r: weight = A * level + B */
 static void span_ab(const uint8_t *t, const int64_t *g, int64_t r, int64_t s, float *A, float *B) {
     int kind = (int)g[G_KIND];
     const uint8_t *po = t + g[G_OFFPAR] + r * g[G_PARROW];
     const uint8_t *so = t + g[G_OFFSUB] + r * g[G_SUBROW];
     if (kind == K_Q8) { *A = f16_at(po + 2 * s); *B = 0; return; }
-    if (kind == K_Q2RTN) { *A = f16_at(po + 4 * (s >> 1)); *B = f16_at(po + 4 * (s >> 1) + 2); return; }
+    if (kind == K_Q2RTN) {                       /* (s, o) per sub-block of G_S weights */
+        int64_t b = s / (g[G_S] / 32);
+        *A = f16_at(po + 4 * b); *B = f16_at(po + 4 * b + 2);
+        return;
+    }
     int64_t npar = g[G_NPAR];
-    const uint8_t *q = po + 2 * npar * (s >> 3);
+    const uint8_t *q = po + 2 * npar * (s / (g[G_P] / 32));      /* the 32-weight span's parameter block */
     float d = f16_at(q), m = npar == 2 ? f16_at(q + 2) : 0.0f;
     switch (kind) {
     case K_Q2: *A = d * (float)(so[s] & 15); *B = m * (float)(so[s] >> 4); return;
@@ -1569,7 +1592,7 @@ static PyObject *py_rows(PyObject *self, PyObject *args) {
     int64_t nx = nxf / cols;
     for (int64_t i = 0; i < ng; i++) {
         const int64_t *g = geoms + G_LEN * i;
-        if (g[G_COLS] != cols || g[G_KIND] < K_Q8 || g[G_KIND] > K_Q1) {
+        if (g[G_COLS] != cols || !known_layout(g)) {
             PyErr_SetString(PyExc_ValueError, "geometries must share one column count and a known codec");
             goto done;
         }
@@ -1605,7 +1628,7 @@ done:
 static const int64_t *tensor_geometry(const buf_t *raw, const buf_t *geom, const buf_t *out, const char *what) {
     const int64_t *g = geom->b.buf;
     int64_t cols = geom->b.len == 8 * G_LEN ? g[G_COLS] : 0;
-    if (cols <= 0 || cols % 32 || g[G_KIND] < K_Q8 || g[G_KIND] > K_Q1 || raw->b.len < g[G_NBYTES] ||
+    if (cols <= 0 || cols % 32 || !known_layout(g) || raw->b.len < g[G_NBYTES] ||
         out->b.len % (4 * cols)) {
         PyErr_Format(PyExc_ValueError, "%s: buffers do not match the geometry", what);
         return NULL;
@@ -1660,8 +1683,7 @@ static PyObject *py_moe(PyObject *self, PyObject *args) {
     for (int64_t p = 0; p < ng; p += 2) {
         const int64_t *gu = geoms + G_LEN * p, *d = gu + G_LEN;
         if (gu[G_COLS] != hidden || gu[G_ROWS] != inter || d[G_COLS] != inter || d[G_ROWS] != hidden ||
-            hidden <= 0 || hidden % 32 || inter <= 0 || inter % 32 || gu[G_KIND] < K_Q8 || gu[G_KIND] > K_Q1 ||
-            d[G_KIND] < K_Q8 || d[G_KIND] > K_Q1) {
+            hidden <= 0 || hidden % 32 || inter <= 0 || inter % 32 || !known_layout(gu) || !known_layout(d)) {
             PyErr_SetString(PyExc_ValueError, "moe: expert shapes do not chain: gate/up [inter, hidden], down [hidden, inter]");
             goto done;
         }

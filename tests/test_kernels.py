@@ -13,6 +13,7 @@ float codecs fall back to numpy; corrupt bytes are refused."""
 import numpy as np
 import pytest
 
+from kimistream.convert.encoder import encode
 from kimistream.formats.codecs import CodecError, get_codec
 from kimistream.runtime import _qdot, kernels
 
@@ -85,7 +86,7 @@ def test_dequantize_bit_exact_and_linear_matches(name, shape, parallel, isa, mon
     monkeypatch.setattr(kernels, "_threads", 3)
     c = get_codec(name)
     w = weight(shape, seed=shape[1])
-    raw = c.encode(w)
+    raw = encode(c, w)
     ref = c.decode(raw, shape)
     got = kernels.dequantize(name, raw, shape)
     assert got.dtype == np.float32 and got.shape == shape
@@ -113,7 +114,7 @@ def test_outlier_rows(name, isa):
     w[4, 2047] = -700.0
     c = get_codec(name)
     assert c.geometry(shape).k > 0
-    raw = c.encode(w)
+    raw = encode(c, w)
     ref = c.decode(raw, shape)
     np.testing.assert_array_equal(kernels.dequantize(name, raw, shape), ref)
     assert ref[3, 100] == 300.0 and ref[4, 2047] == -700.0
@@ -129,7 +130,7 @@ def test_float_codecs_fall_back_to_numpy(name):
     assert not kernels.has_kernel(name)
     w = weight((5, 40), seed=3)
     c = get_codec(name)
-    raw = c.encode(w)
+    raw = encode(c, w)
     x = np.random.default_rng(3).standard_normal((2, 40)).astype(np.float32)
     np.testing.assert_allclose(kernels.linear(x, name, raw, (5, 40)), x @ c.decode(raw, (5, 40)).T, rtol=1e-6)
 
@@ -137,7 +138,7 @@ def test_float_codecs_fall_back_to_numpy(name):
 def test_bad_input_is_refused():
     c = get_codec("q2")
     shape = (4, 1024)
-    raw = c.encode(weight(shape, 4)).copy()
+    raw = encode(c, weight(shape, 4)).copy()
     x = np.ones((1, 1024), np.float32)
     with pytest.raises(CodecError, match="bytes"):
         kernels.linear(x, "q2", raw[:-1], shape)
@@ -166,7 +167,7 @@ def test_heads_of_kv_b(name, isa, monkeypatch):
     c = get_codec(name)
     w = weight(shape, seed=11)
     w[5, 7] = 9.0
-    raw = c.encode(w)
+    raw = encode(c, w)
     ref = c.decode(raw, shape).astype(np.float64)
     rng = np.random.default_rng(4)
     v = rng.standard_normal((nh, nope)).astype(np.float32)
@@ -183,7 +184,7 @@ def test_heads_of_kv_b(name, isa, monkeypatch):
 def test_c_kernel_refuses_jobs_outside_its_buffers():
     c = get_codec("q2")
     shape = (4, 256)
-    raw = c.encode(weight(shape, 4))
+    raw = encode(c, weight(shape, 4))
     g = kernels._geometry_vector(c, shape)[None, :]
     x = np.ones((1, 256), np.float32)
     out = np.empty(4, np.float32)
@@ -197,9 +198,27 @@ def test_c_kernel_refuses_jobs_outside_its_buffers():
         _qdot.rows(raw, g, np.ones((1, 128), np.float32), ok, out, 1)
 
 
+def test_kernel_refuses_a_layout_it_was_not_built_for():
+    """The C kernels' per-codec paths check each geometry against the layout they were written for:
+    a codec redefined in formats/quants.py without them fails loudly instead of decoding wrongly."""
+    c = get_codec("q2")
+    shape = (4, 256)
+    raw = encode(c, weight(shape, 4))
+    g = kernels._geometry_vector(c, shape).copy()
+    x = np.ones((1, 256), np.float32)
+    out = np.empty(4, np.float32)
+    jobs = np.array([[0, 0, 0, 4, 0, 0]], np.int64)
+    assert _qdot.rows(raw, g[None, :], x, jobs, out, 1) == 0
+    for field, value in ((kernels.G_PB0, 2), (kernels.G_P, 128), (kernels.G_BITS0, 4)):
+        bad = g.copy()
+        bad[field] = value
+        with pytest.raises(ValueError, match="known codec"):
+            _qdot.rows(raw, bad[None, :], x, jobs, out, 1)
+
+
 def test_empty():
     c = get_codec("t1")
-    raw = c.encode(np.zeros((0, 256), np.float32))
+    raw = encode(c, np.zeros((0, 256), np.float32))
     assert kernels.linear(np.ones((3, 256), np.float32), "t1", raw, (0, 256)).shape == (3, 0)
     assert kernels.dequantize("t1", raw, (0, 256)).shape == (0, 256)
 
@@ -211,7 +230,7 @@ def _expert_buffer(rng, n, gu, dn, hidden, inter):
     for e in range(n):
         row = []
         for codec, shape in ((gu, (inter, hidden)), (gu, (inter, hidden)), (dn, (hidden, inter))):
-            raw = get_codec(codec).encode((rng.standard_normal(shape) * 0.05).astype(np.float32))
+            raw = encode(codec, (rng.standard_normal(shape) * 0.05).astype(np.float32))
             pad = (-pos) % 64 + 7
             blobs.append(np.zeros(pad, np.uint8))
             pos += pad

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import xxhash
 
+from kimistream.convert.encoder import encode
 from kimistream.formats.codecs import CodecError, get_codec
 from kimistream.formats.weightfile import WeightFile, WeightFileError, WeightFileWriter
 
@@ -79,7 +80,7 @@ def expected_tensors(seed=0):
     out = {}
     for name, cls, codec, shape in TENSORS.values():
         v = exact_values(codec, shape, rng)
-        out[name] = (v, get_codec(codec).encode(v))
+        out[name] = (v, encode(codec, v))
     return out
 
 
@@ -319,7 +320,7 @@ def test_writing_a_tensor_twice_cannot_leave_another_unwritten(tmp_path):
     w.add_extent("r", "resident", [("model.norm.weight", "norms", "f32", (4,)),
                                    ("model.layers.0.input_layernorm.weight", "norms", "f32", (4,))])
     w.begin({})
-    enc = get_codec("f32").encode(np.ones(4, dtype=np.float32))
+    enc = encode("f32", np.ones(4, dtype=np.float32))
     w.write_tensor("model.norm.weight", enc)
     with pytest.raises((WeightFileError, ValueError)):
         w.write_tensor("model.norm.weight", enc)      # a repeated write should be refused ...
@@ -339,7 +340,7 @@ def test_empty_extent_verifies(tmp_path):
     w.add_extent("r", "resident", [("model.norm.weight", "norms", "f32", (4,))])
     w.add_extent("nothing", "resident", [])
     w.begin({})
-    w.write_tensor("model.norm.weight", get_codec("f32").encode(np.ones(4, dtype=np.float32)))
+    w.write_tensor("model.norm.weight", encode("f32", np.ones(4, dtype=np.float32)))
     w.finish()
     with WeightFile(path) as wf:
         assert [wf.verify_extent(e) for e in wf.extents] == [True, True]
