@@ -42,7 +42,7 @@ def kl(p_logits, q_logits) -> float:
 def logits_both_ways(path: Path, ids: list[int]):
     w = ModelWeights(path)
     w.load_resident()
-    m = Model(w, len(ids) + 1, prefetch="off")
+    m = Model(w, len(ids) + 1)
     exact = m.prefill(ids, len(ids), all_logits=True)        # one chunk: dequantized weights
     m.reset()
     m.prefill(ids[:8], 8)

@@ -26,12 +26,12 @@ def main():
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "KIMI_STREAM_THREADS"):
         os.environ[var] = str(args.threads)
     import numpy as np
-    from kimistream.runtime.model import Model
+    from kimistream.runtime.model import Attention, Model, MoE
     from kimistream.runtime.weights import ModelWeights
 
     w = ModelWeights(args.weights)
     w.load_resident()
-    m = Model(w, args.prompt_tokens + 2 * args.steps + 16, prefetch="off")
+    m = Model(w, args.prompt_tokens + 2 * args.steps + 16)
     ids = [int(i) for i in np.random.default_rng(0).integers(0, m.cfg.vocab_size, args.prompt_tokens)]
     m.prefill(ids[:16], 16)            # warm: kernels compiled or loaded, pages mapped
     m.forward([1])
@@ -50,11 +50,13 @@ def main():
     prof.runcall(decode)
     st = pstats.Stats(prof)
 
-    def cum(name):
-        return sum(v[3] for (f, _, fn), v in st.stats.items() if fn == name and f.endswith("model.py"))
+    def cum(fn):
+        code = fn.__code__
+        return sum(v[3] for (f, line, name), v in st.stats.items()
+                   if (f, line, name) == (code.co_filename, code.co_firstlineno, code.co_name))
     total = st.total_tt
-    moe, route, attention = cum("_moe"), cum("route"), cum("_attention")
-    parts = {"routed and shared experts (_moe, less routing)": moe - route,
+    moe, route, attention = cum(MoE.forward), cum(MoE.route), cum(Attention.forward)
+    parts = {"routed and shared experts (MoE.forward, less routing)": moe - route,
              "routing (router product, top-k)": route,
              "attention (projections, kv_b, scores)": attention,
              "dense layer, lm_head, norms, embedding, Python glue": total - moe - attention}

@@ -172,14 +172,14 @@ def open_session(args, log, weights_path=None, describe: bool = True) -> Session
     if args.dry_run:
         return None
     weights = ModelWeights(path, io=args.io, cache_bytes=plan.cache_experts * plan.expert_bytes,
-                           policy=args.cache_policy, direct=args.direct)
+                           policy=args.cache_policy, direct=args.direct, prefetch=args.prefetch)
     tok_meta = weights.header.get("tokenizer") or {}
     try:
         tok = Tokenizer(tok_meta.get("kind", ""), {n: weights.file.blob(n) for n in tok_meta.get("files", [])})
     except KeyError as e:
         raise RunError(f"{path}: tokenizer file {e} missing from the weight file") from None
     resident = weights.load_resident()
-    model = Model(weights, args.max_ctx, prefetch=args.prefetch, kv_dtype=args.kv_dtype)
+    model = Model(weights, args.max_ctx, kv_dtype=args.kv_dtype)
     codecs = sorted({t.codec for t in weights.file.tensors.values()})
     plan_classes = weights.header.get("plan", {}).get("classes", {})
     log(f"{path.name}: {cfg.num_hidden_layers} layers ({len(cfg.moe_layers)} MoE), "

@@ -4,7 +4,12 @@ dense first layers, sigmoid routing with correction bias and group-limited top-k
 
 Attention runs in the "absorbed" form: the KV cache holds only the normalised latent (kv_lora_rank)
 and the rotated key part (qk_rope_head_dim) per token and layer; kv_b_proj is folded into the query
-and the output instead of expanding keys and values for every cached token."""
+and the output instead of expanding keys and values for every cached token.
+
+This module is only the model: typed modules (Attention, DenseMLP, MoE, Layer) whose forwards are the
+equations. Where weights live and how they are decoded is runtime/weights.py; which routed experts are
+read, cached and fetched ahead is the expert provider's (ModelWeights, backed by runtime/pager.py);
+calibration observes the modules from outside (runtime/quality.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ import numpy as np
 from kimistream.formats.config import ModelConfig, RopeConfig
 
 from . import blas, kernels
-from .weights import ModelWeights, Weight, has_fused_kernel
+from .weights import ExpertProvider, ModelWeights, Weight, has_fused_kernel
 
 # every core for prefill's large products (kimi-run --threads sets the variable)
 _THREADS = int(os.environ.get("KIMI_STREAM_THREADS") or len(os.sched_getaffinity(0)))
@@ -83,13 +88,8 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleave: bool
 
 # What the Python side of running one expert on its own costs (three linear calls, ~90 us), in bytes
 # read at memory speed: fusing several tokens' experts into one call may read this much more per
-# expert it saves (Model._fusing_pays).
+# expert it saves (MoE._fusing_pays).
 GROUPED_CALL_BYTES = 2 << 20
-
-# Attention projections used at every token are decoded once to float32 and kept (f32 is a view).
-DECODED_ONCE = ("kv_a", "o", "q_a", "q_b", "q")
-_DECODED_SUFFIXES = ("kv_a_proj_with_mqa.weight", "o_proj.weight", "q_a_proj.weight", "q_b_proj.weight",
-                     "q_proj.weight")
 
 
 class KVCache:
@@ -108,113 +108,91 @@ class KVCache:
         self.length = 0
 
 
-class Model:
-    def __init__(self, weights: ModelWeights, max_context: int, prefetch: str = "off", kv_dtype: str = "f32"):
-        if prefetch not in ("off", "next-layer"):
-            raise ValueError(f"unknown --prefetch {prefetch!r} (off, next-layer)")
-        self.prefetch = prefetch
-        self.observer = None      # observer(tensor_name, inputs): sees every weight's input (calibration)
-        self.w = weights
-        self.cfg = cfg = weights.config
-        if max_context < 1:
-            raise ValueError("--max-context must be at least 1")
-        self.cache = KVCache(cfg, max_context, kv_dtype)
-        self.inv_freq, self.rope_amp = rope_tables(cfg.rope, cfg.qk_rope_head_dim)
-        self._rope_key, self._rope_cs = None, None
+class Rope:
+    """RoPE (default or YaRN) cos/sin tables, computed once per step and shared by every layer."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.inv_freq, self.amp = rope_tables(cfg.rope, cfg.qk_rope_head_dim)
+        self.interleave = cfg.rope.interleave
+        self._key, self._cs = None, None
+
+    def tables(self, start: int, T: int, B: int):
+        """cos, sin [B * T, rope/2] for positions start .. start+T-1 of every sequence."""
+        key = (start, T, B)
+        if self._key != key:
+            pos = np.tile(np.arange(start, start + T, dtype=np.float32), B)
+            freqs = pos[:, None] * self.inv_freq[None, :]
+            self._cs = ((np.cos(freqs) * self.amp).astype(np.float32),
+                        (np.sin(freqs) * self.amp).astype(np.float32))
+            self._key = key
+        return self._cs
+
+
+class Attention:
+    """Multi-head latent attention (MLA), absorbed: q from h (through a LoRA when q_lora_rank), the
+    KV latent and the rotated key from kv_a, kv_b folded into the query and the output."""
+
+    def __init__(self, cfg: ModelConfig, index: int, *, kv_a: Weight, kv_ln: np.ndarray, kv_b: Weight, o: Weight,
+                 q: Weight | None = None, q_a: Weight | None = None, q_ln: np.ndarray | None = None,
+                 q_b: Weight | None = None):
+        self.cfg, self.index = cfg, index
+        self.kv_a, self.kv_ln, self.kv_b, self.o = kv_a, kv_ln, kv_b, o
+        self.q, self.q_a, self.q_ln, self.q_b = q, q_a, q_ln, q_b
+        # kv_b per head as strided views of the mapping when stored as f32; otherwise it stays packed
+        # (a resident float32 copy of every layer's would take 2 GB for Kimi K2)
+        self.w_k = self.w_v_t = None
+        if kv_b.codec == "f32":
+            self.w_k, self.w_v_t = self.split_kv_b(kv_b.dense())
         scale = cfg.qk_head_dim ** -0.5
         if cfg.rope.type != "default" and cfg.rope.mscale_all_dim:
             scale *= _yarn_mscale(cfg.rope.factor, cfg.rope.mscale_all_dim) ** 2
         self.softmax_scale = scale
-        self.layers = [self._bind_layer(i) for i in range(cfg.num_hidden_layers)]
-        moe = [L for L in self.layers if L["moe"]]
-        for a, b in zip(moe, moe[1:]):
-            a["next_moe"] = b
-        self.final_norm = weights.vector("model.norm.weight")
-        self.lm_head = weights.weight("lm_head.weight" if weights.has("lm_head.weight") else "model.embed_tokens.weight")
-        self.decoded_resident_bytes = self.lm_head.keep_dense()
 
-    def _bind_layer(self, i: int) -> dict:
-        cfg, w, p = self.cfg, self.w, f"model.layers.{i}."
-        L = {"moe": cfg.is_moe_layer(i), "index": i,
-             "ln1": w.vector(p + "input_layernorm.weight"), "ln2": w.vector(p + "post_attention_layernorm.weight"),
-             "kv_a": w.weight(p + "self_attn.kv_a_proj_with_mqa.weight"),
-             "kv_ln": w.vector(p + "self_attn.kv_a_layernorm.weight"),
-             "o": w.weight(p + "self_attn.o_proj.weight")}
-        if cfg.q_lora_rank:
-            L["q_a"] = w.weight(p + "self_attn.q_a_proj.weight")
-            L["q_ln"] = w.vector(p + "self_attn.q_a_layernorm.weight")
-            L["q_b"] = w.weight(p + "self_attn.q_b_proj.weight")
-        else:
-            L["q"] = w.weight(p + "self_attn.q_proj.weight")
-        # kv_b_proj, split per head: strided views of the mapping when stored as f32; otherwise it
-        # stays packed and is decoded into a transient buffer at each use (a resident float32 copy
-        # of every layer's would take 2 GB for Kimi K2).
-        L["kv_b"] = w.weight(p + "self_attn.kv_b_proj.weight")
-        if L["kv_b"].codec == "f32":
-            L["w_k"], L["w_v_t"] = self._split_kv_b(L["kv_b"].dense())
-        if L["moe"]:
-            L["router"] = w.vector(p + "mlp.gate.weight")
-            L["bias"] = w.vector(p + "mlp.gate.e_score_correction_bias")
-            if cfg.n_shared_experts:
-                L["shared"] = tuple(w.weight(p + f"mlp.shared_experts.{n}.weight")
-                                    for n in ("gate_proj", "up_proj", "down_proj"))
-        else:
-            L["mlp"] = tuple(w.weight(p + f"mlp.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj"))
-        for k in DECODED_ONCE:
-            if k in L:
-                self.w.decoded_bytes += L[k].keep_dense()
-        return L
-
-    def _split_kv_b(self, kv_b: np.ndarray):
+    def split_kv_b(self, kv_b: np.ndarray):
         cfg = self.cfg
         nh, nope, v, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         kv_b = kv_b.reshape(nh, nope + v, r)
         return kv_b[:, :nope, :], kv_b[:, nope:, :].transpose(0, 2, 1)     # [nh, nope, r], [nh, r, v]
 
-    # ------------------------------------------------------------------ blocks
-    def _lin(self, x: np.ndarray, w: Weight) -> np.ndarray:
-        if self.observer is not None:
-            self.observer(w.name, x)
-        return linear(x, w)
+    def query(self, h: np.ndarray) -> np.ndarray:
+        if self.q_a is not None:
+            return linear(rms_norm(linear(h, self.q_a), self.q_ln, self.cfg.rms_norm_eps), self.q_b)
+        return linear(h, self.q)
 
-    def _attention(self, L: dict, h: np.ndarray, start: int) -> np.ndarray:
+    def compress(self, h: np.ndarray):
+        """The normalised KV latent (kv_b's input) and the key's rotary part, before rotation."""
+        ckv = linear(h, self.kv_a)
+        r = self.cfg.kv_lora_rank
+        return rms_norm(ckv[:, :r], self.kv_ln, self.cfg.rms_norm_eps), ckv[:, r:]
+
+    def forward(self, h: np.ndarray, start: int, cache: KVCache, rope: Rope) -> np.ndarray:
         """h [B * T, hidden]: B sequences (the cache's batch), T new tokens each."""
-        cfg, B = self.cfg, self.cache.batch
+        cfg, B = self.cfg, cache.batch
         T = h.shape[0] // B
         nh, nope = cfg.num_attention_heads, cfg.qk_nope_head_dim
-        if cfg.q_lora_rank:
-            q = self._lin(rms_norm(self._lin(h, L["q_a"]), L["q_ln"], cfg.rms_norm_eps), L["q_b"])
-        else:
-            q = self._lin(h, L["q"])
-        q = q.reshape(B * T, nh, cfg.qk_head_dim)
+        q = self.query(h).reshape(B * T, nh, cfg.qk_head_dim)
         q_nope, q_rot = q[..., :nope], q[..., nope:]
-        ckv = self._lin(h, L["kv_a"])
-        latent = rms_norm(ckv[:, :cfg.kv_lora_rank], L["kv_ln"], cfg.rms_norm_eps)
-        if self.observer is not None:
-            self.observer(f"model.layers.{L['index']}.self_attn.kv_b_proj.weight", latent)
-        k_rot = ckv[:, cfg.kv_lora_rank:]
+        latent, k_rot = self.compress(h)
+        cos, sin = rope.tables(start, T, B)
+        q_rot = apply_rope(q_rot, cos, sin, rope.interleave)
+        k_rot = apply_rope(k_rot, cos, sin, rope.interleave)
 
-        cos, sin = self._rope(start, T, B)
-        q_rot = apply_rope(q_rot, cos, sin, cfg.rope.interleave)
-        k_rot = apply_rope(k_rot, cos, sin, cfg.rope.interleave)
-
-        i = L["index"]
-        C, K = self.cache.latent[i], self.cache.k_rot[i]                    # [B, context, r], [B, context, rope]
+        C, K = cache.latent[self.index], cache.k_rot[self.index]          # [B, context, r], [B, context, rope]
         C[:, start:start + T] = latent.reshape(B, T, -1)
         K[:, start:start + T] = k_rot.reshape(B, T, -1)
         S = start + T
         # [B, nh, T, d]
         q_nope = q_nope.reshape(B, T, nh, nope).transpose(0, 2, 1, 3)
         q_rot = q_rot.reshape(B, T, nh, -1).transpose(0, 2, 1, 3)
-        kv_b = L["kv_b"]
-        packed = "w_k" not in L and B * T == 1 and has_fused_kernel(kv_b.codec)
+        kv_b = self.kv_b
+        packed = self.w_k is None and B * T == 1 and has_fused_kernel(kv_b.codec)
         if packed:
             # one token: kv_b stays packed, its key rows applied transposed and its value rows as
             # mat-vecs, head by head (no float32 copy of the whole matrix at every step)
             stride = nope + cfg.v_head_dim
             q_lat = kernels.heads_t(kv_b.codec, kv_b.raw, kv_b.shape, q_nope[0, :, 0], stride)[None, :, None, :]
         else:
-            w_k, w_v_t = (L["w_k"], L["w_v_t"]) if "w_k" in L else self._split_kv_b(kv_b.dense())
+            w_k, w_v_t = (self.w_k, self.w_v_t) if self.w_k is not None else self.split_kv_b(kv_b.dense())
             q_lat = np.matmul(q_nope, w_k)                                     # [B, nh, T, r]
         if T == 1:                      # decode steps: every sequence's cache read once for all heads
             o_lat = np.stack([kernels.attend(q_lat[b, :, 0], q_rot[b, :, 0], C[b], K[b], S, self.softmax_scale)
@@ -223,9 +201,8 @@ class Model:
             Ct, Kt = C[:, None, :S], K[:, None, :S]
             scores = np.matmul(q_lat, Ct.transpose(0, 1, 3, 2)) + np.matmul(q_rot, Kt.transpose(0, 1, 3, 2))
             scores *= self.softmax_scale                                       # [B, nh, T, S]
-            if T > 1:
-                causal = np.arange(S)[None, :] > (start + np.arange(T))[:, None]
-                scores[..., causal] = -np.inf
+            causal = np.arange(S)[None, :] > (start + np.arange(T))[:, None]
+            scores[..., causal] = -np.inf
             scores -= scores.max(axis=-1, keepdims=True)
             probs = np.exp(scores)
             probs /= probs.sum(axis=-1, keepdims=True)
@@ -235,29 +212,36 @@ class Model:
                               cfg.v_head_dim)[None, :, None, :]
         else:
             o = np.matmul(o_lat, w_v_t)                                        # [B, nh, T, v]
-        return self._lin(o.transpose(0, 2, 1, 3).reshape(B * T, nh * cfg.v_head_dim), L["o"])
+        return linear(o.transpose(0, 2, 1, 3).reshape(B * T, nh * cfg.v_head_dim), self.o)
 
-    def _rope(self, start: int, T: int, B: int):
-        """cos, sin [B * T, rope/2] for positions start .. start+T-1 of every sequence, computed once
-        per step (every layer uses the same)."""
-        key = (start, T, B)
-        if self._rope_key != key:
-            pos = np.tile(np.arange(start, start + T, dtype=np.float32), B)
-            freqs = pos[:, None] * self.inv_freq[None, :]
-            self._rope_cs = ((np.cos(freqs) * self.rope_amp).astype(np.float32),
-                             (np.sin(freqs) * self.rope_amp).astype(np.float32))
-            self._rope_key = key
-        return self._rope_cs
 
-    def _mlp(self, x: np.ndarray, gate: Weight, up: Weight, down: Weight) -> np.ndarray:
-        return self._lin(silu(self._lin(x, gate)) * self._lin(x, up), down)
+class DenseMLP:
+    """SwiGLU: down(silu(gate x) * up x)."""
 
-    def route(self, L: dict, h: np.ndarray):
+    def __init__(self, gate: Weight, up: Weight, down: Weight):
+        self.gate, self.up, self.down = gate, up, down
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        return linear(silu(linear(x, self.gate)) * linear(x, self.up), self.down)
+
+
+class MoE:
+    """DeepSeek-V3 mixture of experts: sigmoid router with a correction bias and group-limited top-k,
+    the routed experts' SwiGLUs weighted by their normalised scores, plus the shared expert."""
+
+    def __init__(self, cfg: ModelConfig, index: int, *, router: np.ndarray, bias: np.ndarray,
+                 experts: ExpertProvider, shared: DenseMLP | None = None):
+        self.cfg, self.index = cfg, index
+        self.router, self.bias, self.experts, self.shared = router, bias, experts, shared
+        self.next: Layer | None = None      # the next MoE layer, whose experts this one can guess
+        self._shared_fused = False          # not yet worked out (see _shared_in_buffer)
+
+    def route(self, h: np.ndarray):
         """Top-k expert ids [T, k] and weights [T, k] (DeepSeek-V3 noaux_tc routing)."""
         cfg = self.cfg
-        logits = h @ L["router"].T
+        logits = h @ self.router.T
         scores = 1.0 / (1.0 + np.exp(-logits))
-        choice = scores + L["bias"]
+        choice = scores + self.bias
         E, G = cfg.n_routed_experts, cfg.n_group
         if G > 1:
             grouped = choice.reshape(-1, G, E // G)
@@ -272,38 +256,31 @@ class Model:
             weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
         return idx, (weights * cfg.routed_scaling_factor).astype(np.float32)
 
-    def _predict_next(self, L: dict, x: np.ndarray) -> None:
-        """Speculative prefetch: the next MoE layer's router applied to the current residual stream
-        guesses that layer's experts; their reads start while this layer computes."""
-        nxt = L.get("next_moe")
-        if nxt is None:
-            return
-        guess, _ = self.route(nxt, rms_norm(x, nxt["ln2"], self.cfg.rms_norm_eps))
-        self.w.pager.prefetch(nxt["index"], np.unique(guess))
-
-    def _moe(self, L: dict, h: np.ndarray, x: np.ndarray) -> np.ndarray:
-        idx, weights = self.route(L, h)
+    def forward(self, h: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """h: the normalised input [T, hidden]; x: the residual stream, for guessing the next layer."""
+        idx, weights = self.route(h)
         used = np.unique(idx)
-        self.w.pager.note_routed(L["index"], used)
-        self.w.pager.fetch_ahead(L["index"], used)
-        if self.prefetch == "next-layer":
-            self._predict_next(L, x)
+        self.experts.routed(self.index, used)
+        if self.next is not None and self.experts.wants_guesses:
+            # the next MoE layer's router applied to the current residual stream guesses its experts
+            nxt = self.next
+            guess, _ = nxt.mlp.route(rms_norm(x, nxt.ln2, self.cfg.rms_norm_eps))
+            self.experts.guess(nxt.index, np.unique(guess))
         out = np.zeros_like(h)
-        if self.observer is None and self.w.pager.holds_together(len(used)):
-            experts = {int(e): self.w.expert(L["index"], int(e)) for e in used}
-            if self._fusing_pays(idx, experts):
-                shared = self._shared_in_base(L, experts)
-                if self._moe_fused(experts, idx, h, weights, out, shared):
-                    if "shared" in L and shared is None:
-                        out += self._mlp(h, *L["shared"])
-                    return out
+        experts = self.experts.together(self.index, used)
+        if experts is not None and self._fusing_pays(idx, experts):
+            shared = self._shared_in_buffer(experts)
+            if self._fused(experts, idx, h, weights, out, shared):
+                if self.shared is not None and shared is None:
+                    out += self.shared.forward(h)
+                return out
         # Group the chunk's tokens by expert: each expert is fetched once per chunk.
         for e in used:
             tok, slot = np.nonzero(idx == e)
-            gate, up, down = self.w.expert(L["index"], int(e))
-            out[tok] += self._mlp(h[tok], gate, up, down) * weights[tok, slot][:, None]
-        if "shared" in L:
-            out += self._mlp(h, *L["shared"])
+            gate, up, down = experts[int(e)] if experts is not None else self.experts.get(self.index, int(e))
+            out[tok] += DenseMLP(gate, up, down).forward(h[tok]) * weights[tok, slot][:, None]
+        if self.shared is not None:
+            out += self.shared.forward(h)
         return out
 
     @staticmethod
@@ -318,35 +295,36 @@ class Model:
         expert_bytes = gate.raw.nbytes + up.raw.nbytes + down.raw.nbytes
         return (T * k - len(experts)) * expert_bytes <= len(experts) * GROUPED_CALL_BYTES
 
-    def _shared_in_base(self, L: dict, experts: dict):
+    def _shared_in_buffer(self, experts: dict):
         """The shared expert as moe_decode's `shared` argument when it can join the routed experts' call
-        (same shapes, fused codecs, its bytes inside the pager's buffer, as with the mmap pager); None
+        (same shapes, fused codecs, its bytes inside the experts' buffer, as with the mmap pager); None
         otherwise (it then runs as its own three products)."""
-        if "shared" not in L:
-            return None
-        if "shared_fused" not in L:
-            gate, up, down = L["shared"]
-            rg, _, rd = next(iter(experts.values()))
-            base = self.w.pager.base
-            b0, end = base.ctypes.data, base.ctypes.data + base.size
-            inside = all(b0 <= t.raw.ctypes.data and t.raw.ctypes.data + t.raw.nbytes <= end for t in L["shared"])
-            fits = (gate.shape == up.shape == rg.shape and down.shape == rd.shape and gate.codec == up.codec
-                    and has_fused_kernel(gate.codec) and has_fused_kernel(down.codec))
-            L["shared_fused"] = ((gate.raw.ctypes.data - b0, up.raw.ctypes.data - b0, down.raw.ctypes.data - b0),
-                                 (gate.codec, gate.shape), (down.codec, down.shape)) if inside and fits else None
-        return L["shared_fused"]
+        if self._shared_fused is False:
+            self._shared_fused = None
+            base = self.experts.buffer
+            if self.shared is not None and base is not None:
+                gate, up, down = self.shared.gate, self.shared.up, self.shared.down
+                rg, _, rd = next(iter(experts.values()))
+                b0, end = base.ctypes.data, base.ctypes.data + base.size
+                inside = all(b0 <= t.raw.ctypes.data and t.raw.ctypes.data + t.raw.nbytes <= end
+                             for t in (gate, up, down))
+                fits = (gate.shape == up.shape == rg.shape and down.shape == rd.shape and gate.codec == up.codec
+                        and has_fused_kernel(gate.codec) and has_fused_kernel(down.codec))
+                if inside and fits:
+                    self._shared_fused = ((gate.raw.ctypes.data - b0, up.raw.ctypes.data - b0,
+                                           down.raw.ctypes.data - b0), (gate.codec, gate.shape), (down.codec, down.shape))
+        return self._shared_fused
 
-    def _moe_fused(self, experts: dict, idx: np.ndarray, h: np.ndarray, weights: np.ndarray, out,
-                   shared=None) -> bool:
-        """Tokens h [T, hidden] through all their routed experts (and `shared`, see _shared_in_base) in
+    def _fused(self, experts: dict, idx: np.ndarray, h: np.ndarray, weights: np.ndarray, out, shared=None) -> bool:
+        """Tokens h [T, hidden] through all their routed experts (and `shared`, see _shared_in_buffer) in
         one kernel call (both cores busy even when each expert is small). False when the experts'
         tensors do not allow it (float codecs, mixed codecs or shapes): the caller then groups tokens
         by expert."""
         gate, up, down = next(iter(experts.values()))
         spec_gu, spec_d = (gate.codec, gate.shape), (down.codec, down.shape)
-        if not (has_fused_kernel(gate.codec) and has_fused_kernel(down.codec)):
+        base = self.experts.buffer
+        if base is None or not (has_fused_kernel(gate.codec) and has_fused_kernel(down.codec)):
             return False
-        base = self.w.pager.base
         b0 = base.ctypes.data
         where = {}
         for e, (g, u, d) in experts.items():
@@ -356,6 +334,58 @@ class Model:
         offs = np.array([[where[int(e)] for e in row] for row in idx], np.int64)     # [T, k, 3]
         kernels.moe_decode(base, offs, spec_gu, spec_d, h, weights, out, shared)
         return True
+
+
+class Layer:
+    """x + attention(norm(x)), then x + mlp(norm(x)), the mlp dense or a mixture of experts."""
+
+    def __init__(self, index: int, ln1: np.ndarray, ln2: np.ndarray, attn: Attention, mlp: DenseMLP | MoE, eps: float):
+        self.index, self.ln1, self.ln2, self.attn, self.mlp, self.eps = index, ln1, ln2, attn, mlp, eps
+
+    def forward(self, x: np.ndarray, start: int, cache: KVCache, rope: Rope) -> np.ndarray:
+        x = x + self.attn.forward(rms_norm(x, self.ln1, self.eps), start, cache, rope)
+        h = rms_norm(x, self.ln2, self.eps)
+        return x + (self.mlp.forward(h, x) if isinstance(self.mlp, MoE) else self.mlp.forward(h))
+
+
+def load_layer(w: ModelWeights, cfg: ModelConfig, i: int) -> Layer:
+    """Layer i's modules over the weights' tensors (named as in the Hugging Face checkpoint)."""
+    p = f"model.layers.{i}."
+    if cfg.q_lora_rank:
+        q = {"q_a": w.resident(p + "self_attn.q_a_proj.weight"), "q_ln": w.vector(p + "self_attn.q_a_layernorm.weight"),
+             "q_b": w.resident(p + "self_attn.q_b_proj.weight")}
+    else:
+        q = {"q": w.resident(p + "self_attn.q_proj.weight")}
+    attn = Attention(cfg, i, kv_a=w.resident(p + "self_attn.kv_a_proj_with_mqa.weight"),
+                     kv_ln=w.vector(p + "self_attn.kv_a_layernorm.weight"), kv_b=w.weight(p + "self_attn.kv_b_proj.weight"),
+                     o=w.resident(p + "self_attn.o_proj.weight"), **q)
+    if cfg.is_moe_layer(i):
+        shared = None
+        if cfg.n_shared_experts:
+            shared = DenseMLP(*(w.weight(p + f"mlp.shared_experts.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj")))
+        mlp = MoE(cfg, i, router=w.vector(p + "mlp.gate.weight"), bias=w.vector(p + "mlp.gate.e_score_correction_bias"),
+                  experts=w, shared=shared)
+    else:
+        mlp = DenseMLP(*(w.weight(p + f"mlp.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj")))
+    return Layer(i, w.vector(p + "input_layernorm.weight"), w.vector(p + "post_attention_layernorm.weight"), attn,
+                 mlp, cfg.rms_norm_eps)
+
+
+class Model:
+    def __init__(self, weights: ModelWeights, max_context: int, kv_dtype: str = "f32"):
+        self.w = weights
+        self.cfg = cfg = weights.config
+        if max_context < 1:
+            raise ValueError("--max-context must be at least 1")
+        self.cache = KVCache(cfg, max_context, kv_dtype)
+        self.rope = Rope(cfg)
+        self.layers = [load_layer(weights, cfg, i) for i in range(cfg.num_hidden_layers)]
+        moe = [L for L in self.layers if isinstance(L.mlp, MoE)]
+        for a, b in zip(moe, moe[1:]):
+            a.mlp.next = b
+        self.embed = weights.embed_rows
+        self.final_norm = weights.vector("model.norm.weight")
+        self.lm_head = weights.resident("lm_head.weight" if weights.has("lm_head.weight") else "model.embed_tokens.weight")
 
     # ------------------------------------------------------------------ forward
     def forward(self, ids, all_logits: bool = False) -> np.ndarray:
@@ -368,18 +398,15 @@ class Model:
         T, start = ids2.shape[1], self.cache.length
         if start + T > self.cache.max_context:
             raise ContextFull(f"context of {self.cache.max_context} tokens is full (raise --max-context)")
-        cfg = self.cfg
         blas.set_threads(1 if T == 1 else _THREADS)   # see runtime/blas.py: decode steps, one or several sequences
         kernels.set_spin(T == 1)
-        x = self.w.embed_rows(ids2.reshape(-1))
-        for L in self.layers:
-            x = x + self._attention(L, rms_norm(x, L["ln1"], cfg.rms_norm_eps), start)
-            h = rms_norm(x, L["ln2"], cfg.rms_norm_eps)
-            x = x + (self._moe(L, h, x) if L["moe"] else self._mlp(h, *L["mlp"]))
+        x = self.embed(ids2.reshape(-1))
+        for layer in self.layers:
+            x = layer.forward(x, start, self.cache, self.rope)
         self.cache.length = start + T
         if not all_logits:
             x = x.reshape(B, T, -1)[:, -1]
-        return self._lin(rms_norm(x, self.final_norm, cfg.rms_norm_eps), self.lm_head)
+        return linear(rms_norm(x, self.final_norm, self.cfg.rms_norm_eps), self.lm_head)
 
     def sequences(self, batch: int):
         """A context in which the model runs `batch` sequences side by side in a cache of their own

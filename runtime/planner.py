@@ -17,7 +17,7 @@ from kimistream.formats.layout import plan_extents
 
 from . import budget as B
 from .errors import RunError
-from .model import _DECODED_SUFFIXES
+from .weights import DECODED_SUFFIXES
 
 # A header's JSON for a config that has not been converted: bytes per tensor entry and per extent
 # entry, measured on converted files (Kimi K2: 15.2 MB for 69 975 tensors and 23 105 extents), and
@@ -42,7 +42,7 @@ def _footprint(tensors, extents, header_bytes: int, blob_bytes: int) -> Footprin
     for name, cls, codec, shape in tensors:
         n = 4 * math.prod(shape)
         float_copy = is_float_codec(codec) and codec != "f32"
-        if float_copy and (name.endswith(_DECODED_SUFFIXES) or name == "lm_head.weight"):
+        if float_copy and (name.endswith(DECODED_SUFFIXES) or name == "lm_head.weight"):
             copies += n                                   # decoded once and kept
         if float_copy and cls in ("routed_experts", "shared_experts", "dense_mlp"):
             scratch = max(scratch, 2 * n)                 # decoded one projection at a time

@@ -4,6 +4,7 @@ agreement against a reference weight file on the same windows, and collecting an
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,8 +14,9 @@ from kimistream.formats.imatrix import (DEFAULT_MOMENT_BUDGET, moment_key, momen
 from kimistream.formats.layout import model_shapes
 
 from .generate import generate
-from .model import Model
+from .model import MoE, Model
 from .sampler import Sampler
+from .weights import ExpertProvider
 
 
 def log_softmax(z: np.ndarray) -> np.ndarray:
@@ -124,17 +126,82 @@ def collect_importance(model: Model, chunks, batch: int, progress=None,
                        moment_budget: int = DEFAULT_MOMENT_BUDGET) -> ImportanceCollector:
     """Importance over token windows, each run from an empty cache (see `windows`)."""
     col = ImportanceCollector(moment_plan(model_shapes(model.cfg), moment_budget))
-    model.observer = col
-    try:
+    with observing(model, col):
         for w in chunks:
             model.reset()
             model.prefill(w, batch, all_logits=False)
             col.tokens += len(w)
             if progress:
                 progress(len(w))
-    finally:
-        model.observer = None
     return col
+
+
+class _Observed:
+    """A weight whose inputs `observer(tensor name, x)` sees before its product is computed."""
+
+    def __init__(self, weight, observer):
+        self.weight, self.observer = weight, observer
+
+    def __getattr__(self, name):
+        return getattr(self.weight, name)
+
+    def matmul_t(self, x):
+        self.observer(self.weight.name, x)
+        return self.weight.matmul_t(x)
+
+
+class _ObservedExperts(ExpertProvider):
+    """The experts, one at a time and observed (so never in the fused call, which hides their inputs)."""
+
+    def __init__(self, inner: ExpertProvider, observer):
+        self.inner, self.observer = inner, observer
+
+    def routed(self, layer, experts):
+        self.inner.routed(layer, experts)
+
+    def get(self, layer, e):
+        return tuple(_Observed(w, self.observer) for w in self.inner.get(layer, e))
+
+
+@contextmanager
+def observing(model: Model, observer):
+    """While inside, every weight's input goes to `observer(tensor name, x)` (calibration), kv_b's
+    being the KV latent. The model's modules are wrapped from the outside and restored after."""
+    undo = []
+
+    def wrap(obj, attr, value):
+        undo.append((obj, attr, obj.__dict__.get(attr, _ABSENT)))
+        setattr(obj, attr, value)
+
+    for layer in model.layers:
+        attn = layer.attn
+        for attr in ("q", "q_a", "q_b", "kv_a", "o"):
+            if getattr(attn, attr) is not None:
+                wrap(attn, attr, _Observed(getattr(attn, attr), observer))
+
+        def compress(h, attn=attn, inner=attn.compress):
+            latent, k_rot = inner(h)
+            observer(attn.kv_b.name, latent)
+            return latent, k_rot
+        wrap(attn, "compress", compress)
+        mlp = layer.mlp
+        if isinstance(mlp, MoE):
+            wrap(mlp, "experts", _ObservedExperts(mlp.experts, observer))
+            mlp = mlp.shared
+        for attr in ("gate", "up", "down") if mlp is not None else ():
+            wrap(mlp, attr, _Observed(getattr(mlp, attr), observer))
+    wrap(model, "lm_head", _Observed(model.lm_head, observer))
+    try:
+        yield model
+    finally:
+        for obj, attr, old in reversed(undo):
+            if old is _ABSENT:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, old)
+
+
+_ABSENT = object()
 
 
 def sample_sequences(model: Model, start: list[int], stop_ids, n_tokens: int, window: int, batch: int,

@@ -18,6 +18,12 @@ from .pager import ExpertPager, make_pager
 
 PAGE = mmap.PAGESIZE
 UNBOUNDED = 1 << 62
+PREFETCH_MODES = ("off", "next-layer")
+
+# Attention projections used at every token, and lm_head, are decoded once to float32 and kept when
+# they are stored as floats (`resident`); the planner counts the copies.
+DECODED_SUFFIXES = ("kv_a_proj_with_mqa.weight", "o_proj.weight", "q_a_proj.weight", "q_b_proj.weight",
+                    "q_proj.weight")
 
 
 @dataclass
@@ -62,9 +68,34 @@ def has_fused_kernel(codec: str) -> bool:
     return not is_float_codec(codec)
 
 
-class ModelWeights:
+class ExpertProvider:
+    """What the model asks of whoever holds the routed experts (ModelWeights, over the pager). The
+    model says which experts a layer routed to and takes their weights; reading, caching, fetching
+    ahead and guessing the next layer are the provider's decisions."""
+    wants_guesses: bool = False         # take guesses of the next layer's experts (speculative reads)
+    buffer: np.ndarray | None = None    # the buffer every expert tensor lies in (fused kernel calls)
+
+    def routed(self, layer: int, experts) -> None:
+        """`layer` routed to `experts` (unique ids): score any guess, start reading them all."""
+
+    def guess(self, layer: int, experts) -> None:
+        """The model's guess of `layer`'s experts, before it gets there."""
+
+    def together(self, layer: int, experts) -> dict | None:
+        """{id: (gate, up, down)} for all of `experts` at once, or None when they cannot all be held
+        at the same time (the model then takes them one by one with `get`)."""
+        return None
+
+    def get(self, layer: int, e: int) -> tuple[Weight, Weight, Weight]:
+        raise NotImplementedError
+
+
+class ModelWeights(ExpertProvider):
     def __init__(self, path, io: str = "mmap", cache_bytes: int = UNBOUNDED, policy: str = "lru",
-                 direct: bool = False):
+                 direct: bool = False, prefetch: str = "off"):
+        if prefetch not in PREFETCH_MODES:
+            raise ValueError(f"unknown --prefetch {prefetch!r} ({', '.join(PREFETCH_MODES)})")
+        self.wants_guesses = prefetch == "next-layer"
         self.file = WeightFile(path)
         self.header = self.file.header
         try:
@@ -78,6 +109,7 @@ class ModelWeights:
         self.decoded_bytes = 0
         self._advise_experts_random()
         self.pager: ExpertPager = make_pager(io, self.file, cache_bytes, policy, direct)
+        self.buffer = self.pager.base
 
     def _extents(self, kind):
         return [e for e in self.file.extents if e.kind == kind]
@@ -92,7 +124,7 @@ class ModelWeights:
 
     def _advise_experts_random(self) -> None:
         # Default readahead pulls far more than a fault needs in a randomly-accessed expert region;
-        # MADV_RANDOM limits each fault to its page (see DESIGN 5b).
+        # MADV_RANDOM limits each fault to its page (docs/DESIGN.md, "The runtime").
         exps = self._extents(EXTENT_EXPERT)
         if exps and hasattr(mmap, "MADV_RANDOM"):
             lo = min(e.offset for e in exps) // PAGE * PAGE
@@ -119,6 +151,14 @@ class ModelWeights:
         t = self.file.tensors[name]
         return Weight(name, t.codec, t.shape, self.file.raw(name))
 
+    def resident(self, name: str) -> Weight:
+        """A weight used at every token: float-stored ones named in DECODED_SUFFIXES (and lm_head) are
+        decoded once and kept, counted in `decoded_bytes`; block codecs stay packed."""
+        w = self.weight(name)
+        if name.endswith(DECODED_SUFFIXES) or name in ("lm_head.weight", "model.embed_tokens.weight"):
+            self.decoded_bytes += w.keep_dense()
+        return w
+
     def vector(self, name: str) -> np.ndarray:
         return self.file.decode(name).astype(np.float32, copy=False)
 
@@ -133,6 +173,22 @@ class ModelWeights:
             # Rows were copied out: give the table's pages back so RSS does not grow with the vocabulary seen.
             self.file.mm.madvise(mmap.MADV_DONTNEED, ext.offset, -(-ext.nbytes // PAGE) * PAGE)
         return rows
+
+    # ---- the expert provider, over the pager
+    def routed(self, layer: int, experts) -> None:
+        self.pager.note_routed(layer, experts)
+        self.pager.fetch_ahead(layer, experts)
+
+    def guess(self, layer: int, experts) -> None:
+        self.pager.prefetch(layer, experts)
+
+    def together(self, layer: int, experts) -> dict | None:
+        if not self.pager.holds_together(len(experts)):
+            return None
+        return {int(e): self.get(layer, int(e)) for e in experts}
+
+    def get(self, layer: int, e: int) -> tuple[Weight, Weight, Weight]:
+        return self.expert(layer, e)
 
     def expert(self, layer: int, e: int) -> tuple[Weight, Weight, Weight]:
         views = self.pager.get(layer, e)

@@ -46,10 +46,9 @@ PROMPT = list(range(3, 60, 2))
 
 
 def _run(path, **kw):
-    prefetch = kw.pop("prefetch", "off")
     w = ModelWeights(path, **kw)
     w.load_resident()
-    m = Model(w, 128, prefetch=prefetch)
+    m = Model(w, 128)
     logits = m.prefill(PROMPT, 7, all_logits=True)
     m.reset()
     tokens = list(generate(m, PROMPT, 12, Sampler(0.0), 5))
