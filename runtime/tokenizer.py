@@ -22,7 +22,8 @@ KIMI_PATTERN = "|".join([
 ])
 KIMI_RESERVED_SPECIAL = 256
 # Kimi's encode() cuts text into <=400k-char windows, then each window wherever a run of whitespace or of
-# non-whitespace exceeds 25k chars (tiktoken issue 195), and encodes the pieces separately.
+# non-whitespace exceeds 25k chars (tiktoken's regex slows down badly on very long runs), and encodes
+# the pieces separately.
 KIMI_MAX_ENCODE_CHARS = 400_000
 KIMI_MAX_RUN_CHARS = 25_000
 # Named special tokens transformers hands to a chat template (`special_tokens_map`).
