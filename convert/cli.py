@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 from kimistream.formats import interrupts
+
+interrupts.hold_from_import("kimi-convert", __name__)
 from kimistream.formats.constants import DEFAULT_ALIGNMENT, MAX_ALIGNMENT
 from kimistream.formats.presets import PRESETS
 

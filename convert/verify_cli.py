@@ -11,6 +11,8 @@ from pathlib import Path
 
 from kimistream.formats import interrupts
 
+interrupts.hold_from_import("kimi-verify", __name__)
+
 
 def build_parser():
     p = argparse.ArgumentParser(prog="kimi-verify", description=__doc__)

@@ -2,14 +2,30 @@
 the interrupt held, which is then raised as KeyboardInterrupt: an interrupt in the middle of an import
 can surface as another exception (Python turns a KeyboardInterrupt inside a class body's
 `__set_name__` into a RuntimeError). For later windows, `caused_by_interrupt` recognises an interrupt
-wrapped that way."""
+wrapped that way. The hold starts when a command's module is imported (`hold_from_import`), so the
+console script's own lines between that import and `main()` are covered too; only the interpreter's
+start-up before the first line of this project (site, the script's first imports: a few hundredths
+of a second) ends the interpreter's way."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
 from contextlib import contextmanager
+
+_early: list = []        # interrupts noted between a command module's import and its main()
+
+
+def hold_from_import(prog: str, module: str) -> None:
+    """Called at the top of a command's module: when the process runs that command (its console
+    script, or `python -m` the module), note SIGINT until `command` takes over. A library import of
+    the module changes nothing."""
+    if module != "__main__" and os.path.basename(sys.argv[0] if sys.argv else "") != prog:
+        return
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, lambda signum, frame: _early.append(signum))
 
 
 @contextmanager
@@ -47,6 +63,10 @@ def command(prog: str, start, interrupted: str) -> int:
     command runs as `python -m`."""
     sys.argv[0] = prog
     try:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.default_int_handler)   # what held() restores after start-up
+        if _early:
+            raise KeyboardInterrupt
         with held():
             work = start()
         return work()

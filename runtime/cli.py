@@ -9,6 +9,8 @@ import sys
 
 from kimistream.formats import interrupts
 
+interrupts.hold_from_import("kimi-run", __name__)
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kimi-run", description=__doc__)

@@ -130,6 +130,27 @@ def test_weight_file_truncated_while_mapped(tiny_kst, tmp_path, reader):
     one_line_error(proc, reader, str(victim), "truncated", "kimi-verify")
 
 
+@pytest.mark.parametrize("module,prog", [("kimistream.runtime.cli", "kimi-run"),
+                                         ("kimistream.convert.cli", "kimi-convert"),
+                                         ("kimistream.convert.verify_cli", "kimi-verify")])
+def test_ctrl_c_between_import_and_main(module, prog):
+    """The console script's own lines after it imports the command and before it calls main() (pip's
+    wrapper rewrites argv[0] with a regex there): an interrupt then is held from the import on and
+    ends with the command's one line and 130, not a traceback. A library import holds nothing."""
+    import subprocess
+    import sys
+    script = (f"import os, signal, sys, time\nsys.argv = [{prog!r}, '--help']\nfrom {module} import main\n"
+              "os.kill(os.getpid(), signal.SIGINT)\ntime.sleep(0.2)\nsys.exit(main())\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in proc.stderr, (proc.returncode, proc.stderr)
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"{prog}: ") and "interrupted" in line, proc.stderr
+    library = (f"import os, signal, sys, time\nsys.argv = ['pytest']\nimport {module}\n"
+               "os.kill(os.getpid(), signal.SIGINT)\ntime.sleep(5)\n")
+    proc = subprocess.run([sys.executable, "-c", library], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "KeyboardInterrupt" in proc.stderr     # Python's own Ctrl-C, untouched
+
+
 @pytest.mark.parametrize("delay", [0.0, 0.01, 0.03, 0.06, 0.1, 0.2])
 def test_ctrl_c_during_start_up(tiny_kst, delay):
     """Ctrl-C at any moment once kimi-run's own code runs (here: from the moment its kernels are
