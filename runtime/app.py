@@ -19,7 +19,7 @@ from .bundled import BundledModelError, default_weights
 from .generate import GenerationStats, generate
 from . import planner
 from .errors import RunError
-from .planner import auto_prefill_batch, context_length, describe_plan, refuse_if_unfit
+from .planner import MIN_PREFILL_BATCH, auto_fit, auto_prefill_batch, context_length, describe_plan, refuse_if_unfit
 from .model import ContextFull, Model
 from .pager import ExpertReadError
 from .sampler import Sampler
@@ -159,7 +159,10 @@ def open_session(args, log, weights_path=None, describe: bool = True) -> Session
     args.max_ctx = context_length(args, cfg, log)
 
     def replan(ctx, chunk):
-        return planner.plan(cfg, footprint, args, baseline, ctx or args.max_ctx, chunk or args.prefill_batch_size)
+        return planner.plan(cfg, footprint, args, baseline, ctx or args.max_ctx,
+                            chunk or args.prefill_batch_size or MIN_PREFILL_BATCH)
+    auto_fit(args, replan, log)
+    args.kv_dtype = args.kv_dtype or "f32"
     if args.prefill_batch_size is None:
         args.prefill_batch_size = auto_prefill_batch(lambda b: replan(None, b))
         log(f"prefill batch: {args.prefill_batch_size} tokens (--prefill-batch-size to choose)")
@@ -188,7 +191,7 @@ def open_session(args, log, weights_path=None, describe: bool = True) -> Session
     log(f"codecs: {', '.join(codecs)}; plan: " + ", ".join(f"{k}={v}" for k, v in plan_classes.items()))
     log(f"tokenizer: {tok.kind}, {tok.vocab_size} tokens")
     log(f"resident {B.fmt(resident)}; expert cache {plan.cache_experts} experts ({args.io}, {args.cache_policy}, "
-        f"prefetch {args.prefetch})")
+        f"prefetch {weights.prefetch_policy})")
     log(f"weight file: OK (header checked, resident extents verified; experts through {args.io})")
     return Session(path, cfg, plan, weights, model, tok, resident)
 
@@ -251,6 +254,7 @@ def _generate(args, log) -> int:
         "stop_reason": stats.stop_reason,
         "memory_budget_bytes": plan.budget,
         "expert_cache_experts": plan.cache_experts,
+        "prefetch_policy": weights.prefetch_policy,
         **tele,
     }
     if args.json:
@@ -280,6 +284,7 @@ def print_summary(stats: GenerationStats, report: dict, tele: dict, plan: B.Memo
         ("experts touched", f"{report['experts_touched']} of {report['experts_total']}"),
         ("expert cache", f"{plan.cache_experts} experts, hit rate {tele['hit_rate']:.1%}, {tele['evictions']} evictions"),
         ("expert bytes read", B.fmt(tele["bytes_read"])),
+        ("prefetch", report["prefetch_policy"]),
         ("prefetch recall / wasted",
          na if tele["prefetch_recall"] is None else f"{tele['prefetch_recall']:.1%} / {B.fmt(tele['prefetch_wasted_bytes'])}"),
         ("major faults", str(tele["major_faults"])),

@@ -36,12 +36,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hard budget for the whole process, e.g. 600M, 8.24G, 8GiB (default: 80%% of MemAvailable)")
     m.add_argument("--io", choices=("mmap", "pread"), default="mmap", help="expert I/O mode (default mmap)")
     m.add_argument("--direct", action="store_true", help="with --io pread: O_DIRECT reads (bypass the page cache)")
-    m.add_argument("--prefetch", choices=("off", "next-layer"), default="next-layer",
-                   help="speculative prefetch of the next layer's experts (default next-layer)")
+    m.add_argument("--prefetch", choices=("auto", "off", "next-layer"), default="auto",
+                   help="speculative reads of the next layer's experts, guessed by its router from the current "
+                        "hidden state: auto (the default) guesses while the expert cache has room for them "
+                        "and most guesses are used; the run summary says what it chose")
     m.add_argument("--cache-policy", choices=("lru", "lfru"), default="lru",
                    help="expert cache eviction: lru, or lfru (least frequently routed among the older half)")
-    m.add_argument("--kv-dtype", choices=("f32", "f16"), default="f32",
-                   help="KV cache precision: f32 (exact, default) or f16 (half the memory)")
+    m.add_argument("--kv-dtype", choices=("f32", "f16"), default=None,
+                   help="KV cache precision: f32 (exact; the default) or f16 (half the memory; the default "
+                        "when f32 does not fit --memory-budget)")
     m.add_argument("--dry-run", action="store_true", help="print the memory plan and exit")
     m.add_argument("--plan-config", metavar="CONFIG_JSON",
                    help="plan memory for a Hugging Face config.json alone (with --quant), before any download")

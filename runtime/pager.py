@@ -82,6 +82,7 @@ class ExpertPager:
         if policy not in ("lru", "lfru"):
             raise ValueError(f"unknown cache policy {policy!r} (lru, lfru)")
         self.wf, self.capacity, self.policy = wf, capacity_bytes, policy
+        self._largest = max((e.nbytes for e in wf.extents if e.kind == "expert"), default=0)
         self.stats = PagerStats()
         self._cache: OrderedDict[tuple, _Entry] = OrderedDict()
         self._inflight: dict[tuple, _Entry] = {}
@@ -115,9 +116,11 @@ class ExpertPager:
         return ent.views
 
     def holds_together(self, n: int) -> bool:
-        """Whether the views of n experts fetched one after another all stay valid until used
-        (a mapping always does; a buffer pool when no slot of them can be reused meanwhile)."""
-        return True
+        """Whether n experts fetched one after another can all be held until used within the cache: a
+        mapping's views stay valid anyway, but pages the cache gives back would be faulted in again
+        behind its back and memory would grow past the budget (a prefill chunk can route to far more
+        experts than a tight cache holds); then they are taken one at a time."""
+        return n * self._largest <= self.capacity
 
     def note_routed(self, layer: int, experts) -> None:
         """Score the prediction made for `layer` against the experts actually routed there."""

@@ -80,7 +80,7 @@ def plan(cfg: ModelConfig, fp: Footprint, args, baseline: int, max_ctx: int, chu
     return B.make_plan(cfg, budget=args.budget, baseline=baseline, resident=fp.resident,
                        metadata=fp.metadata + 4 * cfg.hidden_size * chunk,      # plus embedding rows in flight
                        expert_bytes=fp.expert_bytes, total_experts=fp.total_experts, max_context=max_ctx,
-                       chunk=chunk, expert_scratch=fp.scratch, prefetch=args.prefetch != "off",
+                       chunk=chunk, expert_scratch=fp.scratch, prefetch=args.prefetch == "next-layer",
                        kv_itemsize=2 if args.kv_dtype == "f16" else 4, baseline_recorded=recorded)
 
 
@@ -115,18 +115,54 @@ def context_length(args, cfg, log) -> int:
     return args.max_context
 
 
+MIN_AUTO_CONTEXT = 64      # a default context shortened to fit the budget is never shorter than this
+MIN_PREFILL_BATCH = 64     # the prompt chunk planned for before the default one is chosen
+MIN_FIT_CHUNK = 16         # the smallest default prompt chunk auto_fit plans for
+
+
+def auto_fit(args, replan, log) -> None:
+    """Defaults that fit a tight budget. When the plan does not fit and the user left these flags
+    alone: the KV cache in float16 (half the memory, logits within ~1e-3), then the longest context of
+    at least MIN_AUTO_CONTEXT tokens that fits. Each choice is said in one line. Flags the user gave
+    are never changed, and when even this does not fit, nothing is: refuse_if_unfit then advises."""
+    # with the prompt chunk still to choose (auto_prefill_batch, after), it may shrink to MIN_FIT_CHUNK
+    chunk = args.prefill_batch_size or MIN_FIT_CHUNK
+
+    def fits(ctx=None):
+        return replan(ctx, chunk).fits
+    if fits():
+        return
+    saved = (args.kv_dtype, args.max_ctx)
+    said = []
+    if args.kv_dtype is None:
+        args.kv_dtype = "f16"
+        said.append("KV cache: f16 (f32 does not fit the budget; --kv-dtype to choose)")
+    if not fits() and args.max_context is not None:
+        args.kv_dtype, args.max_ctx = saved
+        return
+    if not fits():
+        ctx = _largest_fitting(MIN_AUTO_CONTEXT, args.max_ctx - 1, fits)
+        if ctx is None:
+            args.kv_dtype, args.max_ctx = saved
+            return
+        said.append(f"max context: {ctx} tokens ({args.max_ctx} does not fit the budget; --max-context to choose)")
+        args.max_ctx = ctx
+    for line in said:
+        log(line)
+
+
 def auto_prefill_batch(plan_with) -> int:
     """The default prompt chunk: 256 tokens when that costs the expert cache at most a tenth of what it
     holds at 64 (larger chunks let each expert's rows serve more tokens: 75 against 45 tok/s of
     prefill in benchmarks/RESULTS.md), else 64, else the largest that fits."""
-    base = plan_with(64)
+    base = plan_with(MIN_PREFILL_BATCH)
     for b in (256, 128):
         p = plan_with(b)
         if p.fits and p.cache_experts >= 0.9 * base.cache_experts:
             return b
     if base.fits:
-        return 64
-    return _largest_fitting(1, 63, lambda b: plan_with(b).fits) or 64
+        return MIN_PREFILL_BATCH
+    return _largest_fitting(1, MIN_PREFILL_BATCH - 1, lambda b: plan_with(b).fits) or MIN_PREFILL_BATCH
 
 
 def refuse_if_unfit(plan: B.MemoryPlan, replan, args) -> None:

@@ -165,6 +165,72 @@ def test_plan_for_kimi_k2_config():
     assert "baseline (interpreter, libraries, recorded)" in proc.stderr
 
 
+def test_auto_fit_chooses_f16_then_a_shorter_context_and_never_overrides_a_flag():
+    """planner.auto_fit on a plan whose fixed part is the KV cache (context x bytes per value): f16
+    first, then the longest context that fits; a flag the user gave is never changed, and when nothing
+    of at least MIN_AUTO_CONTEXT fits, nothing changes (the refusal and its advice follow)."""
+    import types
+    from kimistream.runtime import planner
+
+    def replan_for(args, budget):
+        def replan(ctx, chunk):
+            itemsize = 2 if args.kv_dtype == "f16" else 4
+            return types.SimpleNamespace(fits=(ctx or args.max_ctx) * itemsize + chunk <= budget)
+        return replan
+
+    def run(budget, kv=None, max_context=None, batch=None):
+        args = types.SimpleNamespace(kv_dtype=kv, max_context=max_context, max_ctx=max_context or 4096,
+                                     prefill_batch_size=batch)
+        said = []
+        planner.auto_fit(args, replan_for(args, budget), said.append)
+        return args.kv_dtype, args.max_ctx, said
+    assert run(4 * 4096 + 16) == (None, 4096, [])                      # fits as it is
+    kv, ctx, said = run(2 * 4096 + 16)
+    assert (kv, ctx) == ("f16", 4096) and len(said) == 1 and said[0].startswith("KV cache: f16")
+    kv, ctx, said = run(2 * 1000 + 16)
+    assert (kv, ctx) == ("f16", 1000) and said[1].startswith("max context: 1000 tokens (4096 does not fit")
+    assert run(4 * 1000 + 16, kv="f32")[:2] == ("f32", 1000)           # --kv-dtype given: kept
+    assert run(2 * 1000 + 16, max_context=4096) == (None, 4096, [])   # --max-context given: kept
+    assert run(2 * 10 + 16) == (None, 4096, [])                        # nothing >= 64 tokens fits
+
+
+def test_tight_budget_run_works_with_default_flags(synthetic):
+    """A budget below what the default context and an f32 KV cache need: kimi-run adapts and runs
+    (peak RSS inside the budget) instead of refusing."""
+    def fixed(*flags):
+        proc = kimi_run("--weights", synthetic, "--dry-run", "--json", "--memory-budget", "10G",
+                        "--prefill-batch-size", 16, *flags)
+        p = json.loads(proc.stdout.strip().splitlines()[-1])["memory_plan"]
+        return p["baseline"] + p["resident"] + p["metadata"] + p["kv_cache"] + p["activations"], p
+    small, p = fixed("--max-context", 64, "--kv-dtype", "f16")
+    full, _ = fixed("--kv-dtype", "f32")
+    budget = small + p["min_cache_experts"] * p["expert_bytes"] + (512 << 10)
+    assert full + p["min_cache_experts"] * p["expert_bytes"] > budget + (512 << 10)
+    prompt = "".join(chr(97 + i % 26) for i in range(40))
+    run = kimi_run("--weights", synthetic, "--prompt", prompt, "--max-tokens", 8, "--json", "--memory-budget", budget,
+                   "--prefill-batch-size", 16)
+    assert run.returncode == 0, run.stderr
+    assert "KV cache: f16" in run.stderr or "max context:" in run.stderr
+    assert json.loads(run.stdout)["stats"]["peak_rss_bytes"] <= budget
+
+
+def test_auto_prefetch_guesses_only_when_the_cache_keeps_a_token(synthetic):
+    """--prefetch auto (the default): no guesses when the cache cannot keep a token's experts of every
+    layer (each would evict an expert about to be used); guesses with a roomy cache; the choice is
+    in the run's report."""
+    w = ModelWeights(synthetic)
+    expert, cfg = w.expert_extent_bytes, w.config
+    w.close()
+    need = (len(cfg.moe_layers) + 1) * cfg.num_experts_per_tok
+    _, _, small = _run(synthetic, cache_bytes=(need - 1) * expert, prefetch="auto")
+    assert small.prefetched == 0 and small.routed_checked == 0
+    _, _, roomy = _run(synthetic, prefetch="auto")
+    assert roomy.routed_checked > 0
+    proc = kimi_run("--weights", synthetic, "--prompt", "hello", "--max-tokens", 4, "--json",
+                    "--memory-budget", "10G")
+    assert json.loads(proc.stdout)["stats"]["prefetch_policy"].startswith("next-layer: the cache holds")
+
+
 def test_recorded_baseline_matches_a_dry_run(tiny_kst):
     """--plan-config's recorded baseline is what kimi-run measures before its first weight (within
     the slack it adds), for a file of the same geometry."""

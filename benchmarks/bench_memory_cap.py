@@ -1,0 +1,99 @@
+"""kimi-run under a hard memory cap that includes the page cache (a cgroup v1 memory limit, as on a PC
+whose RAM is smaller than the model): decode and prefill tok/s of the default flags against every
+explicit pager/prefetch combination, at caps given as fractions of the weight file, and the default's
+ratio to the best combination of each cap. Needs root and cgroup v1's memory controller.
+
+    sudo python benchmarks/bench_memory_cap.py WEIGHTS.kst [--caps 0.5,256M,0.25] [--repeats 2]
+                                               [--tokens 32] [--json]
+
+Each run starts with the page cache dropped (so every expert read is a real read), the budget equal
+to the cap, and a 26-letter prompt; rounds alternate the configurations so drift falls on all alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from kimistream.formats.sizes import fmt, parse_size
+
+CGROUP = Path("/sys/fs/cgroup/memory/kimi-bench-cap")
+CONFIGS = {"default": [], "--prefetch next-layer": ["--prefetch", "next-layer"], "--prefetch off": ["--prefetch", "off"],
+           "--io pread": ["--io", "pread"], "--io pread --prefetch off": ["--io", "pread", "--prefetch", "off"]}
+
+
+def run_capped(weights: str, cap: int, tokens: int, extra: list[str]) -> dict:
+    CGROUP.mkdir(exist_ok=True)
+    (CGROUP / "memory.limit_in_bytes").write_text(str(cap))
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3")
+    exe = shutil.which("kimi-run") or sys.exit("kimi-run is not on PATH")
+    cmd = [exe, "--weights", weights, "--memory-budget", str(cap), "--prompt", "abcdefghijklmnopqrstuvwxyz",
+           "--max-tokens", str(tokens), "--json", *extra]
+
+    def enter():
+        (CGROUP / "tasks").write_text(str(os.getpid()))
+    proc = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=enter, timeout=1800)
+    if proc.returncode:
+        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
+    return json.loads(proc.stdout)["stats"]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("weights")
+    ap.add_argument("--caps", default="0.5,256M,0.25", help="fractions of the file or sizes (default 0.5,256M,0.25)")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    if not (CGROUP.parent / "memory.limit_in_bytes").exists():
+        sys.exit(f"{CGROUP.parent}: no cgroup v1 memory controller here")
+    size = Path(a.weights).stat().st_size
+    caps = [int(float(c) * size) if "." in c and not c[-1].isalpha() else parse_size(c) for c in a.caps.split(",")]
+    results = {}
+    for cap in caps:
+        for _ in range(a.repeats):
+            for name, extra in CONFIGS.items():
+                st = run_capped(a.weights, cap, a.tokens, extra)
+                results.setdefault((cap, name), []).append(st)
+    rows = []
+    for cap in caps:
+        med = {}
+        for name in CONFIGS:
+            runs = [r for r in results[(cap, name)] if "error" not in r]
+            if runs:
+                med[name] = {k: statistics.median(r[k] for r in runs) for k in
+                             ("decode_tokens_per_s", "prefill_tokens_per_s", "peak_rss_bytes",
+                              "decode_bytes_read_per_token", "prefetch_wasted_bytes")}
+                med[name]["policy"] = runs[-1].get("prefetch_policy")
+            else:
+                med[name] = {"error": results[(cap, name)][-1]["error"]}
+        best = max((v["decode_tokens_per_s"] for v in med.values() if "error" not in v), default=0)
+        rows.append({"cap": cap, "configs": med, "best_decode": best,
+                     "default_over_best": med["default"]["decode_tokens_per_s"] / best
+                     if best and "error" not in med["default"] else None})
+    if a.json:
+        print(json.dumps(rows))
+        return
+    print(f"{a.weights}: {fmt(size)}, {a.tokens} tokens per run, median of {a.repeats}, page cache dropped before each\n")
+    print("| cap | " + " | ".join(CONFIGS) + " | default / best |")
+    print("| --- |" + " --- |" * (len(CONFIGS) + 1))
+    for r in rows:
+        cells = [("refused" if "error" in v else f"{v['decode_tokens_per_s']:.2f}") for v in r["configs"].values()]
+        ratio = f"{r['default_over_best']:.2f}" if r["default_over_best"] is not None else "—"
+        print(f"| {fmt(r['cap'])} | " + " | ".join(cells) + f" | {ratio} |")
+    print("\ndecode tok/s; default's choices: " + "; ".join(
+        f"{fmt(r['cap'])}: {r['configs']['default'].get('policy')}" for r in rows))
+    print("peak RSS of the default: " + ", ".join(
+        f"{fmt(r['cap'])}: {fmt(r['configs']['default']['peak_rss_bytes'])}" for r in rows if "error" not in r['configs']['default']))
+
+
+if __name__ == "__main__":
+    main()
