@@ -31,7 +31,9 @@ def plan_config(args, log) -> int:
     baseline = B.RECORDED_BASELINE + footprint.total_experts * B.RECORDED_BASELINE_PER_EXPERT
 
     def replan(ctx, chunk):
-        return planner.plan(cfg, footprint, args, baseline, ctx, chunk, recorded=True)
+        return planner.plan(cfg, footprint, args, baseline, ctx or args.max_ctx,
+                            chunk or args.prefill_batch_size or planner.MIN_PREFILL_BATCH, recorded=True)
+    planner.auto_fit(args, replan, log)           # the same defaults kimi-run would choose
     if args.prefill_batch_size is None:
         args.prefill_batch_size = planner.auto_prefill_batch(lambda b: replan(args.max_ctx, b))
         log(f"prefill batch: {args.prefill_batch_size} tokens (--prefill-batch-size to choose)")
