@@ -43,6 +43,10 @@ def print_summary(console: Console, summary) -> None:
               style="bold")
     console.print(t)
     console.print(f"file size {tot['file_bytes']:,} bytes")
+    thr = data["throughput"]
+    if thr["params_per_s"]:
+        console.print(f"converted {thr['params']:,} parameters in {thr['seconds']:.1f} s "
+                      f"({thr['params_per_s'] / 1e6:.2f} M/s)")
     mem = data["memory"]
     console.print(f"peak RSS {mem['peak_rss_bytes'] / 2**20:.1f} MiB (largest tensor as float32: "
                   f"{mem['largest_tensor_f32_bytes'] / 2**20:.1f} MiB)")

@@ -6,6 +6,7 @@ by the largest tensor. The output is written to `OUT.partial` and renamed when c
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +48,8 @@ class Summary:
     file_bytes: int = 0
     largest_tensor_bytes: int = 0       # the largest tensor as float32, what encoding one holds
     peak_rss_bytes: int = 0             # the process's VmHWM when the file was complete
+    converted_params: int = 0           # parameters read, encoded and written in this run (not resumed)
+    convert_seconds: float = 0.0        # the wall time those took
 
     def to_json(self) -> dict:
         total = ClassStats()
@@ -60,7 +63,10 @@ class Summary:
                 "total": {"tensors": total.tensors, "params": total.params, "bytes": total.bytes,
                           "bpw": round(total.bpw, 4), "file_bytes": self.file_bytes},
                 "skipped_source_tensors": self.skipped,
-                "memory": {"peak_rss_bytes": self.peak_rss_bytes, "largest_tensor_f32_bytes": self.largest_tensor_bytes}}
+                "memory": {"peak_rss_bytes": self.peak_rss_bytes, "largest_tensor_f32_bytes": self.largest_tensor_bytes},
+                "throughput": {"params": self.converted_params, "seconds": round(self.convert_seconds, 3),
+                               "params_per_s": round(self.converted_params / self.convert_seconds)
+                               if self.convert_seconds > 0 else None}}
 
 
 def _vm_hwm() -> int:
@@ -205,6 +211,7 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
             if shard in ckpt.missing_shards:
                 raise ConversionError(f"{ckpt.dir / shard}: deleted, but tensor {n} from it is not in the journal "
                                       f"of {writer.tmp_path} — fetch the shard again")
+            t0 = time.perf_counter()
             try:
                 values = ckpt.read(n)
                 summary.largest_tensor_bytes = max(summary.largest_tensor_bytes, values.size * 4)
@@ -216,6 +223,8 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
             except CodecError as e:
                 raise ConversionError(f"{ckpt.dir / ckpt.location[n]}: tensor {n}: {e}") from None
             writer.write_tensor(n, encoded)
+            summary.converted_params += math.prod(t.shape)
+            summary.convert_seconds += time.perf_counter() - t0
             _tally(summary, t)
             progress("tensor", name=n, nbytes=t.nbytes)
             del values, encoded

@@ -174,3 +174,14 @@ def test_resume_rewrites_what_the_partial_no_longer_holds(tiny_ckpt, reference, 
     assert events[0][1]["resumed"] == 29                       # the damaged tensor was not kept
     assert any(k == "tensor" and i.get("name") == first for k, i in events)
     assert out.read_bytes() == reference
+
+
+def test_throughput_counts_what_this_run_converted(tiny_ckpt, tmp_path):
+    """The summary's parameters per second are over the tensors this run read, encoded and wrote:
+    all of them for a fresh conversion, fewer for one resumed from its journal."""
+    fresh = convert_checkpoint(tiny_ckpt, tmp_path / "a.kst", PLAN).to_json()
+    assert fresh["throughput"]["params"] == fresh["total"]["params"] and fresh["throughput"]["params_per_s"] > 0
+    with pytest.raises(Stop):
+        convert_checkpoint(tiny_ckpt, tmp_path / "b.kst", PLAN, progress=_stop_after(30))
+    resumed = convert_checkpoint(tiny_ckpt, tmp_path / "b.kst", PLAN).to_json()
+    assert 0 < resumed["throughput"]["params"] < resumed["total"]["params"]
