@@ -112,7 +112,7 @@ def run(args) -> int:
 
 
 def _warm_up(codecs=()) -> None:
-    """Load the libraries a run uses, initialise BLAS and load (or compile) the fused kernels the
+    """Load the libraries a run uses, initialise BLAS and run the fused kernels the
     file's codecs need, so the measured baseline includes them."""
     import tokenizers  # noqa: F401
     a = np.ones((8, 8), np.float32)
