@@ -23,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
     p.add_argument("--max-context", type=int, default=None,
-                   help="KV cache length in tokens (default: min(4096, the model's maximum))")
+                   help="KV cache length in tokens (default: min(4096, the model's maximum), shortened when "
+                        "that does not fit --memory-budget)")
     p.add_argument("--prefill-batch-size", type=int, default=None,
                    help="prompt tokens per forward chunk (default: 256 when the budget has room for it "
                         "without shrinking the expert cache by more than a tenth, else 64 or the largest "
@@ -38,8 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--direct", action="store_true", help="with --io pread: O_DIRECT reads (bypass the page cache)")
     m.add_argument("--prefetch", choices=("auto", "off", "next-layer"), default="auto",
                    help="speculative reads of the next layer's experts, guessed by its router from the current "
-                        "hidden state: auto (the default) guesses while the expert cache has room for them "
-                        "and most guesses are used; the run summary says what it chose")
+                        "hidden state: auto (the default) guesses only when the expert cache can keep a "
+                        "token's experts of every layer, and while most guesses are used; the run summary "
+                        "says what it chose")
     m.add_argument("--cache-policy", choices=("lru", "lfru"), default="lru",
                    help="expert cache eviction: lru, or lfru (least frequently routed among the older half)")
     m.add_argument("--kv-dtype", choices=("f32", "f16"), default=None,
