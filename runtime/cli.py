@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--plan-config", metavar="CONFIG_JSON",
                    help="plan memory for a Hugging Face config.json alone (with --quant), before any download")
     m.add_argument("--quant", default="q2", help="with --plan-config: the precision preset to plan for (default q2)")
+    m.add_argument("--override", action="append", default=[], metavar="REGEX=CODEC",
+                   help="with --plan-config: a per-tensor codec, as kimi-convert takes it (repeatable)")
     q = p.add_argument_group("quality")
     q.add_argument("--perplexity", metavar="TEXT_FILE", help="perplexity over the file in windows of --max-context")
     q.add_argument("--kl-reference", metavar="REF_WEIGHTS",

@@ -229,7 +229,7 @@ class MoE:
     """DeepSeek-V3 mixture of experts: sigmoid router with a correction bias and group-limited top-k,
     the routed experts' SwiGLUs weighted by their normalised scores, plus the shared expert."""
 
-    def __init__(self, cfg: ModelConfig, index: int, *, router: np.ndarray, bias: np.ndarray,
+    def __init__(self, cfg: ModelConfig, index: int, *, router: Weight, bias: np.ndarray,
                  experts: ExpertProvider, shared: DenseMLP | None = None):
         self.cfg, self.index = cfg, index
         self.router, self.bias, self.experts, self.shared = router, bias, experts, shared
@@ -239,7 +239,7 @@ class MoE:
     def route(self, h: np.ndarray):
         """Top-k expert ids [T, k] and weights [T, k] (DeepSeek-V3 noaux_tc routing)."""
         cfg = self.cfg
-        logits = h @ self.router.T
+        logits = linear(h, self.router)
         scores = 1.0 / (1.0 + np.exp(-logits))
         choice = scores + self.bias
         E, G = cfg.n_routed_experts, cfg.n_group
@@ -363,7 +363,7 @@ def load_layer(w: ModelWeights, cfg: ModelConfig, i: int) -> Layer:
         shared = None
         if cfg.n_shared_experts:
             shared = DenseMLP(*(w.weight(p + f"mlp.shared_experts.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj")))
-        mlp = MoE(cfg, i, router=w.vector(p + "mlp.gate.weight"), bias=w.vector(p + "mlp.gate.e_score_correction_bias"),
+        mlp = MoE(cfg, i, router=w.resident(p + "mlp.gate.weight"), bias=w.vector(p + "mlp.gate.e_score_correction_bias"),
                   experts=w, shared=shared)
     else:
         mlp = DenseMLP(*(w.weight(p + f"mlp.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj")))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kimistream.formats.codecs import CodecError
 from kimistream.formats.config import ConfigError, ModelConfig
 from kimistream.formats.presets import PRESETS, PrecisionPlan
 
@@ -23,7 +24,11 @@ def plan_config(args, log) -> int:
         raise RunError(f"{path}: {e}") from None
     if args.quant not in PRESETS:
         raise RunError(f"unknown --quant {args.quant!r} (choose from {', '.join(PRESETS)})")
-    precision = PrecisionPlan.from_preset(args.quant).for_model(cfg.first_k_dense_replace, cfg.num_hidden_layers)
+    try:
+        precision = PrecisionPlan.from_preset(args.quant, args.override)
+    except (ValueError, CodecError) as e:
+        raise RunError(str(e)) from None
+    precision.for_model(cfg.first_k_dense_replace, cfg.num_hidden_layers)
     footprint, total = planner.of_config(cfg, precision)
     args.budget = B.parse_size(args.memory_budget) if args.memory_budget else int(B.DEFAULT_FRACTION * B.mem_available())
     args.max_ctx = planner.context_length(args, cfg, log)
