@@ -89,6 +89,7 @@ class WeightFileWriter:
         self.tmp_path = self.path.with_name(self.path.name + ".partial")
         self.alignment = alignment
         self.extents: list[Extent] = []
+        self._extent_index: dict[str, int] = {}     # name -> position (files with 60 000+ extents)
         self.tensors: dict[str, TensorEntry] = {}
         self._blobs: dict[str, bytes] = {}
         self._pending: list[int] = []
@@ -112,6 +113,7 @@ class WeightFileWriter:
             ext.tensors.append(tname)
             size += nb
         ext.nbytes = size
+        self._extent_index[name] = idx
         self.extents.append(ext)
         return ext
 
@@ -200,7 +202,7 @@ class WeightFileWriter:
             if not ext.tensors and ext.name not in self._blobs:
                 ext.checksum = checksum.extent_digest(b"")
         for name, data in self._blobs.items():
-            ext = next(e for e in self.extents if e.name == name)
+            ext = self.extents[self._extent_index[name]]
             self._file.seek(ext.offset)
             self._file.write(data)
             ext.checksum = checksum.extent_digest(data)
@@ -294,7 +296,7 @@ class WeightFileWriter:
     def leave_hole(self, extent_name: str) -> None:
         """Leave an extent unwritten: a sparse hole that reads as zeros (synthetic models far larger
         than the disk). Its checksum is that of its zero bytes, so verification still holds."""
-        idx = next(i for i, e in enumerate(self.extents) if e.name == extent_name)
+        idx = self._extent_index[extent_name]
         ext = self.extents[idx]
         for name in ext.tensors:
             if name in self._written:
