@@ -231,6 +231,26 @@ def test_auto_prefetch_guesses_only_when_the_cache_keeps_a_token(synthetic):
     assert json.loads(proc.stdout)["stats"]["prefetch_policy"].startswith("next-layer: the cache holds")
 
 
+def test_auto_prefetch_stops_when_guesses_are_mostly_wrong(synthetic, monkeypatch):
+    """--prefetch auto judges its guesses once GUESS_TRIAL routed experts were scored, and stops for
+    the rest of the run when fewer than GUESS_MIN_RECALL of them were used (here: an impossible bar)."""
+    from kimistream.runtime import weights as W
+    monkeypatch.setattr(W, "GUESS_TRIAL", 1)
+    monkeypatch.setattr(W, "GUESS_MIN_RECALL", 1.01)
+    w = ModelWeights(synthetic, prefetch="auto")
+    w.load_resident()
+    assert w.wants_guesses
+    m = Model(w, 64)
+    m.prefill(PROMPT[:8], 8)
+    for _ in range(4):
+        m.forward([5])
+    assert not w.wants_guesses and w.prefetch_policy.startswith("stopped: ")
+    checked = w.pager.stats.routed_checked
+    m.forward([5])
+    assert w.pager.stats.routed_checked == checked          # no guess made or scored after stopping
+    w.close()
+
+
 def test_recorded_baseline_matches_a_dry_run(tiny_kst):
     """--plan-config's recorded baseline is what kimi-run measures before its first weight (within
     the slack it adds), for a file of the same geometry."""
