@@ -38,7 +38,27 @@ def plan_config(args, log) -> int:
     def replan(ctx, chunk):
         return planner.plan(cfg, footprint, args, baseline, ctx or args.max_ctx,
                             chunk or args.prefill_batch_size or planner.MIN_PREFILL_BATCH, recorded=True)
+    def fits_now():                               # with the smallest prompt chunk the default may pick
+        return replan(None, args.prefill_batch_size or planner.MIN_FIT_CHUNK).fits
     planner.auto_fit(args, replan, log)           # the same defaults kimi-run would choose
+    if not fits_now() and not args.override:
+        # Routers in float32 are a large part of the resident set when experts are many (1.8 GB of
+        # a K2-style model with 1 048): at q8 they run fused like any weight. Offered when it is what fits.
+        pattern, codec = planner.ROUTER_FIT
+        alt = PrecisionPlan.from_preset(args.quant, [f"{pattern}={codec}"])
+        alt.for_model(cfg.first_k_dense_replace, cfg.num_hidden_layers)
+        kept = footprint, total
+        footprint, total = planner.of_config(cfg, alt)
+        said = []
+        planner.auto_fit(args, replan, said.append)
+        if fits_now():
+            precision = alt
+            log(f"routers: {codec} ({B.fmt(kept[0].resident - footprint.resident)} less resident; f32 ones do not "
+                f"fit the budget): convert with --override '{pattern}={codec}'")
+            for line in said:
+                log(line)
+        else:
+            footprint, total = kept          # auto_fit undid its own choices
     if args.prefill_batch_size is None:
         args.prefill_batch_size = planner.auto_prefill_batch(lambda b: replan(args.max_ctx, b))
         log(f"prefill batch: {args.prefill_batch_size} tokens (--prefill-batch-size to choose)")
@@ -51,6 +71,7 @@ def plan_config(args, log) -> int:
     log(f"verdict: {verdict} — expert cache of {plan.cache_experts} experts "
         f"({plan.cache_experts / max(1, footprint.total_experts):.2%} of all)")
     if args.json:
-        print(json.dumps({"config": str(path), "quant": args.quant, "file_bytes": total, "memory_plan": plan.to_json()}))
+        print(json.dumps({"config": str(path), "quant": args.quant, "overrides": [list(o) for o in precision.overrides],
+                          "file_bytes": total, "memory_plan": plan.to_json()}))
     planner.refuse_if_unfit(plan, replan, args)
     return 0

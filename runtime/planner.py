@@ -115,6 +115,7 @@ def context_length(args, cfg, log) -> int:
     return args.max_context
 
 
+ROUTER_FIT = (r"mlp\.gate\.weight$", "q8")   # what --plan-config offers when float32 routers do not fit
 MIN_AUTO_CONTEXT = 64      # a default context shortened to fit the budget is never shorter than this
 MIN_PREFILL_BATCH = 64     # the prompt chunk planned for before the default one is chosen
 MIN_FIT_CHUNK = 16         # the smallest default prompt chunk auto_fit plans for

@@ -251,6 +251,23 @@ def test_auto_prefetch_stops_when_guesses_are_mostly_wrong(synthetic, monkeypatc
     w.close()
 
 
+def test_plan_for_a_k2_geometry_with_1048_experts(tmp_path):
+    """Kimi K2's config with 1 048 routed experts (2.78 T parameters) at 8.24 GB and 4096 tokens: its
+    float32 routers do not fit, so --plan-config plans them at q8, says so with the override that
+    converts the file that way, and fits; a budget nothing fits is still refused with advice."""
+    cfg = json.loads((DATA / "kimi-k2-instruct-config.json").read_text())
+    cfg["n_routed_experts"] = 1048
+    path = tmp_path / "k278.json"
+    path.write_text(json.dumps(cfg))
+    proc = kimi_run("--plan-config", path, "--quant", "q2", "--memory-budget", "8.24G", "--max-context", 4096, "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert "routers: q8" in proc.stderr and "--override 'mlp\\.gate\\.weight$=q8'" in proc.stderr
+    rep = json.loads(proc.stdout)
+    assert rep["memory_plan"]["fits"] and rep["overrides"] == [["mlp\\.gate\\.weight$", "q8"]]
+    proc = kimi_run("--plan-config", path, "--quant", "q2", "--memory-budget", "6G", "--max-context", 4096)
+    assert proc.returncode == 1 and "cannot hold the minimum" in proc.stderr and "routers: q8" not in proc.stderr
+
+
 def test_recorded_baseline_matches_a_dry_run(tiny_kst):
     """--plan-config's recorded baseline is what kimi-run measures before its first weight (within
     the slack it adds), for a file of the same geometry."""
