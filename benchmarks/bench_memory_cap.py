@@ -1,7 +1,9 @@
 """kimi-run under a hard memory cap that includes the page cache (a cgroup v1 memory limit, as on a PC
 whose RAM is smaller than the model): decode and prefill tok/s of the default flags against every
-explicit pager/prefetch combination, at caps given as fractions of the weight file, and the default's
-ratio to the best combination of each cap. Needs root and cgroup v1's memory controller.
+explicit pager/prefetch combination, at caps given as fractions of the weight file, the default's
+ratio to the best combination of each cap, and to the disk bound (the disk's sequential read
+bandwidth, measured in the same run, over the expert bytes a token needs). Needs root and cgroup v1's
+memory controller.
 
     sudo python benchmarks/bench_memory_cap.py WEIGHTS.kst [--caps 0.5,256M,0.25] [--repeats 2]
                                                [--tokens 32] [--json]
@@ -45,6 +47,24 @@ def run_capped(weights: str, cap: int, tokens: int, extra: list[str]) -> dict:
     return json.loads(proc.stdout)["stats"]
 
 
+def disk_read_bandwidth(path: str, nbytes: int = 1 << 30) -> float:
+    """Sequential read bandwidth of the file's disk in bytes/s: the page cache dropped, then up to
+    `nbytes` read in 8 MiB pieces from the start of the file."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3")
+    import time
+    buf = bytearray(8 << 20)
+    done = 0
+    with open(path, "rb", buffering=0) as f:
+        t = time.perf_counter()
+        while done < nbytes:
+            n = f.readinto(buf)
+            if not n:
+                break
+            done += n
+        return done / (time.perf_counter() - t)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("weights")
@@ -56,6 +76,7 @@ def main():
     if not (CGROUP.parent / "memory.limit_in_bytes").exists():
         sys.exit(f"{CGROUP.parent}: no cgroup v1 memory controller here")
     size = Path(a.weights).stat().st_size
+    disk = disk_read_bandwidth(a.weights)
     caps = [int(float(c) * size) if "." in c and not c[-1].isalpha() else parse_size(c) for c in a.caps.split(",")]
     results = {}
     for cap in caps:
@@ -76,19 +97,24 @@ def main():
             else:
                 med[name] = {"error": results[(cap, name)][-1]["error"]}
         best = max((v["decode_tokens_per_s"] for v in med.values() if "error" not in v), default=0)
-        rows.append({"cap": cap, "configs": med, "best_decode": best,
+        need = med["default"].get("decode_bytes_read_per_token")
+        bound = disk / need if need else None           # tok/s if every needed expert byte came off the disk
+        rows.append({"cap": cap, "configs": med, "best_decode": best, "disk_bound_tok_s": bound,
+                     "default_over_disk_bound": med["default"]["decode_tokens_per_s"] / bound if bound else None,
                      "default_over_best": med["default"]["decode_tokens_per_s"] / best
                      if best and "error" not in med["default"] else None})
     if a.json:
         print(json.dumps(rows))
         return
-    print(f"{a.weights}: {fmt(size)}, {a.tokens} tokens per run, median of {a.repeats}, page cache dropped before each\n")
-    print("| cap | " + " | ".join(CONFIGS) + " | default / best |")
-    print("| --- |" + " --- |" * (len(CONFIGS) + 1))
+    print(f"{a.weights}: {fmt(size)}, {a.tokens} tokens per run, median of {a.repeats}, page cache dropped before each; "
+          f"disk read bandwidth measured in the same run: {disk / 1e6:.0f} MB/s\n")
+    print("| cap | " + " | ".join(CONFIGS) + " | default / best | default / disk bound |")
+    print("| --- |" + " --- |" * (len(CONFIGS) + 2))
     for r in rows:
         cells = [("refused" if "error" in v else f"{v['decode_tokens_per_s']:.2f}") for v in r["configs"].values()]
         ratio = f"{r['default_over_best']:.2f}" if r["default_over_best"] is not None else "—"
-        print(f"| {fmt(r['cap'])} | " + " | ".join(cells) + f" | {ratio} |")
+        disk_ratio = f"{r['default_over_disk_bound']:.2f}" if r["default_over_disk_bound"] is not None else "—"
+        print(f"| {fmt(r['cap'])} | " + " | ".join(cells) + f" | {ratio} | {disk_ratio} |")
     print("\ndecode tok/s; default's choices: " + "; ".join(
         f"{fmt(r['cap'])}: {r['configs']['default'].get('policy')}" for r in rows))
     print("peak RSS of the default: " + ", ".join(
