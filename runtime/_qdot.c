@@ -1056,7 +1056,7 @@ AVX2 static void heads_t_avx2(int kind, const uint8_t *codes0, int64_t code_row,
 #endif
 
 #if HAVE_X86
-static void heads_t_rest(task_t *t, int64_t h, int64_t r, float cj, float *acc, float *lev);
+static void heads_t_rest(task_t *t, int64_t r, float cj, float *acc, float *lev);
 
 AVX2 static void heads_t_job_avx2(task_t *t, int64_t h, float *scratch) {
     const int64_t *g = t->geoms;
@@ -1079,13 +1079,12 @@ AVX2 static void heads_t_job_avx2(task_t *t, int64_t h, float *scratch) {
     for (int64_t s = 0; s < nfs; s++)
         for (int i = 0; i < 32; i++) acc[32 * s + i] += bacc[s];
     for (int64_t j = 0; j < n; j++)
-        heads_t_rest(t, h, h * t->stride + j, t->xf[h * n + j], acc, lev);
+        heads_t_rest(t, h * t->stride + j, t->xf[h * n + j], acc, lev);
 }
 #endif
 
 /* row r's tail columns and outliers, times cj, into acc */
-static void heads_t_rest(task_t *t, int64_t h, int64_t r, float cj, float *acc, float *lev) {
-    (void)h;
+static void heads_t_rest(task_t *t, int64_t r, float cj, float *acc, float *lev) {
     const int64_t *g = t->geoms;
     int kind = (int)g[G_KIND];
     int64_t cols = g[G_COLS], done = full_cols(g), k = g[G_K];
@@ -1143,7 +1142,7 @@ static void heads_t_job(task_t *t, int64_t h, float *scratch) {
             float *o = acc + 32 * s;
             for (int i = 0; i < 32; i++) o[i] += a * d[i];
         }
-        heads_t_rest(t, h, r, cj, acc, lev);
+        heads_t_rest(t, r, cj, acc, lev);
     }
     for (int64_t s = 0; s < nfs; s++)      /* the tail added its offsets in heads_t_rest */
         for (int i = 0; i < 32; i++) acc[32 * s + i] += bacc[s];
