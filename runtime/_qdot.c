@@ -1923,11 +1923,155 @@ done:
     return ret;
 }
 
+/* ---------------------------------------------------------------------------------------- routing */
+/* index of the largest of v[0 .. n-1] not yet taken, the lowest index among equals (a stable sort's
+   order); -1 if none is left */
+static int64_t pick_largest(const float *v, int64_t n, const unsigned char *taken) {
+    int64_t best = -1;
+    for (int64_t i = 0; i < n; i++)
+        if (!taken[i] && (best < 0 || v[i] > v[best])) best = i;
+    return best;
+}
+
+/* x[0] + ... + x[n-1] in the order numpy's float32 sum takes along a contiguous axis (pairwise:
+   sequential below eight values, eight partial sums up to 128, halves above), so results equal the
+   numpy formulations in model.py bit for bit */
+static float numpy_sum(const float *x, int64_t n) {
+    if (n < 8) {
+        float s = 0.0f;
+        for (int64_t i = 0; i < n; i++) s += x[i];
+        return s;
+    }
+    if (n > 128) {
+        int64_t h = n / 2;
+        h -= h % 8;
+        return numpy_sum(x, h) + numpy_sum(x + h, n - h);
+    }
+    float r[8];
+    int64_t i;
+    for (int j = 0; j < 8; j++) r[j] = x[j];
+    for (i = 8; i < n - n % 8; i += 8)
+        for (int j = 0; j < 8; j++) r[j] += x[i + j];
+    float s = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+    for (; i < n; i++) s += x[i];
+    return s;
+}
+
+PyDoc_STRVAR(rms_norm_doc,
+"rms_norm(x, w, eps, out)\n\n"
+"out[t] = w * (x[t] / sqrt(mean(x[t]^2) + eps)) for x, out float32 [T, n] and w float32 [n], in float32\n"
+"with numpy's summation order (the same bits as model.rms_norm's numpy form).");
+
+static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
+    PyObject *o[3];
+    float eps;
+    if (!PyArg_ParseTuple(args, "OOfO", &o[0], &o[1], &eps, &o[2])) return NULL;
+    buf_t b[3];
+    memset(b, 0, sizeof b);
+    PyObject *ret = NULL;
+    float *sq = NULL;
+    if (get_buf(o[0], &b[0], 0, 4, "x") || get_buf(o[1], &b[1], 0, 4, "w") || get_buf(o[2], &b[2], 1, 4, "out"))
+        goto done;
+    int64_t n = b[1].b.len / 4, T = n ? b[0].b.len / 4 / n : 0;
+    if (n < 1 || b[0].b.len != 4 * T * n || b[2].b.len != b[0].b.len) {
+        PyErr_SetString(PyExc_ValueError, "rms_norm: x and out [T, n], w [n]");
+        goto done;
+    }
+    sq = malloc(sizeof(float) * n);
+    if (!sq) { PyErr_NoMemory(); goto done; }
+    const float *w = b[1].b.buf;
+    for (int64_t t = 0; t < T; t++) {
+        const float *x = (const float *)b[0].b.buf + t * n;
+        float *y = (float *)b[2].b.buf + t * n;
+        for (int64_t i = 0; i < n; i++) sq[i] = x[i] * x[i];
+        float r = sqrtf(numpy_sum(sq, n) / (float)n + eps);
+        for (int64_t i = 0; i < n; i++) y[i] = w[i] * (x[i] / r);
+    }
+    ret = Py_NewRef(Py_None);
+done:
+    free(sq);
+    release(b, 3);
+    return ret;
+}
+
+PyDoc_STRVAR(route_doc,
+"route(scores, bias, n_group, topk_group, norm, scale, idx, weights)\n\n"
+"DeepSeek-V3 top-k routing of T tokens over E experts: scores (float32 [T, E], the router's sigmoids)\n"
+"plus bias (float32 [E]) choose; with n_group > 1 only the topk_group groups whose two best choices\n"
+"sum highest take part; the k best (k from idx, int64 [T, k]) are taken in descending order, ties to\n"
+"the lower index. weights (float32 [T, k]) are their scores, divided by their sum if norm, times scale.");
+
+static PyObject *py_route(PyObject *self, PyObject *args) {
+    PyObject *o[4];
+    Py_ssize_t G, KG;
+    int norm;
+    float scale;
+    if (!PyArg_ParseTuple(args, "OOnnpfOO", &o[0], &o[1], &G, &KG, &norm, &scale, &o[2], &o[3])) return NULL;
+    buf_t b[4];
+    memset(b, 0, sizeof b);
+    PyObject *ret = NULL;
+    float *choice = NULL;
+    unsigned char *taken = NULL;
+    if (get_buf(o[0], &b[0], 0, 4, "scores") || get_buf(o[1], &b[1], 0, 4, "bias") ||
+        get_buf(o[2], &b[2], 1, 8, "idx") || get_buf(o[3], &b[3], 1, 4, "weights"))
+        goto done;
+    int64_t E = b[1].b.len / 4, T = E ? b[0].b.len / 4 / E : 0, k = T ? b[2].b.len / 8 / T : 0;
+    if (E < 1 || b[0].b.len != 4 * T * E || b[2].b.len != 8 * T * k || b[3].b.len != 4 * T * k || k < 1 || k > E ||
+        G < 1 || E % G || KG < 1 || KG > G) {
+        PyErr_SetString(PyExc_ValueError, "route: scores [T, E], bias [E], idx and weights [T, k], k <= E, groups dividing E");
+        goto done;
+    }
+    choice = malloc(sizeof(float) * (E + G));
+    taken = malloc(E + G);
+    if (!choice || !taken) { PyErr_NoMemory(); goto done; }
+    float *gsc = choice + E;
+    int64_t per = E / G;
+    for (int64_t t = 0; t < T; t++) {
+        const float *sc = (const float *)b[0].b.buf + t * E, *bias = b[1].b.buf;
+        int64_t *idx = (int64_t *)b[2].b.buf + t * k;
+        float *w = (float *)b[3].b.buf + t * k;
+        for (int64_t e = 0; e < E; e++) choice[e] = sc[e] + bias[e];
+        if (G > 1) {
+            for (int64_t g = 0; g < G; g++) {       /* the group's two best, summed as numpy's sort does */
+                const float *c = choice + g * per;
+                float hi = c[0], lo = -INFINITY;
+                for (int64_t i = 1; i < per; i++) {
+                    if (c[i] > hi) { lo = hi; hi = c[i]; } else if (c[i] > lo) lo = c[i];
+                }
+                gsc[g] = per > 1 ? lo + hi : hi;
+            }
+            memset(taken, 0, G);
+            for (int64_t j = 0; j < KG; j++) taken[pick_largest(gsc, G, taken)] = 1;
+            for (int64_t g = 0; g < G; g++)
+                if (!taken[g]) for (int64_t i = 0; i < per; i++) choice[g * per + i] = -INFINITY;
+        }
+        memset(taken, 0, E);
+        for (int64_t j = 0; j < k; j++) {
+            int64_t e = pick_largest(choice, E, taken);
+            taken[e] = 1;
+            idx[j] = e;
+            w[j] = sc[e];
+        }
+        if (norm) {
+            float d = numpy_sum(w, k) + 1e-20f;
+            for (int64_t j = 0; j < k; j++) w[j] = w[j] / d;
+        }
+        for (int64_t j = 0; j < k; j++) w[j] = w[j] * scale;
+    }
+    ret = Py_NewRef(Py_None);
+done:
+    free(choice); free(taken);
+    release(b, 4);
+    return ret;
+}
+
 static PyMethodDef methods[] = {
     {"rows", py_rows, METH_VARARGS, rows_doc},
     {"heads_t", py_heads_t, METH_VARARGS, heads_t_doc},
     {"moe", py_moe, METH_VARARGS, moe_doc},
     {"attend", py_attend, METH_VARARGS, attend_doc},
+    {"route", py_route, METH_VARARGS, route_doc},
+    {"rms_norm", py_rms_norm, METH_VARARGS, rms_norm_doc},
     {"dequantize", py_dequantize, METH_VARARGS, dequantize_doc},
     {"read_sum", py_read_sum, METH_VARARGS, "read_sum(buffer, threads): the buffer's uint64 words summed (reads it all)"},
     {"quantize", py_quantize, METH_VARARGS, "quantize(x, xq, xsc, xs): x float32 [cols] -> int16 per 32 values"},

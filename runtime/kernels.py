@@ -179,28 +179,48 @@ def _run(raw, geoms, xf, jobs, out, weights: int, what: str, ntok: int = 1, ostr
         raise CodecError(f"{what}: corrupt data: outlier columns out of range or not increasing")
 
 
+class Linear:
+    """y = x @ W.T for one weight W [out, in] held in `raw` with `codec`, everything but the input worked
+    out once (geometry, bounds, jobs): a decode step makes about five calls per layer."""
+    __slots__ = ("codec", "raw", "g", "geoms", "jobs", "rows", "cols", "threads")
+
+    def __init__(self, codec: str, raw, shape: tuple):
+        rows, cols = (int(s) for s in shape)
+        self.codec, self.rows, self.cols = codec, rows, cols
+        if has_kernel(codec):
+            _, self.g, self.raw = _prepare(codec, raw, (rows, cols))
+            self.geoms, self.jobs = self.g[None, :], _linear_jobs(rows, cols)
+        else:
+            self.raw = raw if not isinstance(raw, np.ndarray) else raw.reshape(-1)
+        self.threads = rows * cols >= PARALLEL_MIN_WEIGHTS
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """x [T, in] or [in] float32 -> [T, out] or [out]."""
+        x = np.asarray(x, dtype=np.float32)
+        squeeze = x.ndim == 1
+        x2 = np.ascontiguousarray(x.reshape(1, -1) if squeeze else x)
+        rows, cols = self.rows, self.cols
+        if x2.shape[-1] != cols:
+            raise ValueError(f"x has {x2.shape[-1]} features, weight has {cols}")
+        if not has_kernel(self.codec):
+            y = x2 @ get_codec(self.codec).decode(self.raw, (rows, cols)).T
+            return y[0] if squeeze else y
+        T = x2.shape[0]
+        y = np.empty((T, rows), np.float32)
+        if rows and T:
+            if T < BLAS_MIN_TOKENS:
+                # every token through each block of rows in one pass (the digits are taken out once)
+                threads = _threads if self.threads or rows * cols * T >= PARALLEL_MIN_WEIGHTS else 1
+                if _qdot.rows(self.raw, self.geoms, x2, self.jobs, y, threads, T, rows):
+                    raise CodecError(f"{self.codec}: corrupt data: outlier columns out of range or not increasing")
+            else:
+                _dequantized_matmul(x2, self.raw, self.g, rows, cols, y, self.codec)
+        return y[0] if squeeze else y
+
+
 def linear(x: np.ndarray, codec: str, raw, shape: tuple) -> np.ndarray:
     """y = x @ W.T for x [T, in] (or [in]) float32 and W [out, in] held in `raw` with `codec`."""
-    x = np.asarray(x, dtype=np.float32)
-    squeeze = x.ndim == 1
-    x2 = np.ascontiguousarray(x.reshape(1, -1) if squeeze else x)
-    rows, cols = (int(s) for s in shape)
-    if x2.shape[-1] != cols:
-        raise ValueError(f"x has {x2.shape[-1]} features, weight has {cols}")
-    if not has_kernel(codec):
-        w = get_codec(codec).decode(raw if not isinstance(raw, np.ndarray) else raw.reshape(-1), (rows, cols))
-        y = x2 @ w.T
-        return y[0] if squeeze else y
-    _, g, raw = _prepare(codec, raw, (rows, cols))
-    T = x2.shape[0]
-    y = np.empty((T, rows), np.float32)
-    if rows and T:
-        if T < BLAS_MIN_TOKENS:
-            # every token through each block of rows in one pass (the digits are taken out once)
-            _run(raw, g[None, :], x2, _linear_jobs(rows, cols), y.reshape(-1), rows * cols * T, codec, T, rows)
-        else:
-            _dequantized_matmul(x2, raw, g, rows, cols, y, codec)
-    return y[0] if squeeze else y
+    return Linear(codec, raw, shape)(x)
 
 
 def _dequantized_matmul(x2, raw, g, rows, cols, y, codec):
@@ -235,20 +255,17 @@ def moe_decode(base: np.ndarray, offsets: np.ndarray, gate_up: tuple, down: tupl
     k = w.shape[1]
     if offsets.shape[0] != T * k:
         raise ValueError(f"offsets for {offsets.shape[0]} experts, weights for {T} x {k}")
-    pick = np.zeros(T * k, np.int64)
-    tok = np.repeat(np.arange(T, dtype=np.int64), k)
-    wts = w.reshape(-1)
+    pick, tok = _moe_pairs(T, k, shared is not None)
+    offs, wts = np.empty((len(pick), 3), np.int64), np.empty(len(pick), np.float32)
+    offs[:T * k], wts[:T * k] = offsets, w.reshape(-1)
     if shared is not None:
-        offsets = np.concatenate([offsets, np.broadcast_to(np.asarray(shared[0], np.int64), (T, 3))])
-        pick = np.concatenate([pick, np.ones(T, np.int64)])
-        tok = np.concatenate([tok, np.arange(T, dtype=np.int64)])
-        wts = np.concatenate([wts, np.ones(T, np.float32)])
+        offs[T * k:], wts[T * k:] = shared[0], 1.0
     out2 = out.reshape(T, -1)
     if not out2.flags.c_contiguous or out2.dtype != np.float32:
         raise ValueError("moe_decode: out must be contiguous float32")
-    work = offsets.shape[0] * 3 * int(geoms[0, G_ROWS]) * int(geoms[0, G_COLS])
+    work = len(pick) * 3 * int(geoms[0, G_ROWS]) * int(geoms[0, G_COLS])
     try:
-        bad = _qdot.moe(base, geoms, np.ascontiguousarray(offsets), pick, tok, np.ascontiguousarray(wts), x2, out2,
+        bad = _qdot.moe(base, geoms, offs, pick, tok, wts, x2, out2,
                         _threads if work >= PARALLEL_MIN_WEIGHTS else 1)
     except ValueError as e:
         raise (CodecError(str(e)) if "outside" in str(e) else e) from None
@@ -256,11 +273,44 @@ def moe_decode(base: np.ndarray, offsets: np.ndarray, gate_up: tuple, down: tupl
         raise CodecError(f"{gate_up[0]}: corrupt data: outlier columns out of range or not increasing")
 
 
+@functools.lru_cache(maxsize=256)
+def _moe_pairs(T: int, k: int, shared: bool):
+    """moe's pick and tok arrays: k routed pairs per token (geometry pair 0), then with `shared` one
+    shared-expert pair per token (geometry pair 1)."""
+    pick = np.zeros(T * k + (T if shared else 0), np.int64)
+    tok = np.concatenate([np.repeat(np.arange(T, dtype=np.int64), k), np.arange(T if shared else 0, dtype=np.int64)])
+    pick[T * k:] = 1
+    pick.flags.writeable = tok.flags.writeable = False
+    return pick, tok
+
+
 @functools.lru_cache(maxsize=64)
 def _moe_geometries(specs: tuple) -> np.ndarray:
     geoms = np.stack([_geometry_vector(get_codec(c), sh) for c, sh in specs])
     geoms.flags.writeable = False
     return geoms
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """w * x / sqrt(mean(x**2) + eps) over the last axis, in one call; the same bits as numpy's
+    `np.add.reduce(x * x, axis=-1)` formulation (its pairwise summation order is kept)."""
+    x = np.ascontiguousarray(x, np.float32)
+    out = np.empty_like(x)
+    _qdot.rms_norm(x, np.ascontiguousarray(w, np.float32), eps, out)
+    return out
+
+
+def route(scores: np.ndarray, bias: np.ndarray, k: int, n_group: int = 1, topk_group: int = 1,
+          norm: bool = True, scale: float = 1.0):
+    """DeepSeek-V3 (noaux_tc) top-k over scores [T, E] (the router's sigmoids) plus the correction bias,
+    limited to the topk_group best groups when n_group > 1: expert ids [T, k] in descending order of
+    choice (ties to the lower id) and their weights [T, k] (scores, normalised if `norm`, times
+    `scale`). Equal bit for bit to the numpy formulation it replaces (argsort, take_along_axis, sum)."""
+    scores = np.ascontiguousarray(scores, np.float32)
+    idx = np.empty((scores.shape[0], k), np.int64)
+    weights = np.empty((scores.shape[0], k), np.float32)
+    _qdot.route(scores, np.ascontiguousarray(bias, np.float32), n_group, topk_group, norm, scale, idx, weights)
+    return idx, weights
 
 
 def attend(q: np.ndarray, q_rot: np.ndarray, latent: np.ndarray, k_rot: np.ndarray, length: int,

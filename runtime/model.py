@@ -28,9 +28,9 @@ _THREADS = int(os.environ.get("KIMI_STREAM_THREADS") or len(os.sched_getaffinity
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    # np.mean's own reduction, without its Python wrapper (this runs four times per layer and token)
-    var = np.add.reduce(x * x, axis=-1, keepdims=True) / np.float32(x.shape[-1])
-    return w * (x / np.sqrt(var + eps))
+    """w * x / sqrt(mean(x**2) + eps) over the last axis (one C call: it runs four times per layer
+    and token)."""
+    return kernels.rms_norm(x, w, eps)
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -195,8 +195,9 @@ class Attention:
             w_k, w_v_t = (self.w_k, self.w_v_t) if self.w_k is not None else self.split_kv_b(kv_b.dense())
             q_lat = np.matmul(q_nope, w_k)                                     # [B, nh, T, r]
         if T == 1:                      # decode steps: every sequence's cache read once for all heads
-            o_lat = np.stack([kernels.attend(q_lat[b, :, 0], q_rot[b, :, 0], C[b], K[b], S, self.softmax_scale)
-                              for b in range(B)])[:, :, None, :]
+            o_lat = np.empty(q_lat.shape, np.float32)
+            for b in range(B):
+                o_lat[b, :, 0] = kernels.attend(q_lat[b, :, 0], q_rot[b, :, 0], C[b], K[b], S, self.softmax_scale)
         else:
             Ct, Kt = C[:, None, :S], K[:, None, :S]
             scores = np.matmul(q_lat, Ct.transpose(0, 1, 3, 2)) + np.matmul(q_rot, Kt.transpose(0, 1, 3, 2))
@@ -237,24 +238,13 @@ class MoE:
         self._shared_fused = False          # not yet worked out (see _shared_in_buffer)
 
     def route(self, h: np.ndarray):
-        """Top-k expert ids [T, k] and weights [T, k] (DeepSeek-V3 noaux_tc routing)."""
+        """Top-k expert ids [T, k] and weights [T, k] (DeepSeek-V3 noaux_tc routing): the sigmoid
+        scores plus the correction bias choose among the topk_group best groups (n_group > 1); the
+        chosen scores, normalised (norm_topk_prob), times routed_scaling_factor weigh them."""
         cfg = self.cfg
-        logits = linear(h, self.router)
-        scores = 1.0 / (1.0 + np.exp(-logits))
-        choice = scores + self.bias
-        E, G = cfg.n_routed_experts, cfg.n_group
-        if G > 1:
-            grouped = choice.reshape(-1, G, E // G)
-            group_scores = np.sort(grouped, axis=-1)[..., -2:].sum(axis=-1)            # [T, G]
-            keep = np.argsort(-group_scores, axis=-1, kind="stable")[:, :cfg.topk_group]
-            mask = np.zeros_like(group_scores, dtype=bool)
-            np.put_along_axis(mask, keep, True, axis=-1)
-            choice = np.where(np.repeat(mask, E // G, axis=-1), choice, -np.inf)
-        idx = np.argsort(-choice, axis=-1, kind="stable")[:, :cfg.num_experts_per_tok]
-        weights = np.take_along_axis(scores, idx, axis=-1)
-        if cfg.norm_topk_prob:
-            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
-        return idx, (weights * cfg.routed_scaling_factor).astype(np.float32)
+        scores = 1.0 / (1.0 + np.exp(-linear(h, self.router)))
+        return kernels.route(scores, self.bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+                             cfg.norm_topk_prob, cfg.routed_scaling_factor)
 
     def forward(self, h: np.ndarray, x: np.ndarray) -> np.ndarray:
         """h: the normalised input [T, hidden]; x: the residual stream, for guessing the next layer."""
@@ -325,12 +315,12 @@ class MoE:
         base = self.experts.buffer
         if base is None or not (has_fused_kernel(gate.codec) and has_fused_kernel(down.codec)):
             return False
-        b0 = base.ctypes.data
         where = {}
         for e, (g, u, d) in experts.items():
-            if (g.codec, g.shape) != spec_gu or (u.codec, u.shape) != spec_gu or (d.codec, d.shape) != spec_d:
+            if (g.codec, g.shape) != spec_gu or (u.codec, u.shape) != spec_gu or (d.codec, d.shape) != spec_d \
+                    or min(g.offset, u.offset, d.offset) < 0:
                 return False
-            where[e] = (g.raw.ctypes.data - b0, u.raw.ctypes.data - b0, d.raw.ctypes.data - b0)
+            where[e] = (g.offset, u.offset, d.offset)
         offs = np.array([[where[int(e)] for e in row] for row in idx], np.int64)     # [T, k, 3]
         kernels.moe_decode(base, offs, spec_gu, spec_d, h, weights, out, shared)
         return True

@@ -188,12 +188,14 @@ class ExpertPager:
             self._release(ent)
 
     # ---------------------------------------------------------------- per mode
-    def _views(self, key, buf: np.ndarray, base: int):
+    def _views(self, key, buf: np.ndarray, base: int, at: int):
+        """(name, codec, shape, bytes, offset in self.base) of the expert's tensors, whose extent
+        starts at file offset `base` and lies in buf, at byte `at` of self.base."""
         out = []
         for proj in EXPERT_PROJS:
             t = self.wf.tensors[expert_tensor(key[0], key[1], proj)]
             start = t.offset - base
-            out.append((t.name, t.codec, t.shape, buf[start:start + t.nbytes]))
+            out.append((t.name, t.codec, t.shape, buf[start:start + t.nbytes], at + start))
         return tuple(out)
 
     def _load(self, key) -> _Entry:
@@ -251,7 +253,7 @@ class MmapPager(ExpertPager):
         self.stats.bytes_read += n
         with self._lock:
             self._inflight.pop(key, None)
-            ent = _Entry(key, off, n, self._views(key, self._all[off:off + n], off))
+            ent = _Entry(key, off, n, self._views(key, self._all[off:off + n], off, off))
             ent.ready.set()
             self._cache[key] = ent
             self.cached_bytes += n
@@ -319,7 +321,7 @@ class PreadPager(ExpertPager):
             got += n
         base = ent.slot * self.slot_bytes
         self._verify(ent.key, self._buf[base:base + ent.nbytes])
-        ent.views = self._views(ent.key, self._buf[base:base + ent.nbytes], ent.offset)
+        ent.views = self._views(ent.key, self._buf[base:base + ent.nbytes], ent.offset, base)
 
     def _take_slot(self, nbytes) -> int:
         if not self._free:

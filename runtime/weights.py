@@ -43,7 +43,9 @@ class Weight:
     codec: str
     shape: tuple
     raw: np.ndarray
+    offset: int = -1                # byte offset of `raw` in the expert provider's buffer, if it lies there
     _dense: np.ndarray | None = None
+    _kernel: object = None          # kernels.Linear, made at the first product
 
     def dense(self) -> np.ndarray:
         if self._dense is not None:
@@ -66,11 +68,14 @@ class Weight:
 
     def matmul_t(self, x: np.ndarray) -> np.ndarray:
         """x @ W.T: BLAS on float weights, a fused kernel on packed low-bit ones."""
+        if self._kernel is not None:
+            return self._kernel(x)
         if self._dense is not None:
             return x @ self._dense.T
         if has_fused_kernel(self.codec):
             from . import kernels        # imported only when a file has block codecs
-            return kernels.linear(x, self.codec, self.raw, self.shape)
+            self._kernel = kernels.Linear(self.codec, self.raw, self.shape)
+            return self._kernel(x)
         return x @ self.dense().T
 
 
@@ -114,6 +119,7 @@ class ModelWeights(ExpertProvider):
             self.file.close()
             raise
         self.experts_touched: set[tuple[int, int]] = set()
+        self._expert_weights: dict = {}     # (layer, e) -> (the pager's views, their Weights)
         self.expert_bytes_touched = 0
         self.resident_bytes = 0
         self.decoded_bytes = 0
@@ -228,7 +234,10 @@ class ModelWeights(ExpertProvider):
         if key not in self.experts_touched:
             self.experts_touched.add(key)
             self.expert_bytes_touched += sum(v[3].nbytes for v in views)
-        return tuple(Weight(*v) for v in views)
+        made = self._expert_weights.get(key)
+        if made is None or made[0] is not views:       # read again since: new views
+            made = self._expert_weights[key] = (views, tuple(Weight(*v) for v in views))
+        return made[1]
 
     def close(self):
         self.pager.close()

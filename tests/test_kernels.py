@@ -357,3 +357,56 @@ def test_attend_refuses_mismatched_buffers():
         kernels.attend(q, q_rot, np.zeros((10, 32), np.float32), np.zeros((10, 8), np.float16), 5, 1.0)
     with pytest.raises(ValueError):                 # more positions than the cache holds
         kernels.attend(q, q_rot, np.zeros((10, 32), np.float32), np.zeros((10, 8), np.float32), 11, 1.0)
+
+
+def _route_numpy(scores, bias, k, G, KG, norm, scale):
+    """DeepSeek-V3 noaux_tc routing written with numpy sorts (the formulation kernels.route replaced)."""
+    E = scores.shape[1]
+    choice = scores + bias
+    if G > 1:
+        gs = np.sort(choice.reshape(-1, G, E // G), axis=-1)[..., -2:].sum(axis=-1)
+        keep = np.argsort(-gs, axis=-1, kind="stable")[:, :KG]
+        mask = np.zeros_like(gs, dtype=bool)
+        np.put_along_axis(mask, keep, True, axis=-1)
+        choice = np.where(np.repeat(mask, E // G, axis=-1), choice, -np.inf)
+    idx = np.argsort(-choice, axis=-1, kind="stable")[:, :k]
+    w = np.take_along_axis(scores, idx, axis=-1)
+    if norm:
+        w = w / (w.sum(axis=-1, keepdims=True) + 1e-20)
+    return idx, (w * scale).astype(np.float32)
+
+
+@pytest.mark.parametrize("E,G,KG,k", [(64, 1, 1, 6), (64, 8, 3, 6), (384, 1, 1, 8), (256, 8, 4, 8), (16, 4, 2, 3),
+                                      (32, 1, 1, 12), (160, 8, 3, 20)])
+def test_route_equals_numpy_sorts_bit_for_bit(E, G, KG, k):
+    rng = np.random.default_rng(E + k)
+    for trial in range(60):
+        T = 1 + trial % 5
+        logits = (rng.standard_normal((T, E)) * 3).astype(np.float32)
+        if trial % 3 == 0:
+            logits = np.round(logits, 1)                  # ties between experts and between groups
+        scores = (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
+        bias = np.zeros(E, np.float32) if trial % 4 == 0 else (rng.standard_normal(E) * 0.1).astype(np.float32)
+        norm, scale = bool(trial % 2), [1.0, 2.5, 2.827][trial % 3]
+        want_i, want_w = _route_numpy(scores, bias, k, G, KG, norm, scale)
+        got_i, got_w = kernels.route(scores, bias, k, G, KG, norm, scale)
+        np.testing.assert_array_equal(got_i, want_i)
+        np.testing.assert_array_equal(got_w.view(np.int32), want_w.view(np.int32))
+
+
+def test_route_refuses_bad_shapes():
+    with pytest.raises(ValueError, match="route"):
+        kernels.route(np.zeros((1, 10), np.float32), np.zeros(10, np.float32), 11)
+    with pytest.raises(ValueError, match="route"):
+        kernels.route(np.zeros((1, 10), np.float32), np.zeros(10, np.float32), 2, n_group=3)
+
+
+@pytest.mark.parametrize("n", [7, 64, 129, 576, 1024, 7168, 333])
+def test_rms_norm_equals_numpy_bit_for_bit(n):
+    rng = np.random.default_rng(n)
+    for T in (1, 3):
+        x = (rng.standard_normal((T, n)) * 7).astype(np.float32)
+        w = rng.standard_normal(n).astype(np.float32)
+        var = np.add.reduce(x * x, axis=-1, keepdims=True) / np.float32(n)
+        want = w * (x / np.sqrt(var + 1e-6))
+        np.testing.assert_array_equal(kernels.rms_norm(x, w, 1e-6).view(np.int32), want.view(np.int32))
