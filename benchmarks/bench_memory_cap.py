@@ -6,10 +6,15 @@ bandwidth, measured in the same run, over the expert bytes a token needs). Needs
 memory controller.
 
     sudo python benchmarks/bench_memory_cap.py WEIGHTS.kst [--caps 0.5,256M,0.25] [--repeats 2]
-                                               [--tokens 32] [--json]
+                                               [--tokens 32] [--llama-bench BIN --gguf MODEL.gguf] [--json]
 
 Each run starts with the page cache dropped (so every expert read is a real read), the budget equal
 to the cap, and a 26-letter prompt; rounds alternate the configurations so drift falls on all alike.
+With --llama-bench and --gguf (llama.cpp's own file of the same weights, e.g. the Q2_K that
+benchmarks/bench_llamacpp.py makes), llama.cpp runs under the same caps in the same rounds:
+`llama-bench -p 0 -n TOKENS -r 1 --repack 0` (its decode tok/s, weights memory-mapped as it does by
+default; without --repack 0 it copies about 480 MiB of them into anonymous memory for its AVX2 layouts
+on the 0.8 GB model, which no cap below that survives).
 """
 
 from __future__ import annotations
@@ -27,24 +32,41 @@ from kimistream.formats.sizes import fmt, parse_size
 
 CGROUP = Path("/sys/fs/cgroup/memory/kimi-bench-cap")
 CONFIGS = {"default": [], "--prefetch next-layer": ["--prefetch", "next-layer"], "--prefetch off": ["--prefetch", "off"],
-           "--io pread": ["--io", "pread"], "--io pread --prefetch off": ["--io", "pread", "--prefetch", "off"]}
+           "--io pread": ["--io", "pread"], "--io pread --prefetch off": ["--io", "pread", "--prefetch", "off"],
+           "--page-cache keep": ["--page-cache", "keep"], "--page-cache drop": ["--page-cache", "drop"]}
+LLAMA = "llama.cpp"
 
 
-def run_capped(weights: str, cap: int, tokens: int, extra: list[str]) -> dict:
+def enter_cgroup(cap: int):
+    """The cap set, the page cache dropped; returns the preexec_fn that puts a child in the cgroup."""
     CGROUP.mkdir(exist_ok=True)
     (CGROUP / "memory.limit_in_bytes").write_text(str(cap))
     os.sync()
     Path("/proc/sys/vm/drop_caches").write_text("3")
-    exe = shutil.which("kimi-run") or sys.exit("kimi-run is not on PATH")
-    cmd = [exe, "--weights", weights, "--memory-budget", str(cap), "--prompt", "abcdefghijklmnopqrstuvwxyz",
-           "--max-tokens", str(tokens), "--json", *extra]
 
     def enter():
         (CGROUP / "tasks").write_text(str(os.getpid()))
-    proc = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=enter, timeout=1800)
+    return enter
+
+
+def run_capped(weights: str, cap: int, tokens: int, extra: list[str]) -> dict:
+    exe = shutil.which("kimi-run") or sys.exit("kimi-run is not on PATH")
+    cmd = [exe, "--weights", weights, "--memory-budget", str(cap), "--prompt", "abcdefghijklmnopqrstuvwxyz",
+           "--max-tokens", str(tokens), "--json", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=enter_cgroup(cap), timeout=1800)
     if proc.returncode:
         return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
     return json.loads(proc.stdout)["stats"]
+
+
+def llama_capped(bench: str, gguf: str, cap: int, tokens: int) -> dict:
+    """llama.cpp's decode under the cap: llama-bench's tg test alone, one repetition, two threads."""
+    cmd = [bench, "-m", gguf, "-t", "2", "-p", "0", "-n", str(tokens), "-r", "1", "--repack", "0", "-o", "json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=enter_cgroup(cap), timeout=7200)
+    if proc.returncode:
+        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
+    tg = [r for r in json.loads(proc.stdout) if r.get("n_gen")]
+    return {"decode_tokens_per_s": tg[0]["avg_ts"]} if tg else {"error": "llama-bench gave no tg result"}
 
 
 def disk_read_bandwidth(path: str, nbytes: int = 1 << 30) -> float:
@@ -71,8 +93,12 @@ def main():
     ap.add_argument("--caps", default="0.5,256M,0.25", help="fractions of the file or sizes (default 0.5,256M,0.25)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--llama-bench", metavar="BIN", help="llama.cpp's llama-bench, to run under the same caps")
+    ap.add_argument("--gguf", metavar="MODEL", help="with --llama-bench: llama.cpp's file of the same weights")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    if bool(a.llama_bench) != bool(a.gguf):
+        sys.exit("--llama-bench and --gguf go together")
     if not (CGROUP.parent / "memory.limit_in_bytes").exists():
         sys.exit(f"{CGROUP.parent}: no cgroup v1 memory controller here")
     size = Path(a.weights).stat().st_size
@@ -84,6 +110,8 @@ def main():
             for name, extra in CONFIGS.items():
                 st = run_capped(a.weights, cap, a.tokens, extra)
                 results.setdefault((cap, name), []).append(st)
+            if a.llama_bench:
+                results.setdefault((cap, LLAMA), []).append(llama_capped(a.llama_bench, a.gguf, cap, a.tokens))
     rows = []
     for cap in caps:
         med = {}
@@ -93,28 +121,39 @@ def main():
                 med[name] = {k: statistics.median(r[k] for r in runs) for k in
                              ("decode_tokens_per_s", "prefill_tokens_per_s", "peak_rss_bytes",
                               "decode_bytes_read_per_token", "prefetch_wasted_bytes")}
-                med[name]["policy"] = runs[-1].get("prefetch_policy")
+                med[name]["policy"] = f"prefetch {runs[-1].get('prefetch_policy')}; page cache: " \
+                                      f"{runs[-1].get('page_cache_policy')}"
             else:
                 med[name] = {"error": results[(cap, name)][-1]["error"]}
         best = max((v["decode_tokens_per_s"] for v in med.values() if "error" not in v), default=0)
+        default = med["default"].get("decode_tokens_per_s")
         need = med["default"].get("decode_bytes_read_per_token")
         bound = disk / need if need else None           # tok/s if every needed expert byte came off the disk
-        rows.append({"cap": cap, "configs": med, "best_decode": best, "disk_bound_tok_s": bound,
-                     "default_over_disk_bound": med["default"]["decode_tokens_per_s"] / bound if bound else None,
-                     "default_over_best": med["default"]["decode_tokens_per_s"] / best
-                     if best and "error" not in med["default"] else None})
+        row = {"cap": cap, "configs": med, "best_decode": best, "disk_bound_tok_s": bound,
+               "default_over_disk_bound": default / bound if bound and default else None,
+               "default_over_best": default / best if best and default else None}
+        if a.llama_bench:
+            llama = [r["decode_tokens_per_s"] for r in results[(cap, LLAMA)] if "error" not in r]
+            row["llama_decode"] = statistics.median(llama) if llama else None
+            row["default_over_llama"] = default / row["llama_decode"] if default and llama else None
+        rows.append(row)
     if a.json:
         print(json.dumps(rows))
         return
     print(f"{a.weights}: {fmt(size)}, {a.tokens} tokens per run, median of {a.repeats}, page cache dropped before each; "
           f"disk read bandwidth measured in the same run: {disk / 1e6:.0f} MB/s\n")
-    print("| cap | " + " | ".join(CONFIGS) + " | default / best | default / disk bound |")
-    print("| --- |" + " --- |" * (len(CONFIGS) + 2))
+    llama_cols = [LLAMA, "default / llama.cpp"] if a.llama_bench else []
+    print("| cap | " + " | ".join(list(CONFIGS) + llama_cols) + " | default / best | default / disk bound |")
+    print("| --- |" + " --- |" * (len(CONFIGS) + len(llama_cols) + 2))
+
+    def num(v, f=".2f"):
+        return "—" if v is None else format(v, f)
     for r in rows:
         cells = [("refused" if "error" in v else f"{v['decode_tokens_per_s']:.2f}") for v in r["configs"].values()]
-        ratio = f"{r['default_over_best']:.2f}" if r["default_over_best"] is not None else "—"
-        disk_ratio = f"{r['default_over_disk_bound']:.2f}" if r["default_over_disk_bound"] is not None else "—"
-        print(f"| {fmt(r['cap'])} | " + " | ".join(cells) + f" | {ratio} | {disk_ratio} |")
+        if a.llama_bench:
+            cells += [num(r["llama_decode"]), num(r["default_over_llama"], ".1f") + ("x" if r["default_over_llama"] else "")]
+        print(f"| {fmt(r['cap'])} | " + " | ".join(cells) +
+              f" | {num(r['default_over_best'])} | {num(r['default_over_disk_bound'])} |")
     print("\ndecode tok/s; default's choices: " + "; ".join(
         f"{fmt(r['cap'])}: {r['configs']['default'].get('policy')}" for r in rows))
     print("peak RSS of the default: " + ", ".join(

@@ -175,7 +175,8 @@ def open_session(args, log, weights_path=None, describe: bool = True) -> Session
     if args.dry_run:
         return None
     weights = ModelWeights(path, io=args.io, cache_bytes=plan.cache_experts * plan.expert_bytes,
-                           policy=args.cache_policy, direct=args.direct, prefetch=args.prefetch)
+                           policy=args.cache_policy, direct=args.direct, prefetch=args.prefetch,
+                           page_cache=args.page_cache)
     tok_meta = weights.header.get("tokenizer") or {}
     try:
         tok = Tokenizer(tok_meta.get("kind", ""), {n: weights.file.blob(n) for n in tok_meta.get("files", [])})
@@ -255,6 +256,7 @@ def _generate(args, log) -> int:
         "memory_budget_bytes": plan.budget,
         "expert_cache_experts": plan.cache_experts,
         "prefetch_policy": weights.prefetch_policy,
+        "page_cache_policy": weights.pager.page_cache_policy,
         **tele,
     }
     if args.json:
@@ -285,6 +287,7 @@ def print_summary(stats: GenerationStats, report: dict, tele: dict, plan: B.Memo
         ("expert cache", f"{plan.cache_experts} experts, hit rate {tele['hit_rate']:.1%}, {tele['evictions']} evictions"),
         ("expert bytes read", B.fmt(tele["bytes_read"])),
         ("prefetch", report["prefetch_policy"]),
+        ("page cache", report["page_cache_policy"]),
         ("prefetch recall / wasted",
          na if tele["prefetch_recall"] is None else f"{tele['prefetch_recall']:.1%} / {B.fmt(tele['prefetch_wasted_bytes'])}"),
         ("major faults", str(tele["major_faults"])),

@@ -42,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "hidden state: auto (the default) guesses only when the expert cache can keep a "
                         "token's experts of every layer, and while most guesses are used; the run summary "
                         "says what it chose")
+    m.add_argument("--page-cache", choices=("auto", "keep", "drop"), default="auto",
+                   help="an evicted expert's pages in the OS page cache: keep (a later miss may find them there), "
+                        "drop (when memory outside the budget cannot hold them, keeping them only makes the "
+                        "kernel reclaim), or auto (the default: keep, and drop once most evicted experts turn "
+                        "out to be gone when needed again); the run summary says what it chose")
     m.add_argument("--cache-policy", choices=("lru", "lfru"), default="lru",
                    help="expert cache eviction: lru, or lfru (least frequently routed among the older half)")
     m.add_argument("--kv-dtype", choices=("f32", "f16"), default=None,

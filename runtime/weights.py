@@ -107,7 +107,7 @@ class ExpertProvider:
 
 class ModelWeights(ExpertProvider):
     def __init__(self, path, io: str = "mmap", cache_bytes: int = UNBOUNDED, policy: str = "lru",
-                 direct: bool = False, prefetch: str = "off"):
+                 direct: bool = False, prefetch: str = "off", page_cache: str = "auto"):
         if prefetch not in PREFETCH_MODES:
             raise ValueError(f"unknown --prefetch {prefetch!r} ({', '.join(PREFETCH_MODES)})")
         self.prefetch = prefetch
@@ -124,7 +124,7 @@ class ModelWeights(ExpertProvider):
         self.resident_bytes = 0
         self.decoded_bytes = 0
         self._advise_experts_random()
-        self.pager: ExpertPager = make_pager(io, self.file, cache_bytes, policy, direct)
+        self.pager: ExpertPager = make_pager(io, self.file, cache_bytes, policy, direct, page_cache)
         self.buffer = self.pager.base
         self.wants_guesses, self.prefetch_policy = self._prefetch_policy(cache_bytes)
 

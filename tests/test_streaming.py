@@ -310,3 +310,61 @@ def test_a_config_and_its_converted_file_get_the_same_plan(tmp_path):
     assert b["metadata"] <= a["metadata"] <= b["metadata"] + (80 << 20)
     # the config's size counts the tensors' bytes; the file adds its header, tokenizer and alignment
     assert from_config["file_bytes"] <= out.stat().st_size <= 1.1 * from_config["file_bytes"]
+
+
+def _evicted_and_not_cached(w):
+    """Experts read and evicted since (not in the pager's cache now)."""
+    cached = set(w.pager._cache)
+    return [k for k in w.experts_touched if k not in cached]
+
+
+@pytest.mark.parametrize("io", ["mmap", "pread"])
+def test_page_cache_drop_gives_the_same_output_and_drops_evicted_pages(synthetic, io):
+    ref_logits, ref_tokens, _ = _run(synthetic)
+    expert = ModelWeights(synthetic).expert_extent_bytes
+    for mode in ("keep", "drop", "auto"):
+        logits, tokens, stats = _run(synthetic, io=io, cache_bytes=2 * expert, page_cache=mode)
+        np.testing.assert_array_equal(logits, ref_logits, err_msg=mode)
+        assert tokens == ref_tokens and stats.evictions > 0, mode
+    w = ModelWeights(synthetic, io=io, cache_bytes=2 * expert, page_cache="drop")
+    probe = [e for e in w.file.extents if e.kind == "expert"][0]
+    os.pread(w.file.fileno(), probe.nbytes, probe.offset)
+    os.posix_fadvise(w.file.fileno(), probe.offset, probe.nbytes, os.POSIX_FADV_DONTNEED)
+    if w.pager.cached_share(probe.offset, probe.nbytes) > 0:
+        w.close()
+        pytest.skip("this filesystem keeps pages in memory whatever is advised (tmpfs)")
+    w.load_resident()
+    m = Model(w, 64)
+    m.prefill(PROMPT, 8)
+    gone = _evicted_and_not_cached(w)
+    assert gone
+    for layer, e in gone:
+        off, n = w.pager.extent((layer, e))
+        assert w.pager.cached_share(off, n) == 0, (layer, e)
+    assert w.pager.page_cache_policy == "drop evicted experts"
+    w.close()
+
+
+@pytest.mark.parametrize("share,decision", [(0.0, "drop"), (0.9, "keep")])
+def test_auto_page_cache_decides_from_what_the_page_cache_kept(synthetic, monkeypatch, share, decision):
+    """--page-cache auto scores the misses of evicted experts after the first RELOAD_SKIP (how much of
+    each the page cache still held) and, after RELOAD_TRIAL of them, keeps or drops evicted experts
+    for the rest of the run; the report says which and why."""
+    from kimistream.runtime import pager as P
+    monkeypatch.setattr(P, "RELOAD_SKIP", 2)
+    monkeypatch.setattr(P, "RELOAD_TRIAL", 4)
+    w = ModelWeights(synthetic, cache_bytes=2 * ModelWeights(synthetic).expert_extent_bytes)
+    w.pager.cached_share = lambda off, n: share
+    assert not w.pager.drop_evicted and "deciding" in w.pager.page_cache_policy
+    w.load_resident()
+    m = Model(w, 64)
+    m.prefill(PROMPT, 8)
+    for _ in range(3):
+        m.forward([5])
+    assert w.pager.stats.reloads == 4
+    assert w.pager.drop_evicted == (decision == "drop")
+    assert w.pager.page_cache_policy == f"{decision} evicted experts (auto: {share:.0%} of 4 evicted experts " \
+                                        f"were still cached when needed again)"
+    w.close()
+    proc = kimi_run("--weights", synthetic, "--prompt", "hello", "--max-tokens", 2, "--json", "--page-cache", "drop")
+    assert json.loads(proc.stdout)["stats"]["page_cache_policy"] == "drop evicted experts", proc.stderr
