@@ -164,6 +164,7 @@ class ExpertPager:
             if key in self._prefetched:
                 self._prefetched.discard(key)
                 self.stats.prefetch_wasted_bytes += self.extent(key)[1]
+                self._abandon(key)
 
     def prefetch(self, layer: int, experts) -> None:
         """Speculative: start reading experts predicted for `layer` (scored by note_routed)."""
@@ -178,9 +179,14 @@ class ExpertPager:
 
     def fetch_ahead(self, layer: int, experts) -> None:
         """Certain: start reading all of a layer's routed experts, so the read of the next one
-        overlaps the computation of this one."""
-        for e in experts:
-            key = (layer, int(e))
+        overlaps the computation of this one. Those already cached become the most recent first, so
+        the room made for the others never evicts an expert about to be used."""
+        keys = [(layer, int(e)) for e in experts]
+        with self._lock:
+            for key in keys:
+                if key in self._cache:
+                    self._cache.move_to_end(key)
+        for key in keys:
             with self._lock:
                 if key in self._cache or key in self._inflight:
                     continue
@@ -284,6 +290,9 @@ class ExpertPager:
     def _start_prefetch(self, key, speculative: bool = True) -> None:
         raise NotImplementedError
 
+    def _abandon(self, key) -> None:
+        """A guessed expert was not routed to: what its read holds may go."""
+
     def _count_prefetch(self, nbytes: int, speculative: bool) -> None:
         # Reads ahead of a layer's known experts are not guesses: only speculative ones count.
         if speculative:
@@ -301,6 +310,10 @@ class MmapPager(ExpertPager):
         super().__init__(wf, capacity_bytes, policy, threads, page_cache)
         self._all = np.frombuffer(wf.mm, dtype=np.uint8)
         self.base = self._all
+        self.inflight_bytes = 0         # reads started and not yet mapped: their pages arrive in memory too
+
+    def _needs_room(self, nbytes: int) -> bool:
+        return self.cached_bytes + self.inflight_bytes + nbytes > self.capacity
 
     def _load(self, key):
         off, n = self.extent(key)
@@ -312,6 +325,8 @@ class MmapPager(ExpertPager):
             self._note_read(key, off, n)
             self._willneed(off, n)
         with self._lock:
+            if self._inflight.pop(key, None) is not None:
+                self.inflight_bytes -= n        # its reserved room becomes the cache's
             self._make_room(n)          # before mapping the new pages: RSS never exceeds the cache
         try:
             self.wf.mm.madvise(MADV_POPULATE_READ, off // PAGE * PAGE, n + off % PAGE)
@@ -321,7 +336,6 @@ class MmapPager(ExpertPager):
         self._verify(key, self._all[off:off + n])
         self.stats.bytes_read += n
         with self._lock:
-            self._inflight.pop(key, None)
             ent = _Entry(key, off, n, self._views(key, self._all[off:off + n], off, off))
             ent.ready.set()
             self._cache[key] = ent
@@ -332,7 +346,12 @@ class MmapPager(ExpertPager):
         off, n = self.extent(key)
         ent = _Entry(key, off, n)
         with self._lock:
+            self._make_room(n)          # the read's pages count against the cache from now on
+            if self._needs_room(n):     # all the room is taken by other reads in flight: read on demand
+                self._prefetched.discard(key)
+                return
             self._inflight[key] = ent
+            self.inflight_bytes += n
         self._note_read(key, off, n)
         self._count_prefetch(n, speculative)
 
@@ -344,6 +363,14 @@ class MmapPager(ExpertPager):
             finally:
                 ent.ready.set()
         self._pool.submit(work)
+
+    def _abandon(self, key) -> None:
+        with self._lock:
+            ent = self._inflight.pop(key, None)
+            if ent is not None:
+                self.inflight_bytes -= ent.nbytes
+        if ent is not None:
+            self._evicted_pages(key, ent.offset, ent.nbytes)
 
     def _willneed(self, off: int, n: int) -> None:
         fd = self.wf.fileno()

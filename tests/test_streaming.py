@@ -368,3 +368,33 @@ def test_auto_page_cache_decides_from_what_the_page_cache_kept(synthetic, monkey
     w.close()
     proc = kimi_run("--weights", synthetic, "--prompt", "hello", "--max-tokens", 2, "--json", "--page-cache", "drop")
     assert json.loads(proc.stdout)["stats"]["page_cache_policy"] == "drop evicted experts", proc.stderr
+
+
+def test_mmap_reads_in_flight_count_against_the_cache_and_spare_the_layers_experts(synthetic):
+    """The mmap pager reserves room for a read when it starts (its pages arrive in memory before they
+    are mapped): cached plus in-flight bytes never exceed the cache. Reading a layer's missing experts
+    never evicts the experts of that layer already cached."""
+    from kimistream.runtime.pager import MmapPager
+    w = ModelWeights(synthetic, cache_bytes=3 * ModelWeights(synthetic).expert_extent_bytes)
+    p = w.pager
+    assert isinstance(p, MmapPager)
+    seen = []
+    start = p._start_prefetch
+
+    def checked(key, speculative=True):
+        start(key, speculative)
+        seen.append(p.cached_bytes + p.inflight_bytes)
+    p._start_prefetch = checked
+    for e in (0, 1, 2):
+        p.get(1, e)
+    assert list(p._cache) == [(1, 0), (1, 1), (1, 2)]          # (1, 0) is the least recent
+    p.fetch_ahead(1, [0, 3])                                     # (1, 0) about to be used, (1, 3) missing
+    assert (1, 0) in p._cache and (1, 1) not in p._cache        # the room came from (1, 1)
+    p.get(1, 0), p.get(1, 3)
+    assert p.inflight_bytes == 0 and p.cached_bytes <= p.capacity
+    p.prefetch(2, [4, 5, 6, 7])                                  # more guesses than the cache holds
+    assert p.cached_bytes + p.inflight_bytes <= p.capacity and len(p._inflight) <= 3
+    p.note_routed(2, [4])                                        # the other guesses were wrong
+    assert all(k == (2, 4) for k in p._inflight)
+    assert max(seen) <= p.capacity
+    w.close()
