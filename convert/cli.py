@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--alignment", type=int, default=DEFAULT_ALIGNMENT,
                    help=f"extent alignment in bytes, power of two 4096..{MAX_ALIGNMENT} (default 4096)")
     c = p.add_argument_group("conversion")
+    c.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
+                   help="encode on a Ray cluster: its address (e.g. 10.0.0.5:6379), or none for a local one on "
+                        "this machine's cores; the source directory must be at the same path on every node "
+                        "(needs pip install 'kimi-stream[cluster]')")
     c.add_argument("--delete-source", action="store_true",
                    help="delete each source shard once all its tensors are written (disk stays near the output size)")
     c.add_argument("--calibration", metavar="TEXT_FILE|self|none",

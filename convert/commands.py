@@ -122,7 +122,7 @@ def _converting(args, err: Console, out: Path, plan, imatrix=None, delete_source
     delete = args.delete_source if delete_source is None else delete_source
     return _run_with_progress(err, "converting", args.quiet, lambda cb: convert_checkpoint(
         args.source, out, plan, args.alignment, cb, delete_source=delete, imatrix=imatrix,
-        calibration=calibration), out)
+        calibration=calibration, ray=args.ray), out)
 
 
 def _publish(args, err: Console, path: Path) -> dict:
@@ -138,6 +138,9 @@ def _publish(args, err: Console, path: Path) -> dict:
 
 def _main(args, err: Console) -> int:
     out = Path(args.output) if args.output else None
+    if args.ray and (args.assemble or args.synthetic or args.download_only):
+        return _error("--ray encodes a checkpoint's tensors: it does not apply to --assemble, --synthetic or "
+                      "--download-only", 2)
     if args.assemble:
         from .publish import assemble
         if out is None:

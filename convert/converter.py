@@ -1,7 +1,8 @@
 """The conversion pipeline: checkpoint directory -> precision plan -> one kimi-stream weight file.
 
 Tensors are read, encoded and written one at a time in source-shard order, so memory stays bounded
-by the largest tensor. The output is written to `OUT.partial` and renamed when complete."""
+by the largest tensor (on a Ray cluster, a few per worker, written in place as they finish). The output
+is written to `OUT.partial` and renamed when complete."""
 
 from __future__ import annotations
 
@@ -123,9 +124,29 @@ def check_output_apart(ckpt: HFCheckpoint, out, extra_inputs=()) -> None:
         raise ConversionError(f"{out}: the output is the source directory (choose another -o)")
 
 
+def encode_tensor(ckpt: HFCheckpoint, name: str, codec: str, importance=None, moment=None):
+    """Read one source tensor and encode it: (encoded bytes, float32 bytes it held while encoding).
+    Every failure is a one-line ConversionError naming the file and the tensor."""
+    try:
+        values = ckpt.read(name)
+        return encode(get_codec(codec), values, importance=importance, moment=moment), values.size * 4
+    except SourceError as e:
+        raise ConversionError(str(e)) from None
+    except CodecError as e:
+        raise ConversionError(f"{ckpt.dir / ckpt.location[name]}: tensor {name}: {e}") from None
+
+
+def _encode_here(ckpt: HFCheckpoint, jobs):
+    """The jobs (name, codec, importance, moment) encoded in order in this process (whose encoder uses
+    every core): yields (name, encoded, float32 bytes held)."""
+    for name, codec, importance, moment in jobs:
+        encoded, held = encode_tensor(ckpt, name, codec, importance, moment)
+        yield name, encoded, held
+
+
 def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_ALIGNMENT,
                        progress=None, delete_source: bool = False, imatrix=None,
-                       calibration: str | None = None) -> Summary:
+                       calibration: str | None = None, ray: str | None = None) -> Summary:
     """Convert a local checkpoint directory. `progress(kind, **info)` is called as work advances:
     ("start", total_bytes=..., tensors=..., resumed=...), ("tensor", name=..., nbytes=...),
     ("shard-done", path=...), ("done").
@@ -133,7 +154,9 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
     An interrupted conversion of the same source and plan resumes from its journal and produces the
     same bytes. With `delete_source`, each shard is deleted once all of its tensors are written.
     `imatrix` (formats.imatrix.Imatrix) gives the quantizer per-channel importances and second moments;
-    `calibration` says how they were measured (recorded in the header, so a resume never mixes two)."""
+    `calibration` says how they were measured (recorded in the header, so a resume never mixes two).
+    `ray` ("local" or a cluster address) encodes on a Ray cluster (convert/distributed.py); the file is
+    the same bytes."""
     progress = progress or (lambda *a, **k: None)
     try:
         ckpt = HFCheckpoint(src, allow_missing_shards=delete_source)
@@ -197,45 +220,55 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
     left_in_shard = {}
     for n in order:
         left_in_shard[ckpt.location[n]] = left_in_shard.get(ckpt.location[n], 0) + 1
-    try:
-        for n in order:
-            t = writer.tensors[n]
-            shard = ckpt.location[n]
-            if writer.is_written(n):
-                progress("tensor", name=n, nbytes=t.nbytes)
-                _tally(summary, t)
-                left_in_shard[shard] -= 1
-                if delete_source and left_in_shard[shard] == 0 and shard not in ckpt.missing_shards:
-                    _consume(ckpt, shard, writer, meta, progress)     # fetched again since: delete it again
-                continue
-            if shard in ckpt.missing_shards:
-                raise ConversionError(f"{ckpt.dir / shard}: deleted, but tensor {n} from it is not in the journal "
-                                      f"of {writer.tmp_path} — fetch the shard again")
-            t0 = time.perf_counter()
+    cluster = None
+
+    def done_with(n, t):
+        _tally(summary, t)
+        progress("tensor", name=n, nbytes=t.nbytes)
+        shard = ckpt.location[n]
+        left_in_shard[shard] -= 1
+        if delete_source and left_in_shard[shard] == 0 and shard not in ckpt.missing_shards:
+            _consume(ckpt, shard, writer, meta, progress)    # (a resumed shard may have been fetched again)
+
+    def jobs(names):
+        for n in names:
             try:
-                values = ckpt.read(n)
-                summary.largest_tensor_bytes = max(summary.largest_tensor_bytes, values.size * 4)
-                codec = get_codec(t.codec)
-                moment = imatrix.moment(n) if hasattr(imatrix, "moment") else None
-                encoded = encode(codec, values, importance=imatrix.get(n) if imatrix else None, moment=moment)
-            except (SourceError, ImatrixError) as e:
+                yield (n, writer.tensors[n].codec, imatrix.get(n) if imatrix else None,
+                       imatrix.moment(n) if hasattr(imatrix, "moment") else None)
+            except ImatrixError as e:
                 raise ConversionError(str(e)) from None
-            except CodecError as e:
-                raise ConversionError(f"{ckpt.dir / ckpt.location[n]}: tensor {n}: {e}") from None
+    try:
+        todo = []
+        for n in order:
+            if writer.is_written(n):
+                done_with(n, writer.tensors[n])
+            elif ckpt.location[n] in ckpt.missing_shards:
+                raise ConversionError(f"{ckpt.dir / ckpt.location[n]}: deleted, but tensor {n} from it is not in "
+                                      f"the journal of {writer.tmp_path} — fetch the shard again")
+            else:
+                todo.append(n)
+        if ray and todo:
+            from .distributed import RayEncoder
+            cluster = RayEncoder(ray, ckpt.dir)
+        t0 = time.perf_counter()
+        results = cluster.map(jobs(todo)) if cluster else _encode_here(ckpt, jobs(todo))
+        for n, encoded, held in results:
+            # written in place wherever the tensor lies (the layout is planned), in whatever order
+            # the tensors come, and journaled
+            t = writer.tensors[n]
+            summary.largest_tensor_bytes = max(summary.largest_tensor_bytes, held)
             writer.write_tensor(n, encoded)
             summary.converted_params += math.prod(t.shape)
-            summary.convert_seconds += time.perf_counter() - t0
-            _tally(summary, t)
-            progress("tensor", name=n, nbytes=t.nbytes)
-            del values, encoded
-            left_in_shard[shard] -= 1
-            if delete_source and left_in_shard[shard] == 0:
-                _consume(ckpt, shard, writer, meta, progress)
+            del encoded
+            done_with(n, t)
+        summary.convert_seconds = time.perf_counter() - t0
         path = writer.finish()
     except BaseException:
         writer.abort()
         raise
     finally:
+        if cluster:
+            cluster.close()
         ckpt.close()
         clear_factor_cache()
     summary.file_bytes = path.stat().st_size

@@ -228,6 +228,16 @@ def _blocks_view(a: np.ndarray, per_blk: int, nblk: int, fill) -> np.ndarray:
 
 
 _POOL: list = []
+_THREADS: list = []      # set_threads' choice; else every core
+
+
+def set_threads(n: int) -> None:
+    """Encode with n threads (a cluster worker uses the CPUs it was given, not the whole node)."""
+    n = max(1, int(n))
+    if _THREADS != [n]:
+        _THREADS[:] = [n]
+        while _POOL:
+            _POOL.pop().shutdown(wait=False)
 
 
 def _map_rows(fn, starts):
@@ -237,7 +247,7 @@ def _map_rows(fn, starts):
         return [fn(i) for i in starts]
     if not _POOL:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        _POOL.append(ThreadPoolExecutor(max(1, min(8, cores)), thread_name_prefix="kimi-fit"))
+        _POOL.append(ThreadPoolExecutor(_THREADS[0] if _THREADS else max(1, min(8, cores)), thread_name_prefix="kimi-fit"))
     return list(_POOL[0].map(fn, starts))
 
 
@@ -261,11 +271,12 @@ def _check_moment(name, moment, cols) -> np.ndarray:
 
 def _inverse_factor(H: np.ndarray) -> np.ndarray:
     """Upper Cholesky factor U of (H + damping)⁻¹ (so H⁻¹ = Uᵀ U), cached for the moment object."""
-    # The same moment object recurs for every expert of a layer; the fingerprint catches one that
-    # was edited in place since its factor was computed.
-    key = (id(H), H.shape, float(np.sum(H, dtype=np.float64)), float(np.sum(H[::7, ::5], dtype=np.float64)))
+    # The same moment recurs for every expert of a layer: as one object in a local conversion, as
+    # equal copies on a cluster's workers. Keyed by a fingerprint of its values (which also catches
+    # most edits in place), a copy checked in full.
+    key = (H.shape, float(np.sum(H, dtype=np.float64)), float(np.sum(H[::7, ::5], dtype=np.float64)))
     hit = _FACTORS.get(key)
-    if hit is not None and hit[0] is H:
+    if hit is not None and (hit[0] is H or np.array_equal(hit[0], H)):
         _FACTORS.move_to_end(key)
         return hit[1]
     M = np.array(H, dtype=np.float64)

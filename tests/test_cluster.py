@@ -1,0 +1,135 @@
+"""kimi-convert --ray: a conversion encoded on a Ray cluster (two workers, started here on 127.0.0.1)
+is byte for byte the single-process one, for both bundled models at q2 with an importance matrix and
+second moments; a worker killed in the middle of the run has its task run again and the file is still
+the same; a bad address is one line. Skipped, saying why, only where Ray is not installed or cannot
+start."""
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[test,cluster]')")
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = {"stdlib-moe": "stdlib-heldout.txt", "manpages-moe": "manpages-heldout.txt"}
+
+
+def run(*args, check=True):
+    proc = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=900)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def convert(*args, check=True):
+    return run("-m", "kimistream.convert.cli", *args, "--quiet", check=check)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A Ray head on 127.0.0.1 with two CPUs: two workers run tasks side by side."""
+    exe = shutil.which("ray", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    if exe is None:
+        pytest.skip("the ray command is not on PATH")
+    port = free_port()
+    tmp = tmp_path_factory.mktemp("ray")
+    # a test cluster on loopback: no token (Ray 2.5x enables token auth unless told otherwise, and a
+    # driver finds the token only when the same mode is set on its side)
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+    start = subprocess.run([exe, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
+                            "--num-cpus", "2", "--include-dashboard", "false", "--disable-usage-stats",
+                            f"--temp-dir={tmp}"], capture_output=True, text=True, env=env, timeout=180)
+    if start.returncode:
+        pytest.skip(f"Ray cannot start here: {start.stderr.strip().splitlines()[-1:]}")
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        subprocess.run([exe, "stop", "--force"], capture_output=True, env=env, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def imatrices(tmp_path_factory):
+    """Each bundled model's importance matrix with second moments, from a slice of its held-out text."""
+    d = tmp_path_factory.mktemp("imx")
+    out = {}
+    for model, text in MODELS.items():
+        ref = d / f"{model}-f32.kst"
+        convert(ROOT / "models" / model, "-o", ref, "--quant", "f32")
+        sample = d / f"{model}.txt"
+        sample.write_text((ROOT / "data" / text).read_text()[:6000])
+        out[model] = d / f"{model}.npz"
+        run("-m", "kimistream.runtime.cli", "--weights", ref, "--calibration", sample, "--imatrix-out", out[model],
+            "--max-context", 256, "--quiet")
+    return out
+
+
+def _ray_workers_running_tasks() -> list[int]:
+    pids = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if b"_encode_task" in (p / "cmdline").read_bytes():
+                    pids.append(int(p.name))
+            except OSError:
+                pass
+    return pids
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_ray_conversion_is_byte_identical(cluster, imatrices, tmp_path, model):
+    src = ROOT / "models" / model
+    local, remote = tmp_path / "local.kst", tmp_path / "ray.kst"
+    convert(src, "-o", local, "--quant", "q2", "--imatrix", imatrices[model])
+    convert(src, "-o", remote, "--quant", "q2", "--imatrix", imatrices[model], "--ray", cluster)
+    assert local.read_bytes() == remote.read_bytes()
+
+
+def test_a_killed_worker_has_its_task_run_again(cluster, imatrices, tmp_path):
+    src = ROOT / "models" / "stdlib-moe"
+    local, remote = tmp_path / "local.kst", tmp_path / "ray.kst"
+    convert(src, "-o", local, "--quant", "q2", "--imatrix", imatrices["stdlib-moe"])
+    killed = []
+    done = threading.Event()
+
+    def killer():
+        while not done.is_set() and not killed:
+            for pid in _ray_workers_running_tasks():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+                except ProcessLookupError:
+                    continue
+                break
+            time.sleep(0.05)
+    t = threading.Thread(target=killer)
+    t.start()
+    try:
+        convert(src, "-o", remote, "--quant", "q2", "--imatrix", imatrices["stdlib-moe"], "--ray", cluster)
+    finally:
+        done.set()
+        t.join()
+    assert killed, "no worker was seen running a task"
+    assert local.read_bytes() == remote.read_bytes()
+
+
+def test_bad_cluster_address_is_one_line(tmp_path):
+    proc = convert(ROOT / "models" / "stdlib-moe", "-o", tmp_path / "m.kst", "--quant", "q2", "--calibration", "none",
+                   "--ray", f"127.0.0.1:{free_port()}", check=False)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--ray 127.0.0.1" in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "m.kst").exists()
