@@ -77,6 +77,17 @@ def imatrices(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def local_q2(imatrices, tmp_path_factory):
+    """Each bundled model converted at q2 with its importance matrix, in one process."""
+    d = tmp_path_factory.mktemp("local")
+    out = {}
+    for model in MODELS:
+        out[model] = d / f"{model}-q2.kst"
+        convert(ROOT / "models" / model, "-o", out[model], "--quant", "q2", "--imatrix", imatrices[model])
+    return out
+
+
 def _ray_workers_running_tasks() -> list[int]:
     pids = []
     for p in Path("/proc").iterdir():
@@ -90,18 +101,33 @@ def _ray_workers_running_tasks() -> list[int]:
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
-def test_ray_conversion_is_byte_identical(cluster, imatrices, tmp_path, model):
-    src = ROOT / "models" / model
-    local, remote = tmp_path / "local.kst", tmp_path / "ray.kst"
-    convert(src, "-o", local, "--quant", "q2", "--imatrix", imatrices[model])
-    convert(src, "-o", remote, "--quant", "q2", "--imatrix", imatrices[model], "--ray", cluster)
-    assert local.read_bytes() == remote.read_bytes()
+def test_ray_conversion_is_byte_identical(cluster, imatrices, local_q2, tmp_path, model):
+    remote = tmp_path / "ray.kst"
+    convert(ROOT / "models" / model, "-o", remote, "--quant", "q2", "--imatrix", imatrices[model], "--ray", cluster)
+    assert local_q2[model].read_bytes() == remote.read_bytes()
 
 
-def test_a_killed_worker_has_its_task_run_again(cluster, imatrices, tmp_path):
+def test_an_interrupted_ray_conversion_resumes_to_the_same_file(cluster, imatrices, local_q2, tmp_path):
+    out = tmp_path / "ray.kst"
+    journal = Path(str(out) + ".partial.journal")
+    cmd = [sys.executable, "-m", "kimistream.convert.cli", ROOT / "models" / "manpages-moe", "-o", out, "--quant", "q2",
+           "--imatrix", imatrices["manpages-moe"], "--ray", cluster, "--quiet"]
+    proc = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        if journal.exists() and journal.read_text().count("\n") >= 8:      # some tensors written, not all
+            proc.kill()
+            break
+        time.sleep(0.02)
+    proc.wait()
+    assert not out.exists() and journal.exists(), "the conversion ended before it could be interrupted"
+    convert(*cmd[3:-1])
+    assert local_q2["manpages-moe"].read_bytes() == out.read_bytes()
+
+
+def test_a_killed_worker_has_its_task_run_again(cluster, imatrices, local_q2, tmp_path):
     src = ROOT / "models" / "stdlib-moe"
-    local, remote = tmp_path / "local.kst", tmp_path / "ray.kst"
-    convert(src, "-o", local, "--quant", "q2", "--imatrix", imatrices["stdlib-moe"])
+    local, remote = local_q2["stdlib-moe"], tmp_path / "ray.kst"
     killed = []
     done = threading.Event()
 
