@@ -71,7 +71,6 @@ class RayEncoder:
         self.started = not ray.is_initialized()
         if self.started:
             _check_reachable(address)
-            os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "error")     # the core's own retry chatter
             try:
                 ray.init(address=None if address == "local" else address, include_dashboard=False,
                          logging_level="ERROR", log_to_driver=False, configure_logging=False)

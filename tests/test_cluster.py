@@ -159,3 +159,24 @@ def test_bad_cluster_address_is_one_line(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "--ray 127.0.0.1" in lines[0] and "Traceback" not in proc.stderr, proc.stderr
     assert not (tmp_path / "m.kst").exists()
+
+
+def test_a_tensor_a_worker_cannot_encode_is_one_line(cluster, tmp_path):
+    """An error inside a Ray task (here a NaN in a source tensor) reaches the user as the same one-line
+    error a local conversion gives, naming the file and the tensor; no output is left behind."""
+    from safetensors.torch import load_file, save_file      # the checkpoint is bf16, which numpy lacks
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "models" / "stdlib-moe", src)
+    tensors = load_file(src / "model.safetensors")
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    tensors[name][2, 5] = float("nan")
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    local = convert(src, "-o", tmp_path / "local.kst", "--quant", "q2", "--calibration", "none", check=False)
+    remote = convert(src, "-o", tmp_path / "ray.kst", "--quant", "q2", "--calibration", "none", "--ray", cluster,
+                     check=False)
+    assert local.returncode != 0 and remote.returncode == local.returncode
+    lines = remote.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in remote.stderr, remote.stderr
+    assert lines == local.stderr.strip().splitlines()
+    assert name in lines[0] and "model.safetensors" in lines[0] and "NaN" in lines[0]
+    assert not (tmp_path / "ray.kst").exists()
