@@ -13,7 +13,6 @@ Ray is an optional dependency (`pip install 'kimi-stream[cluster]'`); nothing el
 
 from __future__ import annotations
 
-import os
 import socket
 from pathlib import Path
 
@@ -28,8 +27,8 @@ _checkpoints: dict = {}     # per worker process: the opened source checkpoint, 
 
 
 def _encode_task(src: str, name: str, codec: str, importance, moment):
-    """On a worker: (encoded tensor, float32 bytes held, the worker's pid), encoded with as many
-    threads as the task was given CPUs."""
+    """On a worker: (encoded tensor, float32 bytes held), encoded with as many threads as the task
+    was given CPUs."""
     import ray
     set_threads(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))
     ckpt = _checkpoints.get(src)
@@ -38,8 +37,7 @@ def _encode_task(src: str, name: str, codec: str, importance, moment):
             ckpt = _checkpoints[src] = HFCheckpoint(src, allow_missing_shards=True)
         except SourceError as e:
             raise ConversionError(str(e)) from None
-    encoded, held = encode_tensor(ckpt, name, codec, importance, moment)
-    return encoded, held, os.getpid()
+    return encode_tensor(ckpt, name, codec, importance, moment)
 
 
 def _check_reachable(address: str, timeout: float = 5.0) -> None:
@@ -79,7 +77,6 @@ class RayEncoder:
                                       f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") \
                     from None
         self.task = ray.remote(num_cpus=1, max_retries=RETRIES)(_encode_task)
-        self.workers: set[int] = set()          # pids that returned a result (for the report and tests)
 
     def map(self, jobs):
         ray = self.ray
@@ -108,7 +105,7 @@ class RayEncoder:
             (ref,), _ = ray.wait(list(pending), num_returns=1)
             name = pending.pop(ref)
             try:
-                encoded, held, pid = ray.get(ref)
+                encoded, held = ray.get(ref)
             except ray.exceptions.RayTaskError as e:
                 cause = e.cause if isinstance(getattr(e, "cause", None), Exception) else None
                 if isinstance(cause, ConversionError):
@@ -118,7 +115,6 @@ class RayEncoder:
             except ray.exceptions.RayError as e:
                 raise ConversionError(f"tensor {name}: the Ray task failed {RETRIES + 1} times "
                                       f"({type(e).__name__})") from None
-            self.workers.add(pid)
             submit()
             yield name, encoded, held
 

@@ -182,7 +182,7 @@ def _run(raw, geoms, xf, jobs, out, weights: int, what: str, ntok: int = 1, ostr
 class Linear:
     """y = x @ W.T for one weight W [out, in] held in `raw` with `codec`, everything but the input worked
     out once (geometry, bounds, jobs): a decode step makes about five calls per layer."""
-    __slots__ = ("codec", "raw", "g", "geoms", "jobs", "rows", "cols", "threads")
+    __slots__ = ("codec", "raw", "g", "geoms", "jobs", "rows", "cols")
 
     def __init__(self, codec: str, raw, shape: tuple):
         rows, cols = (int(s) for s in shape)
@@ -192,7 +192,6 @@ class Linear:
             self.geoms, self.jobs = self.g[None, :], _linear_jobs(rows, cols)
         else:
             self.raw = raw if not isinstance(raw, np.ndarray) else raw.reshape(-1)
-        self.threads = rows * cols >= PARALLEL_MIN_WEIGHTS
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """x [T, in] or [in] float32 -> [T, out] or [out]."""
@@ -210,9 +209,7 @@ class Linear:
         if rows and T:
             if T < BLAS_MIN_TOKENS:
                 # every token through each block of rows in one pass (the digits are taken out once)
-                threads = _threads if self.threads or rows * cols * T >= PARALLEL_MIN_WEIGHTS else 1
-                if _qdot.rows(self.raw, self.geoms, x2, self.jobs, y, threads, T, rows):
-                    raise CodecError(f"{self.codec}: corrupt data: outlier columns out of range or not increasing")
+                _run(self.raw, self.geoms, x2, self.jobs, y, rows * cols * T, self.codec, T, rows)
             else:
                 _dequantized_matmul(x2, self.raw, self.g, rows, cols, y, self.codec)
         return y[0] if squeeze else y

@@ -35,7 +35,7 @@ MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)   # Linux 5.14+; co
 FADVISE_PIECE = 1 << 20
 PAGE = mmap.PAGESIZE
 PAGE_CACHE_MODES = ("auto", "keep", "drop")
-# The mmap pager's evicted experts leave their pages in the OS page cache, where a later miss may find
+# Evicted experts leave their pages in the OS page cache (unless read with O_DIRECT), where a later miss may find
 # them without a read. That pays only if memory outside the budget holds them; when it does not (a
 # machine, or a memory cgroup, hardly larger than the budget) the kernel must reclaim them again under
 # pressure, taking pages of experts still in use along, and reads slow down (measured under a cgroup
@@ -69,7 +69,7 @@ class PagerStats:
     prefetch_wasted_bytes: int = 0
     predicted_used: int = 0          # routed experts that had been predicted
     routed_checked: int = 0          # routed experts at layers where a prediction was made
-    reloads: int = 0                 # misses of experts evicted before (mmap, while the policy is open)
+    reloads: int = 0                 # misses of experts evicted before, scored while --page-cache auto decides
     reloads_cached: float = 0.0      # the share of their pages the page cache still held, summed
 
     @property
