@@ -61,8 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--self-tokens", type=int, default=16384, metavar="N",
                    help="with self-calibration: tokens the model samples for its own calibration (default 16384)")
     c.add_argument("--max-context", type=int, metavar="N",
-                   help="with calibration: tokens per window of text measured or sampled (default as kimi-run: "
-                        "min(4096, the model's max_position_embeddings); use the length the model was trained on)")
+                   help="with calibration: tokens per window of text measured or sampled; with --memory-budget: the "
+                        "context the plan must hold (default as kimi-run: min(4096, the model's "
+                        "max_position_embeddings))")
     c.add_argument("--moment-budget", default="2G", metavar="SIZE",
                    help="with calibration: memory for full input second moments, which let the quantizer "
                         "round with error feedback (GPTQ-style); routed experts first; 0 = off (default 2G)")
@@ -71,6 +72,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--sparse", action="store_true", help="with --synthetic: leave routed experts as holes")
     c.add_argument("--seed", type=int, default=0,
                    help="with --synthetic: random seed; with self-calibration: sampling seed (default 0)")
+    m = p.add_argument_group("memory")
+    m.add_argument("--memory-budget", metavar="SIZE",
+                   help="choose the precision of each resident class (routers, attention, shared experts, dense "
+                        "layers, lm_head) so that kimi-run fits this budget, e.g. 8.24G: classes go one rung lower "
+                        "at a time, the least KL per byte first; --override still wins")
+    m.add_argument("--kv-dtype", choices=("f32", "f16"), default=None,
+                   help="with --memory-budget: the KV cache kimi-run will keep (default f16, its choice when f32 "
+                        "does not fit)")
+    m.add_argument("--dry-run", action="store_true",
+                   help="show the precision chosen and the predicted sizes and memory plan, write nothing")
     r = p.add_argument_group("releases")
     r.add_argument("--publish", type=Path, metavar="DIR",
                    help="also split the weight file into zstd chunks with a manifest in DIR (SOURCE may be a .kst)")

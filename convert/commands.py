@@ -136,6 +136,44 @@ def _publish(args, err: Console, path: Path) -> dict:
     return m
 
 
+def _fit(args, err: Console, cfg, plan) -> dict | int | None:
+    """--memory-budget / --dry-run: choose resident precisions (in `plan`) and say what was chosen; with
+    --dry-run the plan is printed and the exit code returned instead."""
+    from kimistream.formats import memplan
+    from kimistream.formats.sizes import fmt
+
+    from .fitting import FitError, fit_to_budget
+    fit = None
+    if args.memory_budget:
+        try:
+            fit = fit_to_budget(cfg, plan, args.memory_budget, args.max_context, args.kv_dtype)
+        except FitError as e:
+            return _error(e, 2)
+        if not args.json or args.dry_run:
+            for line in fit.lines():
+                err.print(line, highlight=False, markup=False, soft_wrap=True)
+    if not args.dry_run:
+        return fit.to_json() if fit else None
+    plan.for_model(cfg.first_k_dense_replace, cfg.num_hidden_layers)
+    fp, file_bytes = memplan.of_config(cfg, plan)
+    data = {"classes": plan.classes, "file_bytes": file_bytes, "resident_bytes": fp.resident,
+            "expert_bytes": fp.expert_bytes, "experts": fp.total_experts}
+    if fit:
+        data["memory_fit"] = fit.to_json()
+    if args.json:
+        sys.stdout.write(json.dumps(data) + "\n")
+        return 0
+    con = Console(soft_wrap=True, highlight=False)
+    con.print(f"preset {args.quant}: " + ", ".join(f"{cls} {codec}" for cls, codec in plan.classes.items()))
+    con.print(f"file {fmt(file_bytes)}, resident {fmt(fp.resident)} (float32 copies included), "
+                    f"{fp.total_experts} experts of {fmt(fp.expert_bytes)}")
+    if fit:
+        con.print(f"memory plan for a budget of {fmt(fit.budget)}:")
+        for label, n in fit.rows():
+            con.print(f"  {label:<58} {fmt(n):>12}")
+    return 0
+
+
 def _main(args, err: Console) -> int:
     out = Path(args.output) if args.output else None
     if args.ray and (args.assemble or args.synthetic or args.download_only):
@@ -154,13 +192,24 @@ def _main(args, err: Console) -> int:
             sys.stdout.write(json.dumps({"release": m}) + "\n")
         return 0
     if args.synthetic:
-        from .synthetic import write_synthetic
-        if out is None:
+        from .synthetic import SyntheticError, synthetic_config, write_synthetic
+        if out is None and not args.dry_run:
             return _error("--synthetic needs -o OUT", 2)
         plan = PrecisionPlan.from_preset(args.quant, args.override)
+        fit = None
+        if args.memory_budget or args.dry_run:
+            try:
+                fit = _fit(args, err, synthetic_config(args.synthetic), plan)
+            except SyntheticError as e:
+                return _error(e, 2)
+            if isinstance(fit, int):
+                return fit
         path = _run_with_progress(err, "writing synthetic", args.quiet, lambda cb: write_synthetic(
             args.synthetic, out, plan, sparse=args.sparse, seed=args.seed, progress=cb))
         err.print(f"wrote {path} ({path.stat().st_size:,} bytes{', experts sparse' if args.sparse else ''})")
+        if args.json:
+            sys.stdout.write(json.dumps({"output": str(path), "file_bytes": path.stat().st_size, "sparse": args.sparse,
+                                         "classes": plan.classes, "memory_fit": fit}) + "\n")
         return 0
     remote = args.urls is not None or (args.source is not None and not Path(args.source).is_dir()
                                        and H.is_repo_spec(args.source))
@@ -172,8 +221,11 @@ def _main(args, err: Console) -> int:
         return _error("--urls needs --dir (where the files go)", 2)
     if args.download_only and not remote:
         return _error(f"{args.source}: --download-only needs a REPO_ID[@REVISION] or --urls", 2)
-    if not args.download_only and not args.output:
+    if not args.download_only and not args.output and not args.dry_run:
         return _error("-o/--output is required (or use --download-only)", 2)
+    if args.dry_run and (remote or not Path(args.source).is_dir()):
+        return _error(f"{args.source or args.urls}: --dry-run plans a local checkpoint directory or --synthetic CONFIG "
+                      "(for a model on the hub: kimi-run --plan-config its config.json)", 2)
     if args.jobs < 1 or args.retries < 1 or args.retry_wait < 0:
         return _error("--jobs and --retries must be at least 1, --retry-wait not negative", 2)
     try:
@@ -203,13 +255,19 @@ def _main(args, err: Console) -> int:
         if not args.json:
             err.print(report.describe(), highlight=False, soft_wrap=True, markup=False)
         args.source = str(report.directory)
+    fit = None
     if Path(args.source).is_dir():
         # before anything is written: -o must not be any file the conversion reads
         ckpt = HFCheckpoint(args.source, allow_missing_shards=True)
         try:
-            check_output_apart(ckpt, out, [args.imatrix] if args.imatrix else [])
+            if out is not None:
+                check_output_apart(ckpt, out, [args.imatrix] if args.imatrix else [])
+            if args.memory_budget or args.dry_run:
+                fit = _fit(args, err, ckpt.config, plan)
         finally:
             ckpt.close()
+        if isinstance(fit, int):
+            return fit
     imatrix = None
     described = C.describe(args, calibration)
     if calibration:
@@ -223,6 +281,8 @@ def _main(args, err: Console) -> int:
     summary = _converting(args, err, out, plan, imatrix, calibration=described)
     data = summary.to_json()
     data["calibration"] = described
+    if fit:
+        data["memory_fit"] = fit
     if report is not None:
         data["download"] = report.to_json()
     if args.publish:

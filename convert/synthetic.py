@@ -82,17 +82,24 @@ def _plane_rows(codec, cols: int) -> list[int]:
     return [g.par_row, 2 * g.k, 2 * g.k, g.sub_row, g.code_row]
 
 
+def _read_config(config_path: Path) -> tuple[ModelConfig, dict]:
+    try:
+        hf = json.loads(config_path.read_text())
+        return ModelConfig.from_hf(hf), hf
+    except (OSError, json.JSONDecodeError, ConfigError) as e:
+        raise SyntheticError(f"{config_path}: {e}") from None
+
+
+def synthetic_config(config_path) -> ModelConfig:
+    """The ModelConfig of a config.json, or SyntheticError naming the file."""
+    return _read_config(Path(config_path))[0]
+
+
 def write_synthetic(config_path, out, plan: PrecisionPlan, sparse: bool = False, seed: int = 0,
                     progress=None) -> Path:
     progress = progress or (lambda *a, **k: None)
     config_path = Path(config_path)
-    try:
-        hf = json.loads(config_path.read_text())
-        cfg = ModelConfig.from_hf(hf)
-    except (OSError, json.JSONDecodeError) as e:
-        raise SyntheticError(f"{config_path}: {e}") from None
-    except ConfigError as e:
-        raise SyntheticError(f"{config_path}: {e}") from None
+    cfg, hf = _read_config(config_path)
     tok_dir = config_path.parent
     tok_files = {n: (tok_dir / n).read_bytes() for n in ("tokenizer.json", "tokenizer_config.json")
                  if (tok_dir / n).is_file()}

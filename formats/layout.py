@@ -73,14 +73,25 @@ def model_shapes(cfg: ModelConfig) -> dict[str, tuple]:
     return s
 
 
-def plan_extents(cfg: ModelConfig, codec_for):
+def _entry(name: str, shape: tuple, codec_for):
+    cls = classify(name)
+    return (name, cls, codec_for(name, cls, shape), shape)
+
+
+def expert_entries(cfg: ModelConfig, layer: int, expert: int, codec_for) -> list:
+    """The (tensor, class, codec, shape) entries of one routed expert's extent."""
+    es = expert_shapes(cfg)
+    return [_entry(expert_tensor(layer, expert, p), es[p], codec_for) for p in EXPERT_PROJS]
+
+
+def plan_extents(cfg: ModelConfig, codec_for, experts=True):
     """The extent layout: a list of (extent_name, kind, [(tensor, class, codec, shape), ...]).
 
-    `codec_for(tensor_name, tensor_class, shape) -> codec name` applies the precision plan."""
+    `codec_for(tensor_name, tensor_class, shape) -> codec name` applies the precision plan.
+    `experts`: every routed expert (True), none (False), or only these (layer, expert) pairs."""
 
     def entry(name, shape):
-        cls = classify(name)
-        return (name, cls, codec_for(name, cls, shape), shape)
+        return _entry(name, shape, codec_for)
 
     out = []
     for i in range(cfg.num_hidden_layers):
@@ -92,10 +103,9 @@ def plan_extents(cfg: ModelConfig, codec_for):
     # A tied embedding doubles as the lm_head, so it must stay resident.
     out.append(("embed", EXTENT_RESIDENT if cfg.tie_word_embeddings else EXTENT_EMBEDDING,
                 [entry("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))]))
-    es = expert_shapes(cfg)
-    for i in cfg.moe_layers:
-        for e in range(cfg.n_routed_experts):
-            out.append((expert_extent(i, e), EXTENT_EXPERT,
-                        [entry(expert_tensor(i, e, p), es[p]) for p in EXPERT_PROJS]))
+    if experts is True:
+        experts = [(i, e) for i in cfg.moe_layers for e in range(cfg.n_routed_experts)]
+    for i, e in experts or ():
+        out.append((expert_extent(i, e), EXTENT_EXPERT, expert_entries(cfg, i, e, codec_for)))
     return out
 

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from kimistream.formats.codecs import CodecError
+from kimistream.formats import memplan
 from kimistream.formats.config import ConfigError, ModelConfig
 from kimistream.formats.presets import PRESETS, PrecisionPlan
 
@@ -29,36 +30,35 @@ def plan_config(args, log) -> int:
     except (ValueError, CodecError) as e:
         raise RunError(str(e)) from None
     precision.for_model(cfg.first_k_dense_replace, cfg.num_hidden_layers)
-    footprint, total = planner.of_config(cfg, precision)
+    footprint, total = memplan.of_config(cfg, precision)
     args.budget = B.parse_size(args.memory_budget) if args.memory_budget else int(B.DEFAULT_FRACTION * B.mem_available())
     args.max_ctx = planner.context_length(args, cfg, log)
     # Not this process's RSS: the plan is for a kimi-run that has not started (maybe on another machine)
-    baseline = B.RECORDED_BASELINE + footprint.total_experts * B.RECORDED_BASELINE_PER_EXPERT
+    baseline = memplan.recorded_baseline(footprint.total_experts)
 
-    def replan(ctx, chunk):
-        return planner.plan(cfg, footprint, args, baseline, ctx or args.max_ctx,
+    def replan(ctx, chunk, fp=None):
+        return planner.plan(cfg, fp or footprint, args, baseline, ctx or args.max_ctx,
                             chunk or args.prefill_batch_size or planner.MIN_PREFILL_BATCH, recorded=True)
-    def fits_now():                               # with the smallest prompt chunk the default may pick
-        return replan(None, args.prefill_batch_size or planner.MIN_FIT_CHUNK).fits
+    # Too big at the preset: resident classes one rung lower each, the least KL per byte first, as
+    # kimi-convert --memory-budget does: planned with the smallest prompt chunk the default may pick and
+    # the KV cache in f16 unless --kv-dtype says otherwise (kimi-run takes f16 when f32 does not fit)
+    chunk, kv = args.prefill_batch_size or planner.MIN_FIT_CHUNK, args.kv_dtype
+    args.kv_dtype = kv or "f16"
+    preset_classes = dict(precision.classes)
+    steps = memplan.fit_resident(cfg, precision, lambda fp: replan(None, chunk, fp).fits)
+    if steps and not replan(None, chunk, memplan.of_config(cfg, precision)[0]).fits:
+        log("resident: even with every resident class at its lowest rung the plan does not fit")
+        precision.classes, steps = preset_classes, []
+    args.kv_dtype = kv
+    if steps:
+        footprint, total = memplan.of_config(cfg, precision)
+        for st in steps:
+            log(f"resident: {st.describe()}")
+        log(f"convert with --memory-budget {args.memory_budget or B.fmt(args.budget)}"
+            + (f" --max-context {args.max_context}" if args.max_context else "")
+            + (" --kv-dtype f32" if args.kv_dtype == "f32" else "")
+            + " to choose the same, or --override " + " --override ".join(f"'{st.override()}'" for st in steps))
     planner.auto_fit(args, replan, log)           # the same defaults kimi-run would choose
-    if not fits_now() and not args.override:
-        # Routers in float32 are a large part of the resident set when experts are many (1.8 GB of
-        # a K2-style model with 1 048): at q8 they run fused like any weight. Offered when it is what fits.
-        pattern, codec = planner.ROUTER_FIT
-        alt = PrecisionPlan.from_preset(args.quant, [f"{pattern}={codec}"])
-        alt.for_model(cfg.first_k_dense_replace, cfg.num_hidden_layers)
-        kept = footprint, total
-        footprint, total = planner.of_config(cfg, alt)
-        said = []
-        planner.auto_fit(args, replan, said.append)
-        if fits_now():
-            precision = alt
-            log(f"routers: {codec} ({B.fmt(kept[0].resident - footprint.resident)} less resident; f32 ones do not "
-                f"fit the budget): convert with --override '{pattern}={codec}'")
-            for line in said:
-                log(line)
-        else:
-            footprint, total = kept          # auto_fit undid its own choices
     if args.prefill_batch_size is None:
         args.prefill_batch_size = planner.auto_prefill_batch(lambda b: replan(args.max_ctx, b))
         log(f"prefill batch: {args.prefill_batch_size} tokens (--prefill-batch-size to choose)")
@@ -72,6 +72,7 @@ def plan_config(args, log) -> int:
         f"({plan.cache_experts / max(1, footprint.total_experts):.2%} of all)")
     if args.json:
         print(json.dumps({"config": str(path), "quant": args.quant, "overrides": [list(o) for o in precision.overrides],
+                          "resident_steps": [st.to_json() for st in steps], "classes": precision.classes,
                           "file_bytes": total, "memory_plan": plan.to_json()}))
     planner.refuse_if_unfit(plan, replan, args)
     return 0

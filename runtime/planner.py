@@ -7,81 +7,29 @@ and the file converted from it get the same plan."""
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import dataclass
 
-from kimistream.formats.codecs import get_codec, is_float_codec
+from kimistream.formats import memplan
 from kimistream.formats.config import ModelConfig
-from kimistream.formats.constants import EXTENT_EXPERT, EXTENT_RESIDENT
-from kimistream.formats.layout import plan_extents
+from kimistream.formats.memplan import Footprint
 
 from . import budget as B
 from .errors import RunError
-from .weights import DECODED_SUFFIXES
-
-# A header's JSON for a config that has not been converted: bytes per tensor entry and per extent
-# entry, measured on converted files (Kimi K2: 15.2 MB for 69 975 tensors and 23 105 extents), and
-# the tokenizer files assumed (Kimi's tiktoken.model is 2.8 MB, DeepSeek's tokenizer.json 7.8 MB).
-HEADER_BYTES_PER_TENSOR = 175
-HEADER_BYTES_PER_EXTENT = 120
-TOKENIZER_ALLOWANCE = 8 << 20
-
-
-@dataclass
-class Footprint:
-    resident: int            # resident extents plus the float32 copies the model keeps of some
-    expert_bytes: int        # the largest routed expert (one extent)
-    total_experts: int
-    metadata: int            # the parsed header and tokenizer, as Python objects
-    scratch: int             # the largest transient decode buffer
-
-
-def _footprint(tensors, extents, header_bytes: int, blob_bytes: int) -> Footprint:
-    """tensors: (name, class, codec, shape); extents: (kind, bytes)."""
-    copies = scratch = 0
-    for name, cls, codec, shape in tensors:
-        n = 4 * math.prod(shape)
-        float_copy = is_float_codec(codec) and codec != "f32"
-        if float_copy and (name.endswith(DECODED_SUFFIXES) or name == "lm_head.weight"):
-            copies += n                                   # decoded once and kept
-        if float_copy and cls in ("routed_experts", "shared_experts", "dense_mlp"):
-            scratch = max(scratch, 2 * n)                 # decoded one projection at a time
-        elif not is_float_codec(codec) and len(shape) == 2:
-            scratch = max(scratch, 4 * 64 * shape[1])     # block codecs run fused (a 64-row block)
-        if name.endswith("kv_b_proj.weight") and codec != "f32":
-            scratch = max(scratch, n)                     # decoded per use
-    experts = [nb for kind, nb in extents if kind == EXTENT_EXPERT]
-    return Footprint(resident=sum(nb for kind, nb in extents if kind == EXTENT_RESIDENT) + copies,
-                     expert_bytes=max(experts, default=0), total_experts=len(experts),
-                     metadata=4 * header_bytes + 8 * blob_bytes, scratch=scratch)
 
 
 def of_file(wf) -> Footprint:
     """A converted weight file's footprint, from its header."""
-    return _footprint([(n, t.cls, t.codec, t.shape) for n, t in wf.tensors.items()],
-                      [(e.kind, e.nbytes) for e in wf.extents], len(json.dumps(wf.header)),
-                      sum(e.nbytes for e in wf.extents if e.kind == "blob"))
-
-
-def of_config(cfg: ModelConfig, precision) -> tuple[Footprint, int]:
-    """The footprint of `cfg` converted with `precision` (a PrecisionPlan for this model), and the
-    file's size, laid out as the converter would."""
-    layout = plan_extents(cfg, precision.codec_for)
-    tensors = [t for _, _, ts in layout for t in ts]
-    extents = [(kind, sum(get_codec(codec).nbytes(shape) for _, _, codec, shape in ts)) for _, kind, ts in layout]
-    header = HEADER_BYTES_PER_TENSOR * len(tensors) + HEADER_BYTES_PER_EXTENT * len(extents)
-    return _footprint(tensors, extents, header, TOKENIZER_ALLOWANCE), sum(nb for _, nb in extents)
+    return memplan.footprint([(n, t.cls, t.codec, t.shape) for n, t in wf.tensors.items()],
+                             [(e.kind, e.nbytes) for e in wf.extents], len(json.dumps(wf.header)),
+                             sum(e.nbytes for e in wf.extents if e.kind == "blob"))
 
 
 def plan(cfg: ModelConfig, fp: Footprint, args, baseline: int, max_ctx: int, chunk: int,
          recorded: bool = False) -> B.MemoryPlan:
     """The plan under args.budget for a context of max_ctx and prefill chunks of `chunk` tokens;
     `recorded`: the baseline is the recorded one, not this process's."""
-    return B.make_plan(cfg, budget=args.budget, baseline=baseline, resident=fp.resident,
-                       metadata=fp.metadata + 4 * cfg.hidden_size * chunk,      # plus embedding rows in flight
-                       expert_bytes=fp.expert_bytes, total_experts=fp.total_experts, max_context=max_ctx,
-                       chunk=chunk, expert_scratch=fp.scratch, prefetch=args.prefetch == "next-layer",
-                       kv_itemsize=2 if args.kv_dtype == "f16" else 4, baseline_recorded=recorded)
+    return memplan.plan_for(cfg, fp, budget=args.budget, baseline=baseline, max_context=max_ctx, chunk=chunk,
+                            prefetch=args.prefetch == "next-layer", kv_itemsize=2 if args.kv_dtype == "f16" else 4,
+                            baseline_recorded=recorded)
 
 
 def describe_plan(plan: B.MemoryPlan, log) -> None:
@@ -106,7 +54,7 @@ def context_length(args, cfg, log) -> int:
     """--max-context, checked: at least 1, and a warning past the positions the model was trained on;
     by default 4096 or the model's own limit if lower."""
     if args.max_context is None:
-        return min(4096, cfg.max_position_embeddings)
+        return memplan.default_context(cfg)
     if args.max_context < 1:
         raise RunError("--max-context must be at least 1")
     if args.max_context > cfg.max_position_embeddings:
@@ -115,10 +63,9 @@ def context_length(args, cfg, log) -> int:
     return args.max_context
 
 
-ROUTER_FIT = (r"mlp\.gate\.weight$", "q8")   # what --plan-config offers when float32 routers do not fit
 MIN_AUTO_CONTEXT = 64      # a default context shortened to fit the budget is never shorter than this
 MIN_PREFILL_BATCH = 64     # the prompt chunk planned for before the default one is chosen
-MIN_FIT_CHUNK = 16         # the smallest default prompt chunk auto_fit plans for
+MIN_FIT_CHUNK = memplan.MIN_FIT_CHUNK     # the smallest default prompt chunk auto_fit plans for
 
 
 def auto_fit(args, replan, log) -> None:

@@ -12,6 +12,7 @@ import numpy as np
 from kimistream.formats.checksum import extent_digest
 from kimistream.formats.codecs import get_codec, is_float_codec
 from kimistream.formats.constants import EXTENT_EMBEDDING, EXTENT_EXPERT, EXTENT_RESIDENT
+from kimistream.formats.memplan import DECODED_SUFFIXES
 from kimistream.formats.weightfile import WeightFile, WeightFileError, check_model
 
 from .pager import ExpertPager, make_pager
@@ -29,11 +30,6 @@ PREFETCH_MODES = ("auto", "off", "next-layer")
 GUESS_TRIAL = 256           # routed experts scored before the recall is judged
 GUESS_MIN_RECALL = 0.5      # below this share of guessed experts used, guessing stops for the run
 
-# Attention projections and routers used at every token, and lm_head, are decoded once to float32 and
-# kept when they are stored as floats other than f32 (`resident`; f32 is a view); the planner counts
-# the copies. Stored in a block codec (a router at q8, say) they stay packed and run fused.
-DECODED_SUFFIXES = ("kv_a_proj_with_mqa.weight", "o_proj.weight", "q_a_proj.weight", "q_b_proj.weight",
-                    "q_proj.weight", "mlp.gate.weight")
 
 
 @dataclass

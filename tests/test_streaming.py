@@ -251,21 +251,106 @@ def test_auto_prefetch_stops_when_guesses_are_mostly_wrong(synthetic, monkeypatc
     w.close()
 
 
-def test_plan_for_a_k2_geometry_with_1048_experts(tmp_path):
-    """Kimi K2's config with 1 048 routed experts (2.78 T parameters) at 8.24 GB and 4096 tokens: its
-    float32 routers do not fit, so --plan-config plans them at q8, says so with the override that
-    converts the file that way, and fits; a budget nothing fits is still refused with advice."""
+def _k278(tmp_path) -> Path:
     cfg = json.loads((DATA / "kimi-k2-instruct-config.json").read_text())
     cfg["n_routed_experts"] = 1048
     path = tmp_path / "k278.json"
     path.write_text(json.dumps(cfg))
+    return path
+
+
+def kimi_convert(*args):
+    return subprocess.run([sys.executable, "-m", "kimistream.convert.cli", *map(str, args)], capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_plan_for_a_k2_geometry_with_1048_experts(tmp_path):
+    """Kimi K2's config with 1 048 routed experts (2.78 T parameters) at 8.24 GB and 4096 tokens: the
+    q2 preset's resident set does not fit, so --plan-config lowers resident classes (the cheapest KL
+    per byte first: the float32 routers to q8), says so with the flags that convert the file that
+    way, and fits; kimi-convert --memory-budget makes the same choice; a budget nothing fits is
+    still refused with advice, and nothing is lowered for it."""
+    path = _k278(tmp_path)
     proc = kimi_run("--plan-config", path, "--quant", "q2", "--memory-budget", "8.24G", "--max-context", 4096, "--json")
     assert proc.returncode == 0, proc.stderr
-    assert "routers: q8" in proc.stderr and "--override 'mlp\\.gate\\.weight$=q8'" in proc.stderr
+    assert "resident: router f32 → q8" in proc.stderr and "--override 'mlp\\.gate\\.weight$=q8'" in proc.stderr
     rep = json.loads(proc.stdout)
-    assert rep["memory_plan"]["fits"] and rep["overrides"] == [["mlp\\.gate\\.weight$", "q8"]]
-    proc = kimi_run("--plan-config", path, "--quant", "q2", "--memory-budget", "6G", "--max-context", 4096)
-    assert proc.returncode == 1 and "cannot hold the minimum" in proc.stderr and "routers: q8" not in proc.stderr
+    assert rep["memory_plan"]["fits"] and rep["classes"]["router"] == "q8"
+    assert [s["class"] for s in rep["resident_steps"]] == ["router"]
+    conv = kimi_convert("--synthetic", path, "--quant", "q2", "--memory-budget", "8.24G", "--max-context", 4096,
+                        "--dry-run", "--json")
+    assert conv.returncode == 0, conv.stderr
+    dry = json.loads(conv.stdout)
+    assert dry["classes"] == rep["classes"] and dry["memory_fit"]["memory_plan"]["fits"]
+    assert dry["memory_fit"]["memory_plan"]["resident"] == rep["memory_plan"]["resident"]
+    proc = kimi_run("--plan-config", path, "--quant", "q2", "--memory-budget", "3G", "--max-context", 4096)
+    assert proc.returncode == 1 and "cannot hold the minimum" in proc.stderr and "resident: router" not in proc.stderr
+    conv = kimi_convert("--synthetic", path, "--quant", "q2", "--memory-budget", "3G", "--max-context", 4096, "--dry-run")
+    assert conv.returncode == 2 and conv.stderr.count("\n") == 1 and "cannot hold this model" in conv.stderr
+
+
+def _budget_between(cfg_path: Path, ctx: int) -> int:
+    """A budget the q2 preset misses but its lowest rungs fit, planned as kimi-convert plans."""
+    from kimistream.formats import memplan
+    from kimistream.formats.config import ModelConfig
+    cfg = ModelConfig.from_hf(json.loads(cfg_path.read_text()))
+
+    def need(classes=None):
+        p = PrecisionPlan.from_preset("q2").for_model(cfg.first_k_dense_replace, cfg.num_hidden_layers)
+        p.classes.update(classes or {})
+        fp, _ = memplan.of_config(cfg, p)
+        plan = memplan.plan_for(cfg, fp, budget=0, baseline=memplan.recorded_baseline(fp.total_experts),
+                                max_context=ctx, chunk=memplan.MIN_FIT_CHUNK, kv_itemsize=2)
+        return plan.fixed + plan.min_cache_experts * plan.expert_bytes
+    lowest = {}
+    for cls in memplan.RESIDENT_LADDER:
+        codec = PrecisionPlan.from_preset("q2").classes[cls]
+        while memplan.next_rung(cls, codec):
+            codec = memplan.next_rung(cls, codec)
+        lowest[cls] = codec
+    hi, lo = need(), need(lowest)
+    assert lo < hi
+    return (hi + lo) // 2
+
+
+def test_convert_memory_budget_writes_the_precision_it_planned(tmp_path):
+    """kimi-convert --memory-budget on a budget the preset misses: resident classes go down, the file
+    records them, its resident bytes are what the plan predicted, and --plan-config chooses the same."""
+    cfg_path = Path(__file__).resolve().parent.parent / "models" / "stdlib-moe" / "config.json"
+    budget = _budget_between(cfg_path, 256)
+    out = tmp_path / "fit.kst"
+    flags = ("--memory-budget", budget, "--max-context", 256)
+    proc = kimi_convert("--synthetic", cfg_path, "-o", out, "--quant", "q2", *flags, "--json", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    fit = json.loads(proc.stdout)["memory_fit"]
+    with WeightFile(out) as wf:
+        classes = wf.header["plan"]["classes"]
+        from kimistream.runtime import planner
+        resident = planner.of_file(wf).resident
+    preset = PrecisionPlan.from_preset("q2").classes
+    lowered = {c for c in classes if classes[c] != preset[c]}
+    assert lowered, classes
+    rep = json.loads(kimi_run("--plan-config", cfg_path, "--quant", "q2", *flags, "--kv-dtype", "f16",
+                              "--prefill-batch-size", 16, "--json").stdout)
+    assert rep["classes"] == classes and rep["memory_plan"]["fits"]
+    assert resident == rep["memory_plan"]["resident"] == fit["memory_plan"]["resident"]
+
+
+def test_fit_resident_leaves_overridden_tensors_alone():
+    """An explicit --override names tensors whose codec the fit must not change: lowering their class
+    saves nothing, so that step is never taken, and their codec stays the override's."""
+    from kimistream.formats import memplan
+    from kimistream.formats.config import ModelConfig
+    from kimistream.formats.constants import ROUTER
+    cfg = ModelConfig.from_hf(json.loads((DATA / "kimi-k2-instruct-config.json").read_text()))
+    p = PrecisionPlan.from_preset("q2", [f"{memplan.CLASS_PATTERNS[ROUTER]}=f32"])
+    p.for_model(cfg.first_k_dense_replace, cfg.num_hidden_layers)
+    steps = memplan.fit_resident(cfg, p, lambda fp: False)        # nothing fits: every rung is taken
+    assert steps and ROUTER not in {s.cls for s in steps}
+    assert p.codec_for("model.layers.3.mlp.gate.weight", ROUTER, (384, 7168)) == "f32"
+    lowest = {cls: lad[-1] for cls, lad in memplan.RESIDENT_LADDER.items() if cls != ROUTER}
+    assert {cls: p.classes[cls] for cls in lowest} == lowest
+    assert all(s.saved > 0 for s in steps)
 
 
 def test_recorded_baseline_matches_a_dry_run(tiny_kst):
