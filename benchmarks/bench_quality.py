@@ -31,6 +31,31 @@ def run(*args) -> str:
     return proc.stdout
 
 
+def quality_arguments(ap: argparse.ArgumentParser, calibration: bool = True) -> argparse.ArgumentParser:
+    """The flags every quality benchmark shares: models, held-out and calibration text, window."""
+    ap.add_argument("--models", nargs="+", default=["stdlib-moe", "manpages-moe"])
+    ap.add_argument("--chars", type=int, default=30000, help="held-out characters scored")
+    if calibration:
+        ap.add_argument("--cal-chars", type=int, default=60000, help="calibration characters")
+    ap.add_argument("--context", type=int, default=256, help="window; the models were trained on 257 tokens")
+    return ap
+
+
+def prepare(model: str, tmp: Path, args):
+    """A model's source directory, its held-out text (and calibration text, with --cal-chars) in tmp,
+    and its f32 conversion, the reference every KL is taken against."""
+    src, corpus = REPO / "models" / model, model.split("-")[0]
+    held = tmp / f"{model}-heldout.txt"
+    held.write_text((REPO / "data" / f"{corpus}-heldout.txt").read_text()[:args.chars])
+    cal = None
+    if getattr(args, "cal_chars", None):
+        cal = tmp / f"{model}-cal.txt"
+        cal.write_text(calibration_text(corpus, args.cal_chars))
+    ref = tmp / f"{model}-f32.kst"
+    run("kimistream.convert.cli", src, "-o", ref, "--quant", "f32", "--quiet")
+    return src, held, cal, ref
+
+
 def calibration_text(corpus: str, chars: int) -> str:
     import train
     docs = train.build_corpus(corpus)[0]          # the training split only
@@ -46,11 +71,7 @@ def calibration_text(corpus: str, chars: int) -> str:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--models", nargs="+", default=["stdlib-moe", "manpages-moe"])
-    ap.add_argument("--chars", type=int, default=30000, help="held-out characters scored")
-    ap.add_argument("--cal-chars", type=int, default=60000, help="calibration characters")
-    ap.add_argument("--context", type=int, default=256, help="window; the models were trained on 257 tokens")
+    ap = quality_arguments(argparse.ArgumentParser())
     ap.add_argument("--self-tokens", type=int, default=16384,
                     help="tokens the model samples for --calibration self (default 16384)")
     ap.add_argument("--ablation", action="store_true",
@@ -61,14 +82,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for model in args.models:
-            src = REPO / "models" / model
-            corpus = model.split("-")[0]
-            held = tmp / f"{model}-heldout.txt"
-            held.write_text((REPO / "data" / f"{corpus}-heldout.txt").read_text()[:args.chars])
-            cal = tmp / f"{model}-cal.txt"
-            cal.write_text(calibration_text(corpus, args.cal_chars))
-            ref = tmp / f"{model}-f32.kst"
-            run("kimistream.convert.cli", src, "-o", ref, "--quant", "f32", "--quiet", "--json")
+            src, held, cal, ref = prepare(model, tmp, args)
             window = ["--max-context", args.context]
             flags = {"data-free": ["--calibration", "none"],
                      "calibrated": ["--calibration", cal, *window],

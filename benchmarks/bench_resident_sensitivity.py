@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -21,21 +20,13 @@ from kimistream.formats.memplan import CLASS_PATTERNS, RESIDENT_LADDER, next_run
 from kimistream.formats.presets import PRESETS
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def run(*args) -> str:
-    proc = subprocess.run([sys.executable, "-m", *map(str, args)], capture_output=True, text=True)
-    if proc.returncode:
-        raise SystemExit(f"{' '.join(map(str, args))}\n{proc.stderr}")
-    return proc.stdout
+sys.path.insert(0, str(REPO / "benchmarks"))
+from bench_quality import prepare, quality_arguments, run  # noqa: E402  (shared with the quality table)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", nargs="+", default=["stdlib-moe", "manpages-moe"])
-    ap.add_argument("--chars", type=int, default=30000, help="held-out characters scored")
-    ap.add_argument("--context", type=int, default=256, help="window; the models were trained on 257 tokens")
-    args = ap.parse_args()
+    args = quality_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]),
+                             calibration=False).parse_args()
     preset = PRESETS["q2"]
     steps = [("preset", None, None)]
     for cls in RESIDENT_LADDER:
@@ -46,11 +37,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for model in args.models:
-            src = REPO / "models" / model
-            held = tmp / f"{model}-heldout.txt"
-            held.write_text((REPO / "data" / f"{model.split('-')[0]}-heldout.txt").read_text()[:args.chars])
-            ref = tmp / f"{model}-f32.kst"
-            run("kimistream.convert.cli", src, "-o", ref, "--quant", "f32", "--quiet")
+            src, held, _, ref = prepare(model, tmp, args)
             base = None
             for cls, frm, to in steps:
                 out = tmp / f"{model}-{cls}.kst"

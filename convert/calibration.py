@@ -142,6 +142,8 @@ def _calibrate(args, err: Console, out: Path, plan, calibration: str, ckpt, conv
            "--self-tokens", str(args.self_tokens), "--seed", str(args.seed)]
     if args.max_context is not None:
         cmd += ["--max-context", str(args.max_context)]
+    if args.memory_budget:          # measured as it will run: layer by layer when its experts do not fit
+        cmd += ["--memory-budget", str(args.memory_budget)] + (["--kv-dtype", args.kv_dtype] if args.kv_dtype else [])
     proc = subprocess.run(cmd + (["--quiet"] if args.quiet else []), stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE if args.quiet else None, text=True)
     if proc.returncode != 0:

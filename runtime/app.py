@@ -28,8 +28,7 @@ from .tokenizer import Tokenizer, TokenizerError
 from .weights import ModelWeights
 
 SAMPLING_LANES = 8      # --calibration self: sequences sampled side by side at most
-
-
+CALIBRATION_HOLD_BACK = 0.5   # share of the expert cache's room that holds the residual stream in a by-layer pass
 
 
 def _log(msg: str) -> None:
@@ -132,11 +131,14 @@ class Session:
     model: Model
     tok: Tokenizer
     resident: int
+    held_back: int = 0       # bytes of the expert cache's room left free (calibration by layer)
 
 
-def open_session(args, log, weights_path=None, describe: bool = True) -> Session | None:
+def open_session(args, log, weights_path=None, describe: bool = True, hold_back: float = 0.0) -> Session | None:
     """Plan memory for a weight file under the flags, refuse if it cannot fit, then open it (None
-    with --dry-run). Everything a run needs is checked before the first weight is touched."""
+    with --dry-run). Everything a run needs is checked before the first weight is touched.
+    `hold_back`: when the expert cache cannot hold every expert, this share of the room it has beyond
+    the minimum is left free for the caller (Session.held_back)."""
     if args.prefill_batch_size is not None and args.prefill_batch_size < 1:
         raise RunError("--prefill-batch-size must be >= 1")
     if args.seed is not None and args.seed < 0:
@@ -174,7 +176,10 @@ def open_session(args, log, weights_path=None, describe: bool = True) -> Session
     refuse_if_unfit(plan, replan, args)
     if args.dry_run:
         return None
-    weights = ModelWeights(path, io=args.io, cache_bytes=plan.cache_experts * plan.expert_bytes,
+    held_back = 0
+    if hold_back and plan.cache_experts < plan.total_experts:
+        held_back = int((plan.cache_experts - plan.min_cache_experts) * hold_back) * plan.expert_bytes
+    weights = ModelWeights(path, io=args.io, cache_bytes=plan.cache_experts * plan.expert_bytes - held_back,
                            policy=args.cache_policy, direct=args.direct, prefetch=args.prefetch,
                            page_cache=args.page_cache)
     tok_meta = weights.header.get("tokenizer") or {}
@@ -194,7 +199,7 @@ def open_session(args, log, weights_path=None, describe: bool = True) -> Session
     log(f"resident {B.fmt(resident)}; expert cache {plan.cache_experts} experts ({args.io}, {args.cache_policy}, "
         f"prefetch {weights.prefetch_policy})")
     log(f"weight file: OK (header checked, resident extents verified; experts through {args.io})")
-    return Session(path, cfg, plan, weights, model, tok, resident)
+    return Session(path, cfg, plan, weights, model, tok, resident, held_back)
 
 
 def _generate(args, log) -> int:
@@ -342,10 +347,12 @@ def _quality(args, log) -> int:
 
     from kimistream.formats.imatrix import SELF_CALIBRATION
 
-    from .quality import collect_importance, evaluate, sample_sequences, windows
+    from .quality import collect_importance, collect_importance_by_layer, evaluate, sample_sequences, windows
     if args.calibration and not args.imatrix_out:
         raise RunError("--calibration needs --imatrix-out PATH")
-    s = open_session(args, log)
+    # calibrating a model whose experts do not all fit: half the expert cache's room holds the hidden
+    # states of the layer-by-layer pass instead
+    s = open_session(args, log, hold_back=CALIBRATION_HOLD_BACK if args.calibration else 0.0)
     if s is None:
         return 0
     out = {}
@@ -371,14 +378,32 @@ def _quality(args, log) -> int:
                                           args.prefill_batch_size, args.seed or 0, progress=advance, lanes=lanes)
         else:
             chunks = list(windows(s.tok.encode(_read_text(args.calibration)), args.max_ctx))
-        with _token_progress("calibrating", sum(map(len, chunks)), args.quiet) as advance:
-            col = collect_importance(s.model, chunks, args.prefill_batch_size, progress=advance,
-                                     moment_budget=moment_budget)
+        tokens, read0 = sum(map(len, chunks)), s.weights.pager.stats.bytes_read
+        if s.held_back:
+            # layer-major: every window through a layer before the next, each expert read once per
+            # pass; the residual stream of every token kept in the room held back, else on disk
+            log(f"calibration layer by layer (the expert cache holds {s.plan.cache_experts} of "
+                f"{s.plan.total_experts} experts): each expert read once; the residual stream of {tokens} tokens "
+                f"({B.fmt(2 * 4 * tokens * s.cfg.hidden_size)}) kept "
+                + ("in memory" if 2 * 4 * tokens * s.cfg.hidden_size <= s.held_back else
+                   f"on disk next to {args.imatrix_out}"))
+            with _token_progress("calibrating", tokens * len(s.model.layers), args.quiet) as advance:
+                col = collect_importance_by_layer(s.model, chunks, args.prefill_batch_size, progress=advance,
+                                                  moment_budget=moment_budget, state_ram=s.held_back,
+                                                  state_dir=Path(args.imatrix_out).resolve().parent)
+        else:
+            with _token_progress("calibrating", tokens, args.quiet) as advance:
+                col = collect_importance(s.model, chunks, args.prefill_batch_size, progress=advance,
+                                         moment_budget=moment_budget)
+        read = s.weights.pager.stats.bytes_read - read0
+        file_experts = sum(e.nbytes for e in s.weights.file.extents if e.kind == "expert")
         col.save(args.imatrix_out, s.weights.header["config"])
         log(f"importance of {len(col.sums)} weights, {len(col.moments)} full second moments, from {col.tokens} "
-            f"tokens → {args.imatrix_out}")
+            f"tokens → {args.imatrix_out}; experts read {B.fmt(read)} ({read / max(file_experts, 1):.2f}x the "
+            f"file's expert bytes)")
         out["imatrix"] = {"path": args.imatrix_out, "tokens": col.tokens, "tensors": len(col.sums),
-                          "moments": len(col.moments)}
+                          "moments": len(col.moments), "expert_bytes_read": read,
+                          "file_expert_bytes": file_experts}
     if args.perplexity:
         ids = s.tok.encode(_read_text(args.perplexity))
         ref = None

@@ -14,7 +14,7 @@ from kimistream.formats.imatrix import (DEFAULT_MOMENT_BUDGET, moment_key, momen
 from kimistream.formats.layout import model_shapes
 
 from .generate import generate
-from .model import MoE, Model
+from .model import DenseMLP, MoE, Model, linear, rms_norm
 from .sampler import Sampler
 from .weights import ExpertProvider
 
@@ -134,6 +134,86 @@ def collect_importance(model: Model, chunks, batch: int, progress=None,
             if progress:
                 progress(len(w))
     return col
+
+
+def collect_importance_by_layer(model: Model, chunks, batch: int, progress=None,
+                                moment_budget: int = DEFAULT_MOMENT_BUDGET, state_ram: int | None = None,
+                                state_dir=None) -> ImportanceCollector:
+    """The importance `collect_importance` measures, layer-major, for a model whose experts do not fit
+    in memory: every window goes through one layer before any goes through the next, and a MoE layer
+    routes every token first, then runs each routed expert once on all the tokens routed to it, so a
+    pass reads each expert once (token-major, a cache smaller than the experts reads them again for
+    every prompt chunk). The residual stream of every token is kept between layers: in RAM when two
+    copies fit `state_ram` bytes (default: always), else in files under `state_dir` (deleted after).
+    Attention runs window by window in the same chunks of `batch` tokens as the token-major pass, and
+    lm_head sees the same rows (each chunk's last), so the sums and second moments equal that pass's
+    to float rounding. `progress(n)` counts tokens x layers."""
+    chunks = [np.asarray(w) for w in chunks]
+    cut = np.cumsum([0] + [len(w) for w in chunks])
+    n, H = int(cut[-1]), model.cfg.hidden_size
+    col = ImportanceCollector(moment_plan(model_shapes(model.cfg), moment_budget))
+    with _states(n, H, state_ram, state_dir) as (x, h), observing(model, col):
+        ids = np.concatenate(chunks)
+        for a in range(0, n, STATE_SLICE):
+            x[a:a + STATE_SLICE] = model.embed(ids[a:a + STATE_SLICE])
+        for layer in model.layers:
+            for k in range(len(chunks)):
+                model.reset()
+                for s in range(cut[k], cut[k + 1], batch):
+                    e = min(s + batch, cut[k + 1])
+                    h[s:e] = x[s:e] + layer.attn.forward(rms_norm(x[s:e], layer.ln1, layer.eps), int(s - cut[k]),
+                                                         model.cache, model.rope)
+            _mlp_by_expert(layer, h, x) if isinstance(layer.mlp, MoE) else _mlp_by_slice(layer, h, x)
+            if progress:
+                progress(n)
+        model.reset()
+        last = [min(s + batch, cut[k + 1]) - 1 for k in range(len(chunks)) for s in range(cut[k], cut[k + 1], batch)]
+        linear(rms_norm(np.asarray(x[last]), model.final_norm, model.cfg.rms_norm_eps), model.lm_head)
+    col.tokens = n
+    return col
+
+
+STATE_SLICE = 512      # tokens per slice of the residual stream a by-layer pass works on at once
+
+
+@contextmanager
+def _states(n: int, H: int, ram: int | None, directory):
+    """Two [n, H] float32 arrays: x (the residual stream) and h (after attention), in RAM or on disk."""
+    if ram is None or 2 * 4 * n * H <= ram:
+        yield np.empty((n, H), np.float32), np.empty((n, H), np.float32)
+        return
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="kimi-calibration-", dir=directory) as d:
+        yield tuple(np.lib.format.open_memmap(f"{d}/{name}.npy", "w+", np.float32, (n, H)) for name in ("x", "h"))
+
+
+def _mlp_by_slice(layer, h, x) -> None:
+    """x = h + mlp(norm(h)) for a dense layer, a slice of tokens at a time."""
+    for a in range(0, len(x), STATE_SLICE):
+        hs = np.asarray(h[a:a + STATE_SLICE])
+        x[a:a + STATE_SLICE] = hs + layer.mlp.forward(rms_norm(hs, layer.ln2, layer.eps))
+
+
+def _mlp_by_expert(layer, h, x) -> None:
+    """x = h + moe(norm(h)) for every token: routing (and the shared expert) a slice at a time, then
+    each routed expert once, on all its tokens (MoE.forward's grouped path, over the whole pass)."""
+    mlp, n = layer.mlp, len(x)
+    idx = np.empty((n, mlp.cfg.num_experts_per_tok), np.int64)
+    wts = np.empty(idx.shape, np.float32)
+    for a in range(0, n, STATE_SLICE):
+        hs = np.asarray(h[a:a + STATE_SLICE])
+        hn = rms_norm(hs, layer.ln2, layer.eps)
+        idx[a:a + STATE_SLICE], wts[a:a + STATE_SLICE] = mlp.route(hn)
+        x[a:a + STATE_SLICE] = hs + (mlp.shared.forward(hn) if mlp.shared is not None else 0)
+    used = np.unique(idx)
+    mlp.experts.routed(layer.index, used)
+    for e in used:
+        tok, slot = np.nonzero(idx == e)
+        expert = DenseMLP(*mlp.experts.get(layer.index, int(e)))
+        for a in range(0, len(tok), STATE_SLICE):
+            t, sl = tok[a:a + STATE_SLICE], slot[a:a + STATE_SLICE]
+            y = expert.forward(rms_norm(np.asarray(h[t]), layer.ln2, layer.eps)) * wts[t, sl][:, None]
+            x[t] = np.asarray(x[t]) + y
 
 
 class _Observed:

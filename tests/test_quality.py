@@ -473,3 +473,54 @@ def test_calibration_none_and_imatrix_together_are_refused(tiny_ckpt, tmp_path, 
     assert convert_main(tiny_ckpt, "-o", tmp_path / "q.kst", "--quant", "q2", "--calibration", "none",
                         "--imatrix", tmp_path / "im.npz") == 2
     assert "give --calibration none or --imatrix, not both" in last_error(capsys)
+
+
+def test_importance_by_layer_equals_the_token_major_pass_and_reads_each_expert_once(tmp_path):
+    """Layer-major calibration (every window through a layer before the next, each routed expert once
+    on all the tokens routed to it) measures the same importance and second moments as the
+    token-major pass, to float rounding, and reads each routed expert once per pass where the
+    token-major pass, with a cache of 4 of the file's 64 experts, reads them again for every chunk."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kimistream.runtime.model import Model
+    from kimistream.runtime.quality import collect_importance, collect_importance_by_layer, windows
+    from kimistream.runtime.tokenizer import Tokenizer
+    from kimistream.runtime.weights import ModelWeights
+    repo = Path(__file__).resolve().parent.parent
+    kst = tmp_path / "q2.kst"
+    subprocess.run([sys.executable, "-m", "kimistream.convert.cli", str(repo / "models" / "stdlib-moe"), "-o", str(kst),
+                    "--quant", "q2", "--calibration", "none", "--quiet"], check=True, capture_output=True)
+    w = ModelWeights(kst, cache_bytes=4 * max(e.nbytes for e in _experts(kst)))
+    w.load_resident()
+    meta = w.header["tokenizer"]
+    tok = Tokenizer(meta["kind"], {n: w.file.blob(n) for n in meta["files"]})
+    chunks = list(windows(tok.encode((repo / "data" / "stdlib-heldout.txt").read_text()[:6000]), 256))
+    m = Model(w, 256)
+    reads, cols = [], []
+    for collect, kw in ((collect_importance, {}), (collect_importance_by_layer, {}),
+                        (collect_importance_by_layer, {"state_ram": 0, "state_dir": tmp_path})):
+        before = w.pager.stats.bytes_read
+        cols.append(collect(m, chunks, 64, moment_budget=1 << 30, **kw))
+        reads.append(w.pager.stats.bytes_read - before)
+    ref, got, on_disk = cols
+    # the residual stream kept in files instead of RAM: the same numbers, and nothing left behind
+    assert all(np.array_equal(on_disk.sums[n], got.sums[n]) for n in got.sums)
+    assert all(np.array_equal(on_disk.moments[n], got.moments[n]) for n in got.moments)
+    assert list(tmp_path.glob("kimi-calibration-*")) == [] and reads[2] == reads[1]
+    expert_bytes = sum(e.nbytes for e in _experts(kst))
+    w.close()
+    assert got.tokens == ref.tokens and got.counts == ref.counts
+    assert set(got.sums) == set(ref.sums) and set(got.moments) == set(ref.moments) and ref.moments
+    for n in ref.sums:
+        np.testing.assert_allclose(got.sums[n], ref.sums[n], rtol=2e-4, atol=2e-4 * np.abs(ref.sums[n]).max())
+    for n in ref.moments:
+        np.testing.assert_allclose(got.moments[n], ref.moments[n], rtol=2e-4, atol=2e-4 * np.abs(ref.moments[n]).max())
+    assert reads[1] <= 1.2 * expert_bytes < reads[0], (reads, expert_bytes)
+
+
+def _experts(kst):
+    from kimistream.formats.weightfile import WeightFile
+    with WeightFile(kst) as wf:
+        return [e for e in wf.extents if e.kind == "expert"]
