@@ -28,7 +28,7 @@ from .tokenizer import Tokenizer, TokenizerError
 from .weights import ModelWeights
 
 SAMPLING_LANES = 8      # --calibration self: sequences sampled side by side at most
-CALIBRATION_HOLD_BACK = 0.5   # share of the expert cache's room that holds the residual stream in a by-layer pass
+CALIBRATION_HOLD_BACK = 0.5   # calibration: share of the room beyond the minimum expert cache for moments and states
 
 
 def _log(msg: str) -> None:
@@ -131,14 +131,14 @@ class Session:
     model: Model
     tok: Tokenizer
     resident: int
-    held_back: int = 0       # bytes of the expert cache's room left free (calibration by layer)
+    held_back: int = 0       # bytes of the expert cache's room left to the caller (calibration)
 
 
 def open_session(args, log, weights_path=None, describe: bool = True, hold_back: float = 0.0) -> Session | None:
     """Plan memory for a weight file under the flags, refuse if it cannot fit, then open it (None
     with --dry-run). Everything a run needs is checked before the first weight is touched.
-    `hold_back`: when the expert cache cannot hold every expert, this share of the room it has beyond
-    the minimum is left free for the caller (Session.held_back)."""
+    `hold_back`: this share of the memory the plan leaves beyond the minimum expert cache is left to
+    the caller (Session.held_back); the expert cache takes at most the rest."""
     if args.prefill_batch_size is not None and args.prefill_batch_size < 1:
         raise RunError("--prefill-batch-size must be >= 1")
     if args.seed is not None and args.seed < 0:
@@ -176,10 +176,11 @@ def open_session(args, log, weights_path=None, describe: bool = True, hold_back:
     refuse_if_unfit(plan, replan, args)
     if args.dry_run:
         return None
-    held_back = 0
-    if hold_back and plan.cache_experts < plan.total_experts:
-        held_back = int((plan.cache_experts - plan.min_cache_experts) * hold_back) * plan.expert_bytes
-    weights = ModelWeights(path, io=args.io, cache_bytes=plan.cache_experts * plan.expert_bytes - held_back,
+    # the room beyond the minimum cache: all of it for experts, or a share left to the caller
+    free = plan.expert_cache - plan.min_cache_experts * plan.expert_bytes
+    held_back = int(max(0, free) * hold_back)
+    cache_bytes = min(plan.cache_experts * plan.expert_bytes, plan.expert_cache - held_back)
+    weights = ModelWeights(path, io=args.io, cache_bytes=cache_bytes,
                            policy=args.cache_policy, direct=args.direct, prefetch=args.prefetch,
                            page_cache=args.page_cache)
     tok_meta = weights.header.get("tokenizer") or {}
@@ -347,11 +348,11 @@ def _quality(args, log) -> int:
 
     from kimistream.formats.imatrix import SELF_CALIBRATION
 
-    from .quality import collect_importance, collect_importance_by_layer, evaluate, sample_sequences, windows
+    from .quality import collect_importance_by_layer, evaluate, sample_sequences, windows
     if args.calibration and not args.imatrix_out:
         raise RunError("--calibration needs --imatrix-out PATH")
-    # calibrating a model whose experts do not all fit: half the expert cache's room holds the hidden
-    # states of the layer-by-layer pass instead
+    # calibrating: half the expert cache's room above its minimum holds the second moments and the
+    # residual stream of the layer-by-layer pass instead (it reads each expert once anyway)
     s = open_session(args, log, hold_back=CALIBRATION_HOLD_BACK if args.calibration else 0.0)
     if s is None:
         return 0
@@ -379,22 +380,24 @@ def _quality(args, log) -> int:
         else:
             chunks = list(windows(s.tok.encode(_read_text(args.calibration)), args.max_ctx))
         tokens, read0 = sum(map(len, chunks)), s.weights.pager.stats.bytes_read
-        if s.held_back:
-            # layer-major: every window through a layer before the next, each expert read once per
-            # pass; the residual stream of every token kept in the room held back, else on disk
-            log(f"calibration layer by layer (the expert cache holds {s.plan.cache_experts} of "
-                f"{s.plan.total_experts} experts): each expert read once; the residual stream of {tokens} tokens "
-                f"({B.fmt(2 * 4 * tokens * s.cfg.hidden_size)}) kept "
-                + ("in memory" if 2 * 4 * tokens * s.cfg.hidden_size <= s.held_back else
-                   f"on disk next to {args.imatrix_out}"))
-            with _token_progress("calibrating", tokens * len(s.model.layers), args.quiet) as advance:
-                col = collect_importance_by_layer(s.model, chunks, args.prefill_batch_size, progress=advance,
-                                                  moment_budget=moment_budget, state_ram=s.held_back,
-                                                  state_dir=Path(args.imatrix_out).resolve().parent)
-        else:
-            with _token_progress("calibrating", tokens, args.quiet) as advance:
-                col = collect_importance(s.model, chunks, args.prefill_batch_size, progress=advance,
-                                         moment_budget=moment_budget)
+        # Layer by layer: every window through a layer before the next, each expert read once per pass
+        # (the same importance as running window by window, to float rounding). The room held back
+        # from the expert cache holds the second moments first (better rounding), then the residual
+        # stream of every token; what does not fit there goes to files next to the imatrix.
+        # (half of it at most: each update also needs a product as large as the moment it adds to)
+        if moment_budget > s.held_back // 2:
+            log(f"second moments: {B.fmt(s.held_back // 2)} (--moment-budget {args.moment_budget} is more than the "
+                f"memory budget leaves for them)")
+            moment_budget = s.held_back // 2
+        states = 2 * 4 * tokens * s.cfg.hidden_size
+        state_ram = s.held_back - moment_budget
+        cached = min(s.plan.total_experts, s.weights.pager.capacity // max(s.plan.expert_bytes, 1))
+        log(f"calibration layer by layer ({cached} of {s.plan.total_experts} experts cached): each expert read once; the residual stream of {tokens} tokens "
+            f"({B.fmt(states)}) " + ("in memory" if states <= state_ram else f"on disk next to {args.imatrix_out}"))
+        with _token_progress("calibrating", tokens * len(s.model.layers), args.quiet) as advance:
+            col = collect_importance_by_layer(s.model, chunks, args.prefill_batch_size, progress=advance,
+                                              moment_budget=moment_budget, state_ram=state_ram,
+                                              state_dir=Path(args.imatrix_out).resolve().parent)
         read = s.weights.pager.stats.bytes_read - read0
         file_experts = sum(e.nbytes for e in s.weights.file.extents if e.kind == "expert")
         col.save(args.imatrix_out, s.weights.header["config"])

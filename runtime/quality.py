@@ -152,68 +152,110 @@ def collect_importance_by_layer(model: Model, chunks, batch: int, progress=None,
     cut = np.cumsum([0] + [len(w) for w in chunks])
     n, H = int(cut[-1]), model.cfg.hidden_size
     col = ImportanceCollector(moment_plan(model_shapes(model.cfg), moment_budget))
-    with _states(n, H, state_ram, state_dir) as (x, h), observing(model, col):
-        ids = np.concatenate(chunks)
-        for a in range(0, n, STATE_SLICE):
-            x[a:a + STATE_SLICE] = model.embed(ids[a:a + STATE_SLICE])
-        for layer in model.layers:
-            for k in range(len(chunks)):
-                model.reset()
-                for s in range(cut[k], cut[k + 1], batch):
-                    e = min(s + batch, cut[k + 1])
-                    h[s:e] = x[s:e] + layer.attn.forward(rms_norm(x[s:e], layer.ln1, layer.eps), int(s - cut[k]),
-                                                         model.cache, model.rope)
-            _mlp_by_expert(layer, h, x) if isinstance(layer.mlp, MoE) else _mlp_by_slice(layer, h, x)
-            if progress:
-                progress(n)
-        model.reset()
-        last = [min(s + batch, cut[k + 1]) - 1 for k in range(len(chunks)) for s in range(cut[k], cut[k + 1], batch)]
-        linear(rms_norm(np.asarray(x[last]), model.final_norm, model.cfg.rms_norm_eps), model.lm_head)
+    st = _States(n, H, state_ram, state_dir)
+    try:
+        with observing(model, col):
+            _by_layer(model, chunks, cut, batch, st, progress)
+    finally:
+        st.close()
     col.tokens = n
     return col
 
 
-STATE_SLICE = 512      # tokens per slice of the residual stream a by-layer pass works on at once
+def _by_layer(model: Model, chunks, cut, batch: int, st, progress) -> None:
+    x, h, n = st.x, st.h, int(cut[-1])
+    ids = np.concatenate(chunks)
+    for a in range(0, n, batch):
+        x[a:a + batch] = model.embed(ids[a:a + batch])
+    st.release()
+    for layer in model.layers:
+        for k in range(len(chunks)):
+            model.reset()
+            for s in range(cut[k], cut[k + 1], batch):
+                e = min(s + batch, cut[k + 1])
+                h[s:e] = x[s:e] + layer.attn.forward(rms_norm(x[s:e], layer.ln1, layer.eps), int(s - cut[k]),
+                                                     model.cache, model.rope)
+            st.release()
+        _mlp_by_expert(layer, st, batch) if isinstance(layer.mlp, MoE) else _mlp_by_slice(layer, st, batch)
+        if progress:
+            progress(n)
+    model.reset()
+    last = [min(s + batch, cut[k + 1]) - 1 for k in range(len(chunks)) for s in range(cut[k], cut[k + 1], batch)]
+    linear(rms_norm(np.asarray(x[last]), model.final_norm, model.cfg.rms_norm_eps), model.lm_head)
 
 
-@contextmanager
-def _states(n: int, H: int, ram: int | None, directory):
-    """Two [n, H] float32 arrays: x (the residual stream) and h (after attention), in RAM or on disk."""
-    if ram is None or 2 * 4 * n * H <= ram:
-        yield np.empty((n, H), np.float32), np.empty((n, H), np.float32)
-        return
-    import tempfile
-    with tempfile.TemporaryDirectory(prefix="kimi-calibration-", dir=directory) as d:
-        yield tuple(np.lib.format.open_memmap(f"{d}/{name}.npy", "w+", np.float32, (n, H)) for name in ("x", "h"))
+class _States:
+    """The residual stream x and the stream after attention h, [n, H] float32 each: in RAM, or in two
+    files (deleted after) mapped shared, whose pages `release()` drops from this process's memory
+    (the data stays in the files: the pass touches every row once per layer, and mapped pages would
+    otherwise stay resident)."""
+
+    def __init__(self, n: int, H: int, ram: int | None, directory):
+        self._maps, self._tmp = [], None
+        if ram is None or 2 * 4 * n * H <= ram:
+            self.x, self.h = np.empty((n, H), np.float32), np.empty((n, H), np.float32)
+            return
+        import mmap
+        import tempfile
+        self._tmp = tempfile.TemporaryDirectory(prefix="kimi-calibration-", dir=directory)
+        arrays = []
+        for name in ("x", "h"):
+            with open(f"{self._tmp.name}/{name}", "w+b") as f:
+                f.truncate(max(1, 4 * n * H))
+                self._maps.append(mmap.mmap(f.fileno(), max(1, 4 * n * H)))
+            arrays.append(np.frombuffer(self._maps[-1], np.float32, n * H).reshape(n, H))
+        self.x, self.h = arrays
+
+    def release(self) -> None:
+        import mmap
+        for m in self._maps:
+            m.madvise(mmap.MADV_DONTNEED)
+
+    def close(self) -> None:
+        self.x = self.h = None
+        for m in self._maps:
+            try:
+                m.close()
+            except BufferError:           # an exception's traceback still holds a view: the GC closes it
+                pass
+        if self._tmp is not None:
+            self._tmp.cleanup()
 
 
-def _mlp_by_slice(layer, h, x) -> None:
-    """x = h + mlp(norm(h)) for a dense layer, a slice of tokens at a time."""
-    for a in range(0, len(x), STATE_SLICE):
-        hs = np.asarray(h[a:a + STATE_SLICE])
-        x[a:a + STATE_SLICE] = hs + layer.mlp.forward(rms_norm(hs, layer.ln2, layer.eps))
+def _mlp_by_slice(layer, st, S: int) -> None:
+    """x = h + mlp(norm(h)) for a dense layer, S tokens at a time (the prompt chunk the memory plan
+    sized activations for)."""
+    x, h = st.x, st.h
+    for a in range(0, len(x), S):
+        hs = np.array(h[a:a + S])
+        x[a:a + S] = hs + layer.mlp.forward(rms_norm(hs, layer.ln2, layer.eps))
+        st.release()
 
 
-def _mlp_by_expert(layer, h, x) -> None:
-    """x = h + moe(norm(h)) for every token: routing (and the shared expert) a slice at a time, then
-    each routed expert once, on all its tokens (MoE.forward's grouped path, over the whole pass)."""
+def _mlp_by_expert(layer, st, S: int) -> None:
+    """x = h + moe(norm(h)) for every token: routing (and the shared expert) S tokens at a time, then
+    each routed expert once, on all its tokens, S at a time (MoE.forward's grouped path, over the
+    whole pass; S is the prompt chunk the memory plan sized activations for)."""
+    x, h = st.x, st.h
     mlp, n = layer.mlp, len(x)
     idx = np.empty((n, mlp.cfg.num_experts_per_tok), np.int64)
     wts = np.empty(idx.shape, np.float32)
-    for a in range(0, n, STATE_SLICE):
-        hs = np.asarray(h[a:a + STATE_SLICE])
+    for a in range(0, n, S):
+        hs = np.array(h[a:a + S])
         hn = rms_norm(hs, layer.ln2, layer.eps)
-        idx[a:a + STATE_SLICE], wts[a:a + STATE_SLICE] = mlp.route(hn)
-        x[a:a + STATE_SLICE] = hs + (mlp.shared.forward(hn) if mlp.shared is not None else 0)
+        idx[a:a + S], wts[a:a + S] = mlp.route(hn)
+        x[a:a + S] = hs + (mlp.shared.forward(hn) if mlp.shared is not None else 0)
+        st.release()
     used = np.unique(idx)
     mlp.experts.routed(layer.index, used)
     for e in used:
         tok, slot = np.nonzero(idx == e)
         expert = DenseMLP(*mlp.experts.get(layer.index, int(e)))
-        for a in range(0, len(tok), STATE_SLICE):
-            t, sl = tok[a:a + STATE_SLICE], slot[a:a + STATE_SLICE]
-            y = expert.forward(rms_norm(np.asarray(h[t]), layer.ln2, layer.eps)) * wts[t, sl][:, None]
-            x[t] = np.asarray(x[t]) + y
+        for a in range(0, len(tok), S):
+            t, sl = tok[a:a + S], slot[a:a + S]
+            y = expert.forward(rms_norm(h[t], layer.ln2, layer.eps)) * wts[t, sl][:, None]
+            x[t] = x[t] + y
+        st.release()
 
 
 class _Observed:

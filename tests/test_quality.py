@@ -524,3 +524,28 @@ def _experts(kst):
     from kimistream.formats.weightfile import WeightFile
     with WeightFile(kst) as wf:
         return [e for e in wf.extents if e.kind == "expert"]
+
+
+def test_calibration_under_a_tight_budget_reads_each_expert_once(tmp_path):
+    """kimi-run --calibration with an expert cache of about a quarter of the file's experts: the pass
+    goes layer by layer, reads the file's expert bytes once, says so, and caps the second moments to
+    what the budget leaves."""
+    from pathlib import Path
+    repo = Path(__file__).resolve().parent.parent
+    kst = tmp_path / "q2.kst"
+    subprocess.run([sys.executable, "-m", "kimistream.convert.cli", str(repo / "models" / "stdlib-moe"), "-o", str(kst),
+                    "--quant", "q2", "--calibration", "none", "--quiet"], check=True, capture_output=True)
+    text = tmp_path / "cal.txt"
+    text.write_text((repo / "data" / "stdlib-heldout.txt").read_text()[:3000])
+
+    def run(*a):
+        return subprocess.run([sys.executable, "-m", "kimistream.runtime.cli", "--weights", str(kst), "--max-context",
+                               "256", "--prefill-batch-size", "64", *map(str, a)], capture_output=True, text=True)
+    plan = json.loads(run("--dry-run", "--json", "--memory-budget", "8G").stdout)["memory_plan"]
+    tight = plan["budget"] - plan["expert_cache"] + plan["total_experts"] // 4 * plan["expert_bytes"]
+    proc = run("--calibration", text, "--imatrix-out", tmp_path / "im.npz", "--memory-budget", tight, "--json")
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(proc.stdout)["imatrix"]
+    assert rep["expert_bytes_read"] <= 1.2 * rep["file_expert_bytes"], rep
+    assert "calibration layer by layer" in proc.stderr and "each expert read once" in proc.stderr
+    assert "second moments:" in proc.stderr and rep["tensors"] > 0
