@@ -145,8 +145,9 @@ def test_ctrl_c_between_import_and_main(module, prog):
     assert proc.returncode == 130 and "Traceback" not in proc.stderr, (proc.returncode, proc.stderr)
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith(f"{prog}: ") and "interrupted" in line, proc.stderr
-    library = (f"import os, signal, sys, time\nsys.argv = ['pytest']\nimport {module}\n"
-               "os.kill(os.getpid(), signal.SIGINT)\ntime.sleep(5)\n")
+    # Python's own handler first: a test run started in the background inherits SIGINT ignored
+    library = (f"import os, signal, sys, time\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+               f"sys.argv = ['pytest']\nimport {module}\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(5)\n")
     proc = subprocess.run([sys.executable, "-c", library], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "KeyboardInterrupt" in proc.stderr     # Python's own Ctrl-C, untouched
 
