@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kimistream.formats.constants import ROUTED_EXPERTS
 from kimistream.formats.weightfile import WeightFile, WeightFileError, check_model
 
 from . import budget as B
@@ -158,7 +159,9 @@ def open_session(args, log, weights_path=None, describe: bool = True, hold_back:
     with WeightFile(path) as wf:
         cfg = check_model(wf)
         footprint = planner.of_file(wf)
+        experts_codec = next((t.codec for t in wf.tensors.values() if t.cls == ROUTED_EXPERTS), "f32")
     args.max_ctx = context_length(args, cfg, log)
+    planner.default_kv_dtype(args, experts_codec, log)
 
     def replan(ctx, chunk):
         return planner.plan(cfg, footprint, args, baseline, ctx or args.max_ctx,

@@ -50,8 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--cache-policy", choices=("lru", "lfru"), default="lru",
                    help="expert cache eviction: lru, or lfru (least frequently routed among the older half)")
     m.add_argument("--kv-dtype", choices=("f32", "f16"), default=None,
-                   help="KV cache precision: f32 (exact; the default) or f16 (half the memory; the default "
-                        "when f32 does not fit --memory-budget)")
+                   help="KV cache precision: f32 (exact; the default for a float file) or f16 (half the memory; "
+                        "the default for a file with quantized experts, and when f32 does not fit --memory-budget)")
     m.add_argument("--dry-run", action="store_true", help="print the memory plan and exit")
     m.add_argument("--plan-config", metavar="CONFIG_JSON",
                    help="plan memory for a Hugging Face config.json alone (with --quant), before any download")

@@ -10,6 +10,7 @@ from pathlib import Path
 from kimistream.formats.codecs import CodecError
 from kimistream.formats import memplan
 from kimistream.formats.config import ConfigError, ModelConfig
+from kimistream.formats.constants import ROUTED_EXPERTS
 from kimistream.formats.presets import PRESETS, PrecisionPlan
 
 from . import budget as B
@@ -33,6 +34,7 @@ def plan_config(args, log) -> int:
     footprint, total = memplan.of_config(cfg, precision)
     args.budget = B.parse_size(args.memory_budget) if args.memory_budget else int(B.DEFAULT_FRACTION * B.mem_available())
     args.max_ctx = planner.context_length(args, cfg, log)
+    planner.default_kv_dtype(args, precision.classes[ROUTED_EXPERTS], log)
     # Not this process's RSS: the plan is for a kimi-run that has not started (maybe on another machine)
     baseline = memplan.recorded_baseline(footprint.total_experts)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 from kimistream.formats import memplan
+from kimistream.formats.codecs import is_float_codec
 from kimistream.formats.config import ModelConfig
 from kimistream.formats.memplan import Footprint
 
@@ -66,6 +67,14 @@ def context_length(args, cfg, log) -> int:
 MIN_AUTO_CONTEXT = 64      # a default context shortened to fit the budget is never shorter than this
 MIN_PREFILL_BATCH = 64     # the prompt chunk planned for before the default one is chosen
 MIN_FIT_CHUNK = memplan.MIN_FIT_CHUNK     # the smallest default prompt chunk auto_fit plans for
+
+
+def default_kv_dtype(args, experts_codec: str, log) -> None:
+    """Without --kv-dtype, a file whose routed experts are quantized keeps its KV cache in f16 (half
+    the memory, logits within ~1e-3, llama.cpp's default too); a float file keeps f32, exact."""
+    if args.kv_dtype is None and not is_float_codec(experts_codec):
+        args.kv_dtype = "f16"
+        log(f"KV cache: f16 (experts at {experts_codec}; --kv-dtype f32 for an exact cache)")
 
 
 def auto_fit(args, replan, log) -> None:

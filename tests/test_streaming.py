@@ -155,7 +155,8 @@ def test_plan_for_kimi_k2_config():
     plan = rep["memory_plan"]
     assert rep["file_bytes"] > 250e9                       # ~1 T parameters at ~2 bits
     assert plan["total_experts"] == 60 * 384
-    assert plan["kv_cache"] == 4 * 4096 * 61 * 576
+    assert plan["kv_cache"] == 2 * 4096 * 61 * 576                # f16: the default for quantized experts
+    assert "KV cache: f16 (experts at q2" in proc.stderr
     assert "memory plan for a budget of 7.67 GiB" in proc.stderr
     assert ("verdict: fits" in proc.stderr) == (proc.returncode == 0)
     # The baseline is the recorded one for a run of this geometry, whatever the planning process holds
