@@ -1,0 +1,340 @@
+"""llama.cpp's GGUF files of DeepSeek-V3-family models (architecture `deepseek2`) as a source: the
+model config rebuilt from the file's metadata in Hugging Face naming, and every tensor under its
+Hugging Face name, dequantized to float32 by the `gguf` package. Merged expert tensors
+(`ffn_*_exps`, experts on the outer axis) are read one expert at a time; MLA's `attn_k_b`/`attn_v_b`
+pair (the layout llama.cpp writes now) is put back together as `kv_b_proj`, and the older whole
+`attn_kv_b` is read as it is. Split files (`NAME-00001-of-0000N.gguf`) are one source.
+
+The `gguf` package is imported on first use: the runtime never needs it."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+ARCH = "deepseek2"
+SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+GATING = {1: "softmax", 2: "sigmoid"}       # llama.cpp's expert_gating_func values
+
+# per-layer GGUF tensor -> Hugging Face suffix under model.layers.N. (routed experts and MLA's kv_b apart)
+LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q_a.weight": "self_attn.q_a_proj.weight",
+    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+}
+GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                  "output.weight": "lm_head.weight"}
+EXPERT_TENSORS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj", "ffn_down_exps.weight": "down_proj"}
+
+
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 3, 4     # tokenizer.ggml.token_type values
+# The split patterns llama.cpp applies before byte-level BPE, by tokenizer.ggml.pre (src/llama-vocab.cpp),
+# one Split step each; an empty list is GPT-2's own pattern inside the byte-level step.
+PRE_SPLITS = {
+    "gpt2": [], "default": [],
+    "deepseek-v3": [r"\p{N}{1,3}", r"[一-龥぀-ゟ゠-ヿ]+",
+                    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+                    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"],
+    "llama3": [r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"],
+}
+PRE_SPLITS["llama-bpe"] = PRE_SPLITS["llama-v3"] = PRE_SPLITS["llama3"]
+IGNORE_MERGES = ("llama3", "llama-bpe", "llama-v3")
+
+
+class GGUFError(ValueError):
+    pass
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte."""
+    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    chars, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
+
+
+def _tiktoken_model(tokens, types) -> bytes:
+    """Kimi's tiktoken.model: every ordinary token's bytes (base64) and rank, the rank being its id."""
+    import base64
+    dec, lines = _byte_decoder(), []
+    for i, (tok, ty) in enumerate(zip(tokens, types)):
+        if ty in (TOKEN_CONTROL, TOKEN_USER_DEFINED):
+            break
+        lines.append(base64.b64encode(bytes(dec[c] for c in tok)).decode() + f" {i}")
+    return ("\n".join(lines) + "\n").encode()
+
+
+def _post_processor(config: dict, bos) -> dict | None:
+    if not config["add_bos_token"] or config["bos_token"] is None:
+        return None
+    b = config["bos_token"]
+    return {"type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": b, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": b, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"SpecialToken": {"id": b, "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 0}}],
+            "special_tokens": {b: {"id": b, "ids": [int(bos)], "tokens": [b]}}}
+
+
+def _f32(x) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-06, not 9.99999997e-07)."""
+    return float(f"{float(x):.7g}")
+
+
+def is_gguf(path) -> bool:
+    p = Path(path)
+    if not p.is_file():
+        return False
+    with open(p, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def shard_paths(path: Path) -> list[Path]:
+    """Every file of a split GGUF given any of them (or the one file of an unsplit one)."""
+    m = SPLIT_RE.match(path.name)
+    if not m:
+        return [path]
+    count = int(m.group("count"))
+    paths = [path.with_name(f"{m.group('stem')}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [p.name for p in paths if not p.is_file()]
+    if missing:
+        raise GGUFError(f"{path}: split file(s) missing: {', '.join(missing)}")
+    return paths
+
+
+class GGUFModel:
+    """One GGUF model (all its split files): `config` (a Hugging Face-style config dict), `names()`
+    (Hugging Face tensor names), `shape(name)`, `read(name)` (float32), `quant_type(name)`."""
+
+    def __init__(self, path):
+        import gguf
+        self.path = Path(path)
+        self.paths = shard_paths(self.path)
+        self._readers, self.fields, self._tensors = [], {}, {}
+        for p in self.paths:
+            try:
+                r = gguf.GGUFReader(p)
+            except Exception as e:           # the reader's own checks: magic, version, bounds, types
+                raise GGUFError(f"{p}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+            self._readers.append(r)
+            for key, field in r.fields.items():
+                if not key.startswith("GGUF.") and key not in self.fields:
+                    self.fields[key] = field
+            for t in r.tensors:
+                if t.name in self._tensors:
+                    raise GGUFError(f"{p}: tensor {t.name} appears twice")
+                self._tensors[t.name] = t
+        arch = self._get("general.architecture")
+        if arch != ARCH:
+            raise GGUFError(f"{self.path}: architecture {arch!r}; kimi-stream reads {ARCH!r} files (DeepSeek-V3, Kimi K2)")
+        self.config = self._config()
+        self._map = self._names()
+
+    # ------------------------------------------------------------------ metadata
+    def _get(self, key: str, default=None, required: bool = False):
+        f = self.fields.get(key)
+        if f is None:
+            if required:
+                raise GGUFError(f"{self.path}: metadata key {key} missing")
+            return default
+        try:
+            return f.contents()
+        except Exception as e:
+            raise GGUFError(f"{self.path}: metadata key {key} unreadable ({e})") from None
+
+    def _arch(self, key: str, default=None, required: bool = False):
+        return self._get(f"{ARCH}.{key}", default, required)
+
+    def _config(self) -> dict:
+        a = self._arch
+        n_head = int(a("attention.head_count", required=True))
+        rope = int(a("rope.dimension_count", required=True))
+        key_mla, value_mla = a("attention.key_length_mla"), a("attention.value_length_mla")
+        if key_mla is None or value_mla is None:     # the older layout: per-head sizes in key/value_length
+            key_mla, value_mla = a("attention.key_length", required=True), a("attention.value_length", required=True)
+        gating = int(a("expert_gating_func", 2))
+        if gating not in GATING:
+            raise GGUFError(f"{self.path}: expert_gating_func {gating} is not softmax (1) or sigmoid (2)")
+        tokens = self._get("tokenizer.ggml.tokens")
+        cfg = {
+            "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+            "vocab_size": int(a("vocab_size", len(tokens) if tokens else 0)),
+            "hidden_size": int(a("embedding_length", required=True)),
+            "intermediate_size": int(a("feed_forward_length", required=True)),
+            "moe_intermediate_size": int(a("expert_feed_forward_length", required=True)),
+            "num_hidden_layers": int(a("block_count", required=True)),
+            "num_attention_heads": n_head, "num_key_value_heads": n_head,
+            "n_routed_experts": int(a("expert_count", required=True)),
+            "n_shared_experts": int(a("expert_shared_count", 0)),
+            "num_experts_per_tok": int(a("expert_used_count", required=True)),
+            "n_group": int(a("expert_group_count", 1) or 1), "topk_group": int(a("expert_group_used_count", 1) or 1),
+            "first_k_dense_replace": int(a("leading_dense_block_count", 0)),
+            "q_lora_rank": int(a("attention.q_lora_rank")) if a("attention.q_lora_rank") else None,
+            "kv_lora_rank": int(a("attention.kv_lora_rank", required=True)),
+            "qk_rope_head_dim": rope, "qk_nope_head_dim": int(key_mla) - rope, "v_head_dim": int(value_mla),
+            "rms_norm_eps": _f32(a("attention.layer_norm_rms_epsilon", required=True)),
+            "rope_theta": _f32(a("rope.freq_base", 10000.0)),
+            "max_position_embeddings": int(a("context_length", required=True)),
+            "routed_scaling_factor": _f32(a("expert_weights_scale", 1.0) or 1.0),
+            "norm_topk_prob": bool(a("expert_weights_norm", False)),
+            "scoring_func": GATING[gating], "topk_method": "noaux_tc",
+            "tie_word_embeddings": "output.weight" not in self._tensors,
+            "hidden_act": "silu", "rope_interleave": True,
+        }
+        for key, name in (("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.eos_token_id", "eos_token_id")):
+            if self._get(key) is not None:
+                cfg[name] = int(self._get(key))
+        if a("rope.scaling.type") == "yarn":
+            factor = _f32(a("rope.scaling.factor", required=True))
+            ys = {"type": "yarn", "factor": factor,
+                  "original_max_position_embeddings": int(a("rope.scaling.original_context_length", required=True))}
+            # llama.cpp stores 0.1 x mscale_all_dim and not mscale, which DeepSeek-V3 and Kimi K2 set
+            # equal to it; its loader ignores the betas it writes, which are taken here as written
+            log_mul = a("rope.scaling.yarn_log_multiplier")
+            if log_mul is not None:
+                ys["mscale_all_dim"] = ys["mscale"] = _f32(float(log_mul) / 0.1)
+            for key, name in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow")):
+                if a(key) is not None:
+                    ys[name] = _f32(a(key))
+            cfg["rope_scaling"] = ys
+        return cfg
+
+    # ------------------------------------------------------------------ tensors
+    def _names(self) -> dict:
+        """Hugging Face name -> how to read it: ("whole", tensor) | ("expert", tensor, e) | ("kv_b", k_b, v_b)."""
+        out, cfg = {}, self.config
+        for g, hf in GLOBAL_TENSORS.items():
+            if g in self._tensors:
+                out[hf] = ("whole", self._tensors[g])
+        for i in range(cfg["num_hidden_layers"]):
+            p = f"blk.{i}."
+            for g, hf in LAYER_TENSORS.items():
+                if p + g in self._tensors:
+                    out[f"model.layers.{i}.{hf}"] = ("whole", self._tensors[p + g])
+            k_b, v_b = self._tensors.get(p + "attn_k_b.weight"), self._tensors.get(p + "attn_v_b.weight")
+            if (k_b is None) != (v_b is None):
+                raise GGUFError(f"{self.path}: layer {i} has only one of attn_k_b and attn_v_b")
+            if k_b is not None:
+                out[f"model.layers.{i}.self_attn.kv_b_proj.weight"] = ("kv_b", k_b, v_b)
+            for g, proj in EXPERT_TENSORS.items():
+                t = self._tensors.get(p + g)
+                if t is None:
+                    continue
+                n = int(t.shape[-1])
+                if n != cfg["n_routed_experts"]:
+                    raise GGUFError(f"{self.path}: {t.name} holds {n} experts, the metadata says {cfg['n_routed_experts']}")
+                for e in range(n):
+                    out[f"model.layers.{i}.mlp.experts.{e}.{proj}.weight"] = ("expert", t, e)
+        return out
+
+    def names(self) -> list[str]:
+        return list(self._map)
+
+    def has(self, name: str) -> bool:
+        return name in self._map
+
+    def quant_type(self, name: str) -> str:
+        return self._map[name][1].tensor_type.name
+
+    def shape(self, name: str) -> tuple:
+        how = self._map[name]
+        if how[0] == "kv_b":
+            k_b, v_b = how[1], how[2]            # ne: k_b {nope, kvL, H}, v_b {kvL, v, H}
+            nope, kvl, h = (int(d) for d in k_b.shape)
+            return (h * (nope + int(v_b.shape[1])), kvl)
+        dims = tuple(int(d) for d in reversed(how[1].shape))
+        return dims[1:] if how[0] == "expert" else dims
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor as float32 in Hugging Face layout (the `gguf` package's dequantizer)."""
+        how = self._map[name]
+        if how[0] == "whole":
+            return self._dequantize(how[1], how[1].data)
+        if how[0] == "expert":
+            t, e = how[1], how[2]
+            return self._dequantize(t, t.data[e])
+        k_b = self._dequantize(how[1], how[1].data)             # [H, kvL, nope]
+        v_b = self._dequantize(how[2], how[2].data)             # [H, v, kvL]
+        kvl = k_b.shape[1]
+        return np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, kvl)
+
+    def _dequantize(self, t, data) -> np.ndarray:
+        from gguf.quants import dequantize
+        try:
+            return np.ascontiguousarray(dequantize(np.asarray(data), t.tensor_type), dtype=np.float32)
+        except (NotImplementedError, ValueError) as e:
+            raise GGUFError(f"{self.path}: tensor {t.name} ({t.tensor_type.name}) cannot be decoded: {e}") from None
+
+    # ------------------------------------------------------------------ tokenizer
+    def tokenizer_files(self) -> tuple[str, dict[str, bytes]]:
+        """The embedded tokenizer rebuilt as the files the runtime reads: ("hf", tokenizer.json and
+        tokenizer_config.json) for byte-level BPE with a pre-tokenizer llama.cpp names (gpt2,
+        deepseek-v3, llama3), ("tiktoken", tiktoken.model and tokenizer_config.json) for kimi-k2."""
+        model = self._get("tokenizer.ggml.model")
+        tokens = self._get("tokenizer.ggml.tokens")
+        if model != "gpt2" or not tokens:
+            raise GGUFError(f"{self.path}: tokenizer {model!r}: kimi-stream rebuilds byte-level BPE ('gpt2') tokenizers")
+        types = list(self._get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens))
+        pre = self._get("tokenizer.ggml.pre") or "default"
+        bos, eos = self._get("tokenizer.ggml.bos_token_id"), self._get("tokenizer.ggml.eos_token_id")
+        config = {"bos_token": tokens[bos] if bos is not None else None,
+                  "eos_token": tokens[eos] if eos is not None else None,
+                  "add_bos_token": bool(self._get("tokenizer.ggml.add_bos_token", False)),
+                  "add_eos_token": bool(self._get("tokenizer.ggml.add_eos_token", False)),
+                  "model_max_length": self.config["max_position_embeddings"]}
+        if self._get("tokenizer.chat_template"):
+            config["chat_template"] = self._get("tokenizer.chat_template")
+        special = [i for i, t in enumerate(types) if t in (TOKEN_CONTROL, TOKEN_USER_DEFINED)]
+        config["added_tokens_decoder"] = {str(i): {"content": tokens[i], "special": types[i] == TOKEN_CONTROL}
+                                          for i in special}
+        if pre == "kimi-k2":
+            return "tiktoken", {"tiktoken.model": _tiktoken_model(tokens, types),
+                                "tokenizer_config.json": json.dumps(config).encode()}
+        if pre not in PRE_SPLITS:
+            raise GGUFError(f"{self.path}: pre-tokenizer {pre!r} is not one kimi-stream rebuilds "
+                            f"({', '.join(sorted(PRE_SPLITS))}, kimi-k2)")
+        merges = [m.split(" ") for m in (self._get("tokenizer.ggml.merges") or [])]
+        byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+        if PRE_SPLITS[pre]:
+            pre_tok = {"type": "Sequence", "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": rx}, "behavior": "Isolated", "invert": False}
+                for rx in PRE_SPLITS[pre]] + [{**byte_level, "use_regex": False}]}
+        else:
+            pre_tok = byte_level
+        tj = {"version": "1.0", "truncation": None, "padding": None, "normalizer": None, "pre_tokenizer": pre_tok,
+              "added_tokens": [{"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
+                                "normalized": False, "special": types[i] == TOKEN_CONTROL} for i in special],
+              "post_processor": _post_processor(config, bos), "decoder": {**byte_level, "add_prefix_space": True},
+              "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                        "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                        "ignore_merges": pre in IGNORE_MERGES, "vocab": {t: i for i, t in enumerate(tokens)},
+                        "merges": merges}}
+        return "hf", {"tokenizer.json": json.dumps(tj, ensure_ascii=False).encode(),
+                      "tokenizer_config.json": json.dumps(config, ensure_ascii=False).encode()}
+
+    def close(self) -> None:
+        self._readers.clear()
+        self._tensors.clear()

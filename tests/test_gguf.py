@@ -1,0 +1,81 @@
+"""GGUF files as a source (formats/gguffile.py), on files written here from the bundled trained
+models in llama.cpp's deepseek2 layout (tests/ggufmodels.py): the config and every tensor come back
+as the safetensors checkpoint has them, and bad files get one clear error."""
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from safetensors.torch import load_file
+
+from ggufmodels import write_gguf
+from kimistream.formats.config import ModelConfig
+from kimistream.formats.gguffile import GGUFError, GGUFModel, is_gguf
+
+MODELS = Path(__file__).resolve().parent.parent / "models"
+
+
+def _source(model):
+    src = MODELS / model
+    return src, {k: v.float().numpy() for k, v in load_file(str(src / "model.safetensors")).items()}
+
+
+@pytest.mark.parametrize("model", ["stdlib-moe", "manpages-moe"])
+def test_an_f32_gguf_reads_back_as_its_checkpoint(model, tmp_path):
+    """Config, names, shapes and values: kv_b rebuilt from attn_k_b / attn_v_b, experts sliced out of
+    the merged tensors, the router and bias in F32, bit for bit."""
+    src, st = _source(model)
+    path = write_gguf(src, tmp_path / "m.gguf")
+    assert is_gguf(path) and not is_gguf(src / "config.json")
+    m = GGUFModel(path)
+    assert ModelConfig.from_hf(m.config) == ModelConfig.from_hf(json.loads((src / "config.json").read_text()))
+    assert set(m.names()) == set(st)
+    for name, want in st.items():
+        assert m.shape(name) == want.shape, name
+        got = m.read(name)
+        assert got.dtype == np.float32 and np.array_equal(got, want), name
+
+
+def test_a_q8_0_gguf_reads_as_the_gguf_dequantizer_gives_it(tmp_path):
+    src, st = _source("stdlib-moe")
+    m = GGUFModel(write_gguf(src, tmp_path / "m.gguf", gguf.GGMLQuantizationType.Q8_0))
+    name = "model.layers.2.mlp.experts.5.down_proj.weight"
+    assert m.quant_type(name) == "Q8_0"
+    want = gguf.quants.dequantize(gguf.quants.quantize(st[name], gguf.GGMLQuantizationType.Q8_0),
+                                  gguf.GGMLQuantizationType.Q8_0)
+    assert np.array_equal(m.read(name), want)
+    assert np.abs(m.read(name) - st[name]).max() <= np.abs(st[name]).max() / 127
+
+
+def test_bad_gguf_files_get_one_line_errors(tmp_path):
+    src, _ = _source("stdlib-moe")
+    path = write_gguf(src, tmp_path / "m.gguf")
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:len(data) // 2])
+    other = write_gguf(src, tmp_path / "llama.gguf", arch="llama")
+    split = tmp_path / "m-00001-of-00002.gguf"
+    split.write_bytes(data)
+    for bad, what in ((cut, "not a readable GGUF file"), (other, "architecture 'llama'"),
+                      (split, "split file(s) missing: m-00002-of-00002.gguf")):
+        with pytest.raises(GGUFError) as e:
+            GGUFModel(bad)
+        msg = str(e.value)
+        assert what in msg and str(bad.parent) in msg and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize("model", ["stdlib-moe", "manpages-moe"])
+def test_the_tokenizer_rebuilt_from_gguf_metadata_gives_the_original_ids(model, tmp_path):
+    from kimistream.runtime.tokenizer import Tokenizer
+    src, _ = _source(model)
+    kind, files = GGUFModel(write_gguf(src, tmp_path / "m.gguf")).tokenizer_files()
+    rebuilt = Tokenizer(kind, files)
+    original = Tokenizer("hf", {n: (src / n).read_bytes() for n in ("tokenizer.json", "tokenizer_config.json")})
+    text = (MODELS.parent / "data" / f"{model.split('-')[0]}-heldout.txt").read_text()
+    ids = original.encode(text)
+    assert rebuilt.encode(text) == ids and len(ids) > 50_000
+    assert (rebuilt.bos_id, rebuilt.eos_id) == (original.bos_id, original.eos_id)
+    assert rebuilt.decode(ids) == original.decode(ids)
+    assert rebuilt.chat_template == original.chat_template
