@@ -159,8 +159,8 @@ def importance_for(args, err: Console, out: Path, plan, calibration: str, descri
     """The Imatrix for this conversion: measured now, or the one an interrupted run of the same
     conversion already measured (its sources may be gone with --delete-source, and measuring can
     take hours). `convert(out, plan)` writes the data-free conversion."""
-    from .source import HFCheckpoint
-    ckpt = HFCheckpoint(args.source, allow_missing_shards=True)
+    from .source import open_checkpoint
+    ckpt = open_checkpoint(args.source, allow_missing_shards=True)
     plan.for_model(ckpt.config.first_k_dense_replace, ckpt.config.num_hidden_layers)
     saved = out.with_name(out.name + ".imatrix.npz")
     journal = WeightFileWriter(out, args.alignment).journaled_meta()
@@ -182,6 +182,6 @@ def load(path: Path, source: str):
     from kimistream.formats.imatrix import load_imatrix
     from kimistream.formats.layout import model_shapes
 
-    from .source import HFCheckpoint
-    ckpt = HFCheckpoint(source, allow_missing_shards=True)
+    from .source import open_checkpoint
+    ckpt = open_checkpoint(source, allow_missing_shards=True)
     return load_imatrix(path, ckpt.config.to_dict(), model_shapes(ckpt.config))

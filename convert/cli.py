@@ -20,8 +20,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kimi-convert", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", nargs="?",
-                   help="checkpoint directory (config.json, *.safetensors, tokenizer files), or REPO_ID[@REVISION] "
-                        "to download from the hub first (REVISION: branch, tag or commit; default main)")
+                   help="checkpoint directory (config.json, *.safetensors, tokenizer files), a llama.cpp GGUF file "
+                        "(deepseek2; its blocks are dequantized and quantized again to --quant), or "
+                        "REPO_ID[@REVISION] to download from the hub first (REVISION: branch, tag or commit; default main)")
     p.add_argument("-o", "--output", help="weight file to write (e.g. model.kst)")
     g = p.add_argument_group("downloading")
     g.add_argument("--download-only", action="store_true", help="download and verify the checkpoint, do not convert")

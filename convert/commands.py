@@ -19,7 +19,7 @@ from . import hub as H
 from . import calibration as C
 from .converter import ConversionError, check_output_apart, consumed_shards, convert_checkpoint
 from kimistream.formats.presets import PrecisionPlan
-from .source import HFCheckpoint
+from .source import open_checkpoint
 
 
 def run(args) -> int:
@@ -211,7 +211,8 @@ def _main(args, err: Console) -> int:
             sys.stdout.write(json.dumps({"output": str(path), "file_bytes": path.stat().st_size, "sparse": args.sparse,
                                          "classes": plan.classes, "memory_fit": fit}) + "\n")
         return 0
-    remote = args.urls is not None or (args.source is not None and not Path(args.source).is_dir()
+    local = args.source is not None and (Path(args.source).is_dir() or Path(args.source).is_file())
+    remote = args.urls is not None or (args.source is not None and not local
                                        and H.is_repo_spec(args.source))
     if args.source is None and args.urls is None:
         return _error("give a checkpoint directory, a REPO_ID[@REVISION] or --urls FILE", 2)
@@ -223,8 +224,8 @@ def _main(args, err: Console) -> int:
         return _error(f"{args.source}: --download-only needs a REPO_ID[@REVISION] or --urls", 2)
     if not args.download_only and not args.output and not args.dry_run:
         return _error("-o/--output is required (or use --download-only)", 2)
-    if args.dry_run and (remote or not Path(args.source).is_dir()):
-        return _error(f"{args.source or args.urls}: --dry-run plans a local checkpoint directory or --synthetic CONFIG "
+    if args.dry_run and (remote or not local):
+        return _error(f"{args.source or args.urls}: --dry-run plans a local checkpoint (directory or GGUF) or --synthetic CONFIG "
                       "(for a model on the hub: kimi-run --plan-config its config.json)", 2)
     if args.jobs < 1 or args.retries < 1 or args.retry_wait < 0:
         return _error("--jobs and --retries must be at least 1, --retry-wait not negative", 2)
@@ -256,14 +257,19 @@ def _main(args, err: Console) -> int:
             err.print(report.describe(), highlight=False, soft_wrap=True, markup=False)
         args.source = str(report.directory)
     fit = None
-    if Path(args.source).is_dir():
+    if Path(args.source).is_dir() or Path(args.source).is_file():
         # before anything is written: -o must not be any file the conversion reads
-        ckpt = HFCheckpoint(args.source, allow_missing_shards=True)
+        ckpt = open_checkpoint(args.source, allow_missing_shards=True)
         try:
             if out is not None:
                 check_output_apart(ckpt, out, [args.imatrix] if args.imatrix else [])
             if args.memory_budget or args.dry_run:
                 fit = _fit(args, err, ckpt.config, plan)
+            stacked = getattr(ckpt, "quantized_types", lambda: [])()
+            if stacked and not args.quiet:
+                err.print(f"[yellow]warning:[/] {args.source} holds {', '.join(stacked)} blocks: --quant {args.quant} "
+                          f"quantizes their dequantized values again (two quantizations stacked)", highlight=False,
+                          soft_wrap=True)
         finally:
             ckpt.close()
         if isinstance(fit, int):

@@ -21,7 +21,7 @@ from kimistream.formats.weightfile import WeightFileWriter
 
 from kimistream.formats.presets import PrecisionPlan
 from .encoder import clear_factor_cache, encode
-from .source import INDEX_FILE, HFCheckpoint, SourceError
+from .source import INDEX_FILE, HFCheckpoint, SourceError, open_checkpoint
 
 MANIFEST_NAME = "kimi-stream.sha256"   # written by a verified download; saves re-hashing sources
 
@@ -102,8 +102,7 @@ def _sha256_of(path: Path, known: dict, name: str) -> str:
 def source_record(ckpt: HFCheckpoint) -> dict:
     """Size and SHA-256 of every source file the output was built from."""
     known = _manifest(ckpt)
-    names = ["config.json", *([ "model.safetensors.index.json"] if ckpt.index_map is not None else []),
-             *ckpt.shard_names, *ckpt.tokenizer_files().keys()]
+    names = ckpt.source_files()
     return {"files": {n: {"size": (ckpt.dir / n).stat().st_size, "sha256": _sha256_of(ckpt.dir / n, known, n)}
                       for n in names}}
 
@@ -113,7 +112,7 @@ def check_output_apart(ckpt: HFCheckpoint, out, extra_inputs=()) -> None:
     the conversion reads (through symlinks and hard links too): `-o` must never overwrite a source."""
     out = Path(out)
     outputs = [out, out.with_name(out.name + ".partial"), out.with_name(out.name + ".partial.journal")]
-    names = ["config.json", INDEX_FILE, *ckpt.shard_names, *ckpt.tokenizer_files().keys()]
+    names = [INDEX_FILE, *ckpt.source_files()]
     inputs = [ckpt.dir / n for n in names if (ckpt.dir / n).exists()] + [Path(p) for p in extra_inputs]
     for o in outputs:
         for i in inputs:
@@ -159,7 +158,7 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
     the same bytes."""
     progress = progress or (lambda *a, **k: None)
     try:
-        ckpt = HFCheckpoint(src, allow_missing_shards=delete_source)
+        ckpt = open_checkpoint(src, allow_missing_shards=delete_source)
     except SourceError as e:
         raise ConversionError(str(e)) from None
     check_output_apart(ckpt, out)
@@ -249,7 +248,7 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
                 todo.append(n)
         if ray and todo:
             from .distributed import RayEncoder
-            cluster = RayEncoder(ray, ckpt.dir)
+            cluster = RayEncoder(ray, ckpt.path)
         t0 = time.perf_counter()
         results = cluster.map(jobs(todo)) if cluster else _encode_here(ckpt, jobs(todo))
         for n, encoded, held in results:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .converter import ConversionError, encode_tensor
 from .encoder import set_threads
-from .source import HFCheckpoint, SourceError
+from .source import SourceError, open_checkpoint
 
 RETRIES = 3                 # runs of a task whose worker died before its result is given up
 IN_FLIGHT_PER_CPU = 2       # tasks submitted ahead per cluster CPU: workers never wait for the driver
@@ -34,7 +34,7 @@ def _encode_task(src: str, name: str, codec: str, importance, moment):
     ckpt = _checkpoints.get(src)
     if ckpt is None:
         try:
-            ckpt = _checkpoints[src] = HFCheckpoint(src, allow_missing_shards=True)
+            ckpt = _checkpoints[src] = open_checkpoint(src, allow_missing_shards=True)
         except SourceError as e:
             raise ConversionError(str(e)) from None
     return encode_tensor(ckpt, name, codec, importance, moment)

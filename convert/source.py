@@ -1,7 +1,9 @@
-"""A Hugging Face checkpoint directory as a source of tensors: config.json, one or many safetensors
-shards (with model.safetensors.index.json, padded or unpadded shard names), tokenizer files.
-Tensors are read one at a time, so memory is bounded by the largest tensor. FP8 (e4m3) weights are
-dequantized with their 128x128 block `weight_scale_inv`, as in the DeepSeek-V3 and Kimi K2 releases."""
+"""Checkpoints as sources of tensors, read one at a time (memory is bounded by the largest tensor):
+a Hugging Face checkpoint directory (config.json, one or many safetensors shards with
+model.safetensors.index.json, tokenizer files; FP8 (e4m3) weights dequantized with their 128x128
+block `weight_scale_inv`, as in the DeepSeek-V3 and Kimi K2 releases), or a llama.cpp GGUF file
+(formats/gguffile.py: its tensors dequantized by the `gguf` package, its tokenizer rebuilt).
+`open_checkpoint` picks the reader."""
 
 from __future__ import annotations
 
@@ -145,9 +147,89 @@ class HFCheckpoint:
     def tokenizer_files(self) -> dict[str, bytes]:
         return {n: (self.dir / n).read_bytes() for n in TOKENIZER_FILES if (self.dir / n).is_file()}
 
+    def source_files(self) -> list[str]:
+        """The files (relative to `dir`) the conversion reads."""
+        return ["config.json", *([INDEX_FILE] if self.index_map is not None else []), *self.shard_names,
+                *self.tokenizer_files().keys()]
+
+    @property
+    def path(self) -> Path:
+        return self.dir
+
     def close(self):
         for st in self.shards.values():
             st.close()
+
+
+class GGUFCheckpoint:
+    """A llama.cpp GGUF file (all its split files) with HFCheckpoint's interface: tensors under their
+    Hugging Face names, as float32 (requantizing them stacks a second quantization on the first)."""
+
+    def __init__(self, path, allow_missing_shards: bool = False):
+        from kimistream.formats.gguffile import GGUFError, GGUFModel
+        self._error = GGUFError
+        try:
+            self.model = GGUFModel(path)
+            self.config = ModelConfig.from_hf(self.model.config)
+            self._tokenizer = self.model.tokenizer_files()[1]
+        except (GGUFError, ConfigError) as e:
+            raise SourceError(str(e) if isinstance(e, GGUFError) else f"{path}: {e}") from None
+        self.hf_config = self.model.config
+        self.dir = self.model.path.parent
+        self.shard_names = [p.name for p in self.model.paths]
+        self.location = {n: self.model.shard_of(n) for n in self.model.names()}
+        self.missing_shards: set[str] = set()
+        self.index_map = None
+        # --delete-source closes a shard before deleting it; the files stay mapped until the end
+        self.shards = {n: _Mapped() for n in self.shard_names}
+
+    @property
+    def path(self) -> Path:
+        return self.model.path
+
+    def has(self, name: str) -> bool:
+        return self.model.has(name)
+
+    def shape(self, name: str) -> tuple:
+        return self.model.shape(name)
+
+    def offset(self, name: str) -> int:
+        return self.model.offset(name)
+
+    def read(self, name: str) -> np.ndarray:
+        try:
+            arr = self.model.read(name)
+        except self._error as e:
+            raise SourceError(str(e)) from None
+        if not np.isfinite(arr).all():
+            raise SourceError(f"{self.dir / self.location[name]}: tensor {name} holds NaN or Inf values")
+        return arr
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        return dict(self._tokenizer)
+
+    def source_files(self) -> list[str]:
+        return list(self.shard_names)
+
+    def quantized_types(self) -> list[str]:
+        """The GGUF block types of its tensors other than plain floats (F32, F16, BF16)."""
+        return sorted({self.model.quant_type(n) for n in self.model.names()} - {"F32", "F16", "BF16"})
+
+    def close(self):
+        self.model.close()
+
+
+class _Mapped:
+    def close(self):
+        pass
+
+
+def open_checkpoint(path, allow_missing_shards: bool = False):
+    """The reader for `path`: a GGUF file, or a Hugging Face checkpoint directory."""
+    from kimistream.formats.gguffile import is_gguf
+    if is_gguf(path):
+        return GGUFCheckpoint(path, allow_missing_shards)
+    return HFCheckpoint(path, allow_missing_shards)
 
 
 def dequantize_fp8_blocks(w: np.ndarray, scale_inv: np.ndarray, name: str = "", block: int = 128) -> np.ndarray:

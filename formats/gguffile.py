@@ -133,7 +133,7 @@ class GGUFModel:
         import gguf
         self.path = Path(path)
         self.paths = shard_paths(self.path)
-        self._readers, self.fields, self._tensors = [], {}, {}
+        self._readers, self.fields, self._tensors, self._shard = [], {}, {}, {}
         for p in self.paths:
             try:
                 r = gguf.GGUFReader(p)
@@ -147,6 +147,7 @@ class GGUFModel:
                 if t.name in self._tensors:
                     raise GGUFError(f"{p}: tensor {t.name} appears twice")
                 self._tensors[t.name] = t
+                self._shard[t.name] = p.name
         arch = self._get("general.architecture")
         if arch != ARCH:
             raise GGUFError(f"{self.path}: architecture {arch!r}; kimi-stream reads {ARCH!r} files (DeepSeek-V3, Kimi K2)")
@@ -252,6 +253,19 @@ class GGUFModel:
 
     def names(self) -> list[str]:
         return list(self._map)
+
+    def _first(self, name: str):
+        return self._map[name][1]
+
+    def shard_of(self, name: str) -> str:
+        """The file (of a split GGUF) holding the tensor, or the first of kv_b's two."""
+        return self._shard[self._first(name).name]
+
+    def offset(self, name: str) -> int:
+        """Where the tensor's data starts in its file (the order to read a file front to back)."""
+        t, how = self._first(name), self._map[name]
+        step = int(t.n_bytes) // int(t.shape[-1]) if how[0] == "expert" else 0
+        return int(t.data_offset) + step * (how[2] if how[0] == "expert" else 0)
 
     def has(self, name: str) -> bool:
         return name in self._map

@@ -79,3 +79,29 @@ def test_the_tokenizer_rebuilt_from_gguf_metadata_gives_the_original_ids(model, 
     assert (rebuilt.bos_id, rebuilt.eos_id) == (original.bos_id, original.eos_id)
     assert rebuilt.decode(ids) == original.decode(ids)
     assert rebuilt.chat_template == original.chat_template
+
+
+def test_kimi_convert_reads_a_gguf_like_its_checkpoint(tmp_path):
+    """kimi-convert MODEL.gguf: an F32 GGUF converts to a file whose logits equal the safetensors
+    conversion's bit for bit, tokenizer included; a quantized one is requantized with a warning."""
+    import subprocess
+    import sys
+    src, _ = _source("stdlib-moe")
+    path = write_gguf(src, tmp_path / "m.gguf")
+
+    def run(module, *args):
+        return subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True)
+    logits = []
+    for source, out in ((path, tmp_path / "g.kst"), (src, tmp_path / "s.kst")):
+        proc = run("kimistream.convert.cli", source, "-o", out, "--quant", "f32", "--quiet")
+        assert proc.returncode == 0, proc.stderr
+        npy = out.with_suffix(".npy")
+        proc = run("kimistream.runtime.cli", "--weights", out, "--prompt", "import os", "--max-tokens", 4,
+                   "--dump-logits", npy, "--quiet")
+        assert proc.returncode == 0, proc.stderr
+        logits.append(np.load(npy))
+    assert logits[0].shape[0] >= 2 and np.array_equal(logits[0], logits[1])
+    q8 = write_gguf(src, tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)
+    proc = run("kimistream.convert.cli", q8, "-o", tmp_path / "q.kst", "--quant", "q2", "--calibration", "none")
+    assert proc.returncode == 0, proc.stderr
+    assert "holds Q8_0 blocks" in proc.stderr and "two quantizations stacked" in proc.stderr
