@@ -21,7 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", nargs="?",
                    help="checkpoint directory (config.json, *.safetensors, tokenizer files), a llama.cpp GGUF file "
-                        "(deepseek2; its blocks are dequantized and quantized again to --quant), or "
+                        "(deepseek2; --quant keep keeps its F32/F16/BF16/Q8_0 tensors' values, a preset quantizes "
+                        "them again), or "
                         "REPO_ID[@REVISION] to download from the hub first (REVISION: branch, tag or commit; default main)")
     p.add_argument("-o", "--output", help="weight file to write (e.g. model.kst)")
     g = p.add_argument_group("downloading")
@@ -40,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder of ORG--NAME@COMMIT.sha256 manifests (default: this project's checksums/)")
     g.add_argument("--manifest", type=Path, metavar="FILE",
                    help="sha256sum-format manifest the downloaded files must also match")
-    p.add_argument("--quant", default="bf16", choices=sorted(PRESETS), help="precision preset (default bf16)")
+    p.add_argument("--quant", default="bf16", choices=sorted(PRESETS),
+                   help="precision preset (default bf16); keep: a GGUF source's own types, unchanged")
     p.add_argument("--override", action="append", default=[], metavar="REGEX=CODEC",
                    help="codec for tensors whose name matches REGEX (repeatable, first match wins)")
     p.add_argument("--alignment", type=int, default=DEFAULT_ALIGNMENT,

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kimistream.formats.constants import ROUTED_EXPERTS
+from kimistream.formats.gguffile import is_gguf
 from kimistream.formats.progress import Phase
 
 from . import fetch as F
@@ -195,6 +196,8 @@ def _main(args, err: Console) -> int:
         from .synthetic import SyntheticError, synthetic_config, write_synthetic
         if out is None and not args.dry_run:
             return _error("--synthetic needs -o OUT", 2)
+        if args.quant == "keep":
+            return _error("--quant keep keeps a GGUF file's own block types: not for --synthetic (choose a preset)", 2)
         plan = PrecisionPlan.from_preset(args.quant, args.override)
         fit = None
         if args.memory_budget or args.dry_run:
@@ -233,6 +236,9 @@ def _main(args, err: Console) -> int:
         plan = PrecisionPlan.from_preset(args.quant, args.override)
     except ValueError as e:
         return _error(e, 2)
+    if args.quant == "keep" and not (local and is_gguf(args.source)):
+        return _error(f"{args.source or args.urls}: --quant keep keeps a GGUF file's own block types; this source is "
+                      f"not a GGUF file (choose a preset)", 2)
     calibration, problem = C.resolve(args, plan)
     if problem:
         return _error(*problem)
@@ -265,8 +271,10 @@ def _main(args, err: Console) -> int:
                 check_output_apart(ckpt, out, [args.imatrix] if args.imatrix else [])
             if args.memory_budget or args.dry_run:
                 fit = _fit(args, err, ckpt.config, plan)
+            if args.quant == "keep":
+                plan.tensors = ckpt.keep_codecs()
             stacked = getattr(ckpt, "quantized_types", lambda: [])()
-            if stacked and not args.quiet:
+            if stacked and args.quant != "keep" and not args.quiet:
                 err.print(f"[yellow]warning:[/] {args.source} holds {', '.join(stacked)} blocks: --quant {args.quant} "
                           f"quantizes their dequantized values again (two quantizations stacked)", highlight=False,
                           soft_wrap=True)

@@ -211,6 +211,15 @@ class GGUFCheckpoint:
     def source_files(self) -> list[str]:
         return list(self.shard_names)
 
+    def keep_codecs(self) -> dict[str, str]:
+        try:
+            return self.model.keep_codecs()
+        except self._error as e:
+            raise SourceError(str(e)) from None
+
+    def encoded(self, name: str, codec: str):
+        return self.model.encoded(name, codec)
+
     def quantized_types(self) -> list[str]:
         """The GGUF block types of its tensors other than plain floats (F32, F16, BF16)."""
         return sorted({self.model.quant_type(n) for n in self.model.names()} - {"F32", "F16", "BF16"})

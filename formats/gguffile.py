@@ -60,6 +60,12 @@ PRE_SPLITS["llama-bpe"] = PRE_SPLITS["llama-v3"] = PRE_SPLITS["llama3"]
 IGNORE_MERGES = ("llama3", "llama-bpe", "llama-v3")
 
 
+# GGUF types a kimi-stream codec holds exactly (the same values; Q8_0's blocks are q8's scales and
+# codes interleaved), for `kimi-convert --quant keep`
+EXACT_CODECS = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8"}
+Q8_0_BLOCK = 34                  # f16 scale + 32 int8 codes
+
+
 class GGUFError(ValueError):
     pass
 
@@ -301,6 +307,33 @@ class GGUFModel:
             return np.ascontiguousarray(dequantize(np.asarray(data), t.tensor_type), dtype=np.float32)
         except (NotImplementedError, ValueError) as e:
             raise GGUFError(f"{self.path}: tensor {t.name} ({t.tensor_type.name}) cannot be decoded: {e}") from None
+
+    # ------------------------------------------------------------------ blocks kept as they are
+    def keep_codecs(self) -> dict[str, str]:
+        """Every tensor's kimi-stream codec holding its GGUF values exactly (kv_b, rebuilt from the
+        transposed attn_k_b, is re-encoded from its exact values: q8 from Q8_0); GGUFError naming the
+        types that have none."""
+        out, other = {}, set()
+        for name, how in self._map.items():
+            codec = EXACT_CODECS.get(how[1].tensor_type.name)
+            if codec is None:
+                other.add(how[1].tensor_type.name)
+            out[name] = codec
+        if other:
+            raise GGUFError(f"{self.path}: --quant keep: no kimi-stream codec holds {', '.join(sorted(other))} blocks "
+                            f"as they are yet (it keeps {', '.join(EXACT_CODECS)}); choose a --quant preset to "
+                            f"requantize")
+        return out
+
+    def encoded(self, name: str, codec: str) -> np.ndarray | None:
+        """The tensor in `codec`'s layout straight from its blocks, when they hold the same values
+        (Q8_0 as q8: each row's scales, then its codes); None otherwise."""
+        how = self._map[name]
+        if codec != "q8" or how[0] == "kv_b" or how[1].tensor_type.name != "Q8_0":
+            return None
+        data = np.asarray(how[1].data if how[0] == "whole" else how[1].data[how[2]], dtype=np.uint8)
+        blocks = data.reshape(-1, data.shape[-1] // Q8_0_BLOCK, Q8_0_BLOCK)        # rows, sub-blocks, block
+        return np.concatenate([blocks[:, :, :2].reshape(-1), blocks[:, :, 2:].reshape(-1)])
 
     # ------------------------------------------------------------------ tokenizer
     def tokenizer_files(self) -> tuple[str, dict[str, bytes]]:

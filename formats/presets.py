@@ -4,6 +4,7 @@ the runtime's planner (to size a file before it exists)."""
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 
@@ -50,6 +51,8 @@ PRESETS: dict[str, dict[str, str]] = {
     "q1": _lowbit("q1"),
     # The quality baseline: round-to-nearest 2-bit min-max on the routed experts, everything else f32.
     "q2rtn-baseline": _mixed("q2rtn", "f32", "f32"),
+    # A GGUF source's own types, each tensor in the codec that holds it exactly (PrecisionPlan.tensors)
+    "keep": _uniform("f32"),
 }
 
 # One step up the ladder for the down projections of the first MoE layer (the dynamic GGUF recipes
@@ -68,6 +71,8 @@ class PrecisionPlan:
     overrides: list[tuple[str, str]] = field(default_factory=list)
     # The first MoE layer whose down projections get one step up; None: no step-up. Set by for_model.
     first_moe_layer: int | None = None
+    # Codecs of single tensors by name (the "keep" preset: a GGUF's own types); overrides still win.
+    tensors: dict[str, str] = field(default_factory=dict)
 
     def for_model(self, first_k_dense_replace: int, num_hidden_layers: int) -> "PrecisionPlan":
         """Tell the plan the model's geometry (call before codec_for): enables the first-MoE-layer
@@ -97,7 +102,7 @@ class PrecisionPlan:
         # The router's correction bias is added to sigmoid scores to pick experts: keep it exact.
         if name.endswith("e_score_correction_bias"):
             return "f32"
-        codec = self.classes[cls]
+        codec = self.tensors.get(name) or self.classes[cls]
         if cls == ROUTED_EXPERTS and self.preset in BOOST_FIRST_MOE_DOWN and self.first_moe_layer is not None:
             m = EXPERT_RE.match(name)
             if m and int(m.group(1)) == self.first_moe_layer and m.group(3) == "down_proj":
@@ -114,6 +119,10 @@ class PrecisionPlan:
 
     def to_json(self) -> dict:
         out = {"preset": self.preset, "classes": self.classes, "overrides": [list(o) for o in self.overrides]}
+        if self.tensors:      # every tensor's codec is in the file's directory; a digest tells two plans apart
+            import hashlib
+            out["tensors"] = {"count": len(self.tensors), "sha256": hashlib.sha256(
+                json.dumps(sorted(self.tensors.items())).encode()).hexdigest()}
         if self.preset in BOOST_FIRST_MOE_DOWN and self.first_moe_layer is not None:
             out["first_moe_down"] = {"layer": self.first_moe_layer,
                                      "codec": STEP_UP.get(self.classes[ROUTED_EXPERTS])}

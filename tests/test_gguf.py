@@ -105,3 +105,48 @@ def test_kimi_convert_reads_a_gguf_like_its_checkpoint(tmp_path):
     proc = run("kimistream.convert.cli", q8, "-o", tmp_path / "q.kst", "--quant", "q2", "--calibration", "none")
     assert proc.returncode == 0, proc.stderr
     assert "holds Q8_0 blocks" in proc.stderr and "two quantizations stacked" in proc.stderr
+
+
+def test_quant_keep_transcodes_q8_0_blocks_exactly(tmp_path):
+    """kimi-convert MODEL.gguf --quant keep: Q8_0 tensors become q8 without requantizing (decoded, each
+    equals the gguf package's dequantizer of its source blocks, bit for bit; kv_b, which llama.cpp
+    stores transposed, is the one tensor encoded again), F32 ones stay f32, and the file runs with
+    the logits of the same values in f32; a type no codec holds is refused in one line."""
+    import subprocess
+    import sys
+
+    from kimistream.formats.codecs import get_codec
+    from kimistream.formats.weightfile import WeightFile
+    src, _ = _source("stdlib-moe")
+    q8 = write_gguf(src, tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)
+
+    def run(module, *args):
+        return subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True)
+    proc = run("kimistream.convert.cli", q8, "-o", tmp_path / "keep.kst", "--quant", "keep", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    m = GGUFModel(q8)
+    with WeightFile(tmp_path / "keep.kst") as wf:
+        checked = 0
+        for name, t in wf.tensors.items():
+            if name.endswith("kv_b_proj.weight"):
+                continue
+            assert t.codec == {"Q8_0": "q8", "F32": "f32"}[m.quant_type(name)], name
+            decoded = get_codec(t.codec).decode(wf.raw(name), t.shape).reshape(t.shape)
+            assert np.array_equal(decoded, m.read(name)), name
+            checked += t.codec == "q8"
+        assert checked > 200
+    proc = run("kimistream.convert.cli", q8, "-o", tmp_path / "f32.kst", "--quant", "f32", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    logits = []
+    for f in ("keep", "f32"):
+        proc = run("kimistream.runtime.cli", "--weights", tmp_path / f"{f}.kst", "--prompt", "import os", "--max-tokens",
+                   2, "--dump-logits", tmp_path / f"{f}.npy", "--kv-dtype", "f32", "--quiet")
+        assert proc.returncode == 0, proc.stderr
+        logits.append(np.load(tmp_path / f"{f}.npy"))
+    assert np.abs(logits[0] - logits[1]).max() <= 2e-2 * np.abs(logits[1]).max()
+    q4 = write_gguf(src, tmp_path / "q4.gguf", gguf.GGMLQuantizationType.Q4_0)
+    proc = run("kimistream.convert.cli", q4, "-o", tmp_path / "q4.kst", "--quant", "keep")
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "Q4_0" in proc.stderr and "q4.gguf" in proc.stderr and not (tmp_path / "q4.kst").exists()
+    proc = run("kimistream.convert.cli", src, "-o", tmp_path / "x.kst", "--quant", "keep")
+    assert proc.returncode == 2 and "not a GGUF file" in proc.stderr

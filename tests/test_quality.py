@@ -542,7 +542,8 @@ def test_calibration_under_a_tight_budget_reads_each_expert_once(tmp_path):
         return subprocess.run([sys.executable, "-m", "kimistream.runtime.cli", "--weights", str(kst), "--max-context",
                                "256", "--prefill-batch-size", "64", *map(str, a)], capture_output=True, text=True)
     plan = json.loads(run("--dry-run", "--json", "--memory-budget", "8G").stdout)["memory_plan"]
-    tight = plan["budget"] - plan["expert_cache"] + plan["total_experts"] // 4 * plan["expert_bytes"]
+    # room for a quarter of the experts, + 512 KiB: the baseline measured by two processes drifts
+    tight = plan["budget"] - plan["expert_cache"] + plan["total_experts"] // 4 * plan["expert_bytes"] + (512 << 10)
     proc = run("--calibration", text, "--imatrix-out", tmp_path / "im.npz", "--memory-budget", tight, "--json")
     assert proc.returncode == 0, proc.stderr
     rep = json.loads(proc.stdout)["imatrix"]
