@@ -137,7 +137,7 @@ def _publish(args, err: Console, path: Path) -> dict:
     return m
 
 
-def _fit(args, err: Console, cfg, plan) -> dict | int | None:
+def _fit(args, err: Console, cfg, plan, tokenizer_bytes: int | None = None) -> dict | int | None:
     """--memory-budget / --dry-run: choose resident precisions (in `plan`) and say what was chosen; with
     --dry-run the plan is printed and the exit code returned instead."""
     from kimistream.formats import memplan
@@ -147,7 +147,8 @@ def _fit(args, err: Console, cfg, plan) -> dict | int | None:
     fit = None
     if args.memory_budget:
         try:
-            fit = fit_to_budget(cfg, plan, args.memory_budget, args.max_context, args.kv_dtype)
+            fit = fit_to_budget(cfg, plan, args.memory_budget, args.max_context, args.kv_dtype,
+                                **({"tokenizer_bytes": tokenizer_bytes} if tokenizer_bytes is not None else {}))
         except FitError as e:
             return _error(e, 2)
         if not args.json or args.dry_run:
@@ -156,7 +157,8 @@ def _fit(args, err: Console, cfg, plan) -> dict | int | None:
     if not args.dry_run:
         return fit.to_json() if fit else None
     plan.for_model(cfg.first_k_dense_replace, cfg.num_hidden_layers)
-    fp, file_bytes = memplan.of_config(cfg, plan)
+    fp, file_bytes = memplan.of_config(cfg, plan, **({"tokenizer_bytes": tokenizer_bytes} if tokenizer_bytes is not None
+                                                     else {}))
     data = {"classes": plan.classes, "file_bytes": file_bytes, "resident_bytes": fp.resident,
             "expert_bytes": fp.expert_bytes, "experts": fp.total_experts}
     if fit:
@@ -187,7 +189,7 @@ def _main(args, err: Console) -> int:
         path = assemble(args.assemble, out)
         err.print(f"assembled {path} from {args.assemble} (every chunk's SHA-256 checked)")
         return 0
-    if args.publish and args.source and Path(args.source).is_file():
+    if args.publish and args.source and Path(args.source).is_file() and not is_gguf(args.source):
         m = _publish(args, err, Path(args.source))
         if args.json:
             sys.stdout.write(json.dumps({"release": m}) + "\n")
@@ -270,7 +272,7 @@ def _main(args, err: Console) -> int:
             if out is not None:
                 check_output_apart(ckpt, out, [args.imatrix] if args.imatrix else [])
             if args.memory_budget or args.dry_run:
-                fit = _fit(args, err, ckpt.config, plan)
+                fit = _fit(args, err, ckpt.config, plan, sum(map(len, ckpt.tokenizer_files().values())))
             if args.quant == "keep":
                 plan.tensors = ckpt.keep_codecs()
             stacked = getattr(ckpt, "quantized_types", lambda: [])()

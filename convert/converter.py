@@ -127,7 +127,7 @@ def encode_tensor(ckpt: HFCheckpoint, name: str, codec: str, importance=None, mo
     """Read one source tensor and encode it: (encoded bytes, float32 bytes it held while encoding).
     Every failure is a one-line ConversionError naming the file and the tensor."""
     try:
-        exact = getattr(ckpt, "encoded", lambda n, c: None)(name, codec)   # a GGUF's blocks, kept
+        exact = getattr(ckpt, "kept_bytes", lambda n, c: None)(name, codec)   # a GGUF's blocks, kept
         if exact is not None:
             if exact.size != get_codec(codec).nbytes(ckpt.shape(name)):
                 raise ConversionError(f"{ckpt.dir / ckpt.location[name]}: tensor {name}: its blocks do not fill {codec}")

@@ -47,7 +47,7 @@ class Fit:
 
 
 def fit_to_budget(cfg: ModelConfig, precision: PrecisionPlan, budget_text: str, max_context: int | None,
-                  kv_dtype: str | None) -> Fit:
+                  kv_dtype: str | None, tokenizer_bytes: int = memplan.TOKENIZER_ALLOWANCE) -> Fit:
     """Lower `precision`'s resident classes (in place) until a run of `cfg` fits; FitError (one line)
     when the budget cannot hold it even at every class's lowest rung."""
     try:
@@ -64,8 +64,8 @@ def fit_to_budget(cfg: ModelConfig, precision: PrecisionPlan, budget_text: str, 
         return memplan.plan_for(cfg, fp, budget=budget, baseline=memplan.recorded_baseline(fp.total_experts),
                                 max_context=ctx, chunk=memplan.MIN_FIT_CHUNK, kv_itemsize=2 if kv == "f16" else 4,
                                 baseline_recorded=True)
-    steps = memplan.fit_resident(cfg, precision, lambda fp: plan_of(fp).fits)
-    fp, file_bytes = memplan.of_config(cfg, precision)
+    steps = memplan.fit_resident(cfg, precision, lambda fp: plan_of(fp).fits, tokenizer_bytes)
+    fp, file_bytes = memplan.of_config(cfg, precision, tokenizer_bytes=tokenizer_bytes)
     plan = plan_of(fp)
     if not plan.fits:
         lowest = " even with every resident class at its lowest rung" if steps else ""

@@ -217,8 +217,8 @@ class GGUFCheckpoint:
         except self._error as e:
             raise SourceError(str(e)) from None
 
-    def encoded(self, name: str, codec: str):
-        return self.model.encoded(name, codec)
+    def kept_bytes(self, name: str, codec: str):
+        return self.model.kept_bytes(name, codec)
 
     def quantized_types(self) -> list[str]:
         """The GGUF block types of its tensors other than plain floats (F32, F16, BF16)."""

@@ -325,7 +325,7 @@ class GGUFModel:
                             f"requantize")
         return out
 
-    def encoded(self, name: str, codec: str) -> np.ndarray | None:
+    def kept_bytes(self, name: str, codec: str) -> np.ndarray | None:
         """The tensor in `codec`'s layout straight from its blocks, when they hold the same values
         (Q8_0 as q8: each row's scales, then its codes); None otherwise."""
         how = self._map[name]

@@ -68,10 +68,12 @@ class Footprint:
 def footprint(tensors, extents, header_bytes: int, blob_bytes: int) -> Footprint:
     """tensors: (name, class, codec, shape); extents: (kind, bytes)."""
     copies = scratch = 0
+    tensors = list(tensors)
+    head = "lm_head.weight" if any(t[0] == "lm_head.weight" for t in tensors) else "model.embed_tokens.weight"
     for name, cls, codec, shape in tensors:
         n = 4 * math.prod(shape)
         float_copy = is_float_codec(codec) and codec != "f32"
-        if float_copy and (name.endswith(DECODED_SUFFIXES) or name == "lm_head.weight"):
+        if float_copy and (name.endswith(DECODED_SUFFIXES) or name == head):      # a tied embedding is the head
             copies += n                                   # decoded once and kept
         if float_copy and cls in ("routed_experts", "shared_experts", "dense_mlp"):
             scratch = max(scratch, 2 * n)                 # decoded one projection at a time
@@ -104,10 +106,12 @@ def _expert_part(cfg: ModelConfig, precision) -> tuple[list, list]:
     return tensors, extents
 
 
-def of_config(cfg: ModelConfig, precision, experts=None) -> tuple[Footprint, int]:
+def of_config(cfg: ModelConfig, precision, experts=None, tokenizer_bytes: int = TOKENIZER_ALLOWANCE
+              ) -> tuple[Footprint, int]:
     """The footprint of `cfg` converted with `precision` (a PrecisionPlan for this model), and the
     file's size, laid out as the converter would. `experts`: the routed experts' part when the caller
-    already has it for the same routed-expert codecs and overrides (fit_resident changes neither)."""
+    already has it for the same routed-expert codecs and overrides (fit_resident changes neither);
+    `tokenizer_bytes`: the tokenizer files' size when known (an allowance otherwise)."""
     layout = plan_extents(cfg, precision.codec_for, experts=False)
     tensors = [t for _, _, ts in layout for t in ts]
     extents = [(kind, sum(get_codec(codec).nbytes(shape) for _, _, codec, shape in ts)) for _, kind, ts in layout]
@@ -115,7 +119,7 @@ def of_config(cfg: ModelConfig, precision, experts=None) -> tuple[Footprint, int
     et, ee = experts or _expert_part(cfg, precision)
     tensors, extents = tensors + et, extents + ee
     header = HEADER_BYTES_PER_TENSOR * n_tensors + HEADER_BYTES_PER_EXTENT * len(extents)
-    return footprint(tensors, extents, header, TOKENIZER_ALLOWANCE), sum(nb for _, nb in extents)
+    return footprint(tensors, extents, header, tokenizer_bytes), sum(nb for _, nb in extents)
 
 
 def kv_bytes(cfg: ModelConfig, max_context: int, itemsize: int = 4) -> int:
@@ -156,7 +160,8 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool:
-        return self.cache_experts >= self.min_cache_experts
+        return (self.cache_experts >= self.min_cache_experts
+                and self.fixed + self.min_cache_experts * self.expert_bytes <= self.budget)
 
     def shortfall(self) -> int:
         return max(0, self.fixed + self.min_cache_experts * self.expert_bytes - self.budget)
@@ -261,14 +266,14 @@ class ResidentStep:
         return f"{self.cls} {self.frm} → {self.to} ({fmt(self.saved)} less resident)"
 
 
-def fit_resident(cfg: ModelConfig, precision, fits) -> list[ResidentStep]:
+def fit_resident(cfg: ModelConfig, precision, fits, tokenizer_bytes: int = TOKENIZER_ALLOWANCE) -> list[ResidentStep]:
     """Lower resident classes of `precision` (a PrecisionPlan for cfg, changed in place) one rung at a
     time, the step with the least measured KL per byte saved first, until `fits(footprint)` holds or
     no step is left. Explicit overrides keep winning over the class codecs (codec_for applies them
     last). Returns the steps taken; the caller tells whether the result fits."""
     steps: list[ResidentStep] = []
     experts = _expert_part(cfg, precision)          # unchanged by any step below
-    fp, _ = of_config(cfg, precision, experts)
+    fp, _ = of_config(cfg, precision, experts, tokenizer_bytes)
     while not fits(fp):
         best = None
         for cls in RESIDENT_LADDER:
@@ -277,7 +282,7 @@ def fit_resident(cfg: ModelConfig, precision, fits) -> list[ResidentStep]:
             if to is None:
                 continue
             trial = replace(precision, classes={**precision.classes, cls: to})
-            tfp, _ = of_config(cfg, trial, experts)
+            tfp, _ = of_config(cfg, trial, experts, tokenizer_bytes)
             saved = fp.resident - tfp.resident
             if saved <= 0:
                 continue

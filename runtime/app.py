@@ -161,6 +161,10 @@ def open_session(args, log, weights_path=None, describe: bool = True, hold_back:
         footprint = planner.of_file(wf)
         experts_codec = next((t.codec for t in wf.tensors.values() if t.cls == ROUTED_EXPERTS), "f32")
     args.max_ctx = context_length(args, cfg, log)
+    # each session (a --kl-reference one too) starts from the user's flag, not the last session's choice
+    if not hasattr(args, "kv_dtype_flag"):
+        args.kv_dtype_flag = args.kv_dtype
+    args.kv_dtype = args.kv_dtype_flag
     planner.default_kv_dtype(args, experts_codec, log)
 
     def replan(ctx, chunk):
@@ -375,7 +379,7 @@ def _quality(args, log) -> int:
             # several sequences side by side, as many as the budget holds the KV cache of (up to 8):
             # each forward step then serves them all
             per_seq = B.kv_bytes(s.cfg, args.max_ctx, 2 if args.kv_dtype == "f16" else 4)
-            spare = s.plan.budget - s.plan.fixed - s.plan.min_cache_experts * s.plan.expert_bytes
+            spare = s.held_back           # the expert cache has the rest
             lanes = int(max(1, min(SAMPLING_LANES, spare // max(per_seq, 1))))
             with _token_progress("sampling", args.self_tokens, args.quiet) as advance:
                 chunks = sample_sequences(s.model, start, stop, args.self_tokens, args.max_ctx,
@@ -383,6 +387,8 @@ def _quality(args, log) -> int:
         else:
             chunks = list(windows(s.tok.encode(_read_text(args.calibration)), args.max_ctx))
         tokens, read0 = sum(map(len, chunks)), s.weights.pager.stats.bytes_read
+        if not tokens:
+            raise RunError(f"{args.calibration}: no calibration text left to measure (at least one token is needed)")
         # Layer by layer: every window through a layer before the next, each expert read once per pass
         # (the same importance as running window by window, to float rounding). The room held back
         # from the expert cache holds the second moments first (better rounding), then the residual
@@ -393,7 +399,7 @@ def _quality(args, log) -> int:
                 f"memory budget leaves for them)")
             moment_budget = s.held_back // 2
         states = 2 * 4 * tokens * s.cfg.hidden_size
-        state_ram = s.held_back - moment_budget
+        state_ram = max(0, s.held_back - 2 * moment_budget)   # a moment's update needs a product as large
         cached = min(s.plan.total_experts, s.weights.pager.capacity // max(s.plan.expert_bytes, 1))
         log(f"calibration layer by layer ({cached} of {s.plan.total_experts} experts cached): each expert read once; the residual stream of {tokens} tokens "
             f"({B.fmt(states)}) " + ("in memory" if states <= state_ram else f"on disk next to {args.imatrix_out}"))

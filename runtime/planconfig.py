@@ -59,10 +59,11 @@ def plan_config(args, log) -> int:
         footprint, total = memplan.of_config(cfg, precision)
         for st in steps:
             log(f"resident: {st.describe()}")
-        log(f"convert with --memory-budget {args.memory_budget or B.fmt(args.budget)}"
+        final = {st.cls: memplan.ResidentStep(st.cls, "", precision.classes[st.cls], 0) for st in steps}
+        log(f"convert with --memory-budget '{args.memory_budget or B.fmt(args.budget)}'"
             + (f" --max-context {args.max_context}" if args.max_context else "")
             + (" --kv-dtype f32" if args.kv_dtype == "f32" else "")
-            + " to choose the same, or --override " + " --override ".join(f"'{st.override()}'" for st in steps))
+            + " to choose the same, or --override " + " --override ".join(f"'{st.override()}'" for st in final.values()))
     planner.auto_fit(args, replan, log)           # the same defaults kimi-run would choose
     if args.prefill_batch_size is None:
         args.prefill_batch_size = planner.auto_prefill_batch(lambda b: replan(args.max_ctx, b))

@@ -167,7 +167,7 @@ def _by_layer(model: Model, chunks, cut, batch: int, st, progress) -> None:
     ids = np.concatenate(chunks)
     for a in range(0, n, batch):
         x[a:a + batch] = model.embed(ids[a:a + batch])
-    st.release()
+        st.release()
     for layer in model.layers:
         for k in range(len(chunks)):
             model.reset()
@@ -175,13 +175,14 @@ def _by_layer(model: Model, chunks, cut, batch: int, st, progress) -> None:
                 e = min(s + batch, cut[k + 1])
                 h[s:e] = x[s:e] + layer.attn.forward(rms_norm(x[s:e], layer.ln1, layer.eps), int(s - cut[k]),
                                                      model.cache, model.rope)
-            st.release()
+                st.release()
         _mlp_by_expert(layer, st, batch) if isinstance(layer.mlp, MoE) else _mlp_by_slice(layer, st, batch)
         if progress:
             progress(n)
     model.reset()
     last = [min(s + batch, cut[k + 1]) - 1 for k in range(len(chunks)) for s in range(cut[k], cut[k + 1], batch)]
-    linear(rms_norm(np.asarray(x[last]), model.final_norm, model.cfg.rms_norm_eps), model.lm_head)
+    for a in range(0, len(last), batch):          # a chunk's worth of logits at a time, as planned
+        linear(rms_norm(np.asarray(x[last[a:a + batch]]), model.final_norm, model.cfg.rms_norm_eps), model.lm_head)
 
 
 class _States:
@@ -255,7 +256,7 @@ def _mlp_by_expert(layer, st, S: int) -> None:
             t, sl = tok[a:a + S], slot[a:a + S]
             y = expert.forward(rms_norm(h[t], layer.ln2, layer.eps)) * wts[t, sl][:, None]
             x[t] = x[t] + y
-        st.release()
+            st.release()
 
 
 class _Observed:

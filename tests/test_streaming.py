@@ -484,3 +484,25 @@ def test_mmap_reads_in_flight_count_against_the_cache_and_spare_the_layers_exper
     assert all(k == (2, 4) for k in p._inflight)
     assert max(seen) <= p.capacity
     w.close()
+
+
+def test_plan_config_overrides_reproduce_the_fitted_plan(tmp_path):
+    """When a class goes down more than one rung, --plan-config's printed overrides still give the
+    plan it fitted (one override per class, at its final codec), and a model without routed experts
+    is held to the budget too."""
+    import re as _re
+    from kimistream.formats import memplan
+    from kimistream.formats.config import ModelConfig
+    cfg_path = DATA / "kimi-k2-instruct-config.json"
+    proc = kimi_run("--plan-config", cfg_path, "--quant", "q4", "--memory-budget", "6G", "--max-context", 4096, "--json")
+    rep = json.loads(proc.stdout)
+    overrides = _re.findall(r"--override '([^']+)'", proc.stderr)
+    assert rep["resident_steps"] and len(overrides) == len({s["class"] for s in rep["resident_steps"]})
+    cfg = ModelConfig.from_hf(json.loads(cfg_path.read_text()))
+    p = PrecisionPlan.from_preset("q4", overrides).for_model(cfg.first_k_dense_replace, cfg.num_hidden_layers)
+    assert memplan.of_config(cfg, p)[0].resident == rep["memory_plan"]["resident"]
+    dense = json.loads((Path(__file__).resolve().parent.parent / "models" / "stdlib-moe" / "config.json").read_text())
+    dense["first_k_dense_replace"] = dense["num_hidden_layers"]
+    (tmp_path / "dense.json").write_text(json.dumps(dense))
+    proc = kimi_convert("--synthetic", tmp_path / "dense.json", "--quant", "q2", "--memory-budget", "1M", "--dry-run")
+    assert proc.returncode == 2 and "cannot hold this model" in proc.stderr
