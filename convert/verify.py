@@ -182,6 +182,32 @@ def verify_weight_file(path: Path, workers: int = 2, on_bytes=None, sources: dic
     return rows
 
 
+def verify_gguf(path: Path, expected: dict[str, str] | None, on_bytes=None) -> list[Row]:
+    """Rows for a llama.cpp GGUF file (each of a split one): readable, a deepseek2 model whose
+    tensors lie inside the file with the sizes their types imply and whose config and tokenizer can
+    be rebuilt; then its SHA-256 against `expected` (by file name, e.g. from --manifest)."""
+    from kimistream.formats.gguffile import GGUFError, GGUFModel, shard_paths
+    path = Path(path)
+    try:
+        paths = shard_paths(path)
+    except GGUFError as e:
+        return [Row(str(path), None, "", "", MISSING, str(e).removeprefix(f"{path}: "))]
+    try:
+        model = GGUFModel(path)
+        model.tokenizer_files()
+        model.close()
+    except GGUFError as e:
+        return [Row(str(path), path.stat().st_size, "", "", CORRUPT, str(e).removeprefix(f"{path}: "))]
+    rows = []
+    for p in paths:
+        actual = sha256_file(p, on_bytes)
+        exp = (expected or {}).get(p.name, "")
+        status = OK if exp and actual == exp else CORRUPT if exp else UNVERIFIABLE
+        detail = {OK: "", CORRUPT: "SHA-256 mismatch", UNVERIFIABLE: "structure ok; no expected hash"}[status]
+        rows.append(Row(str(p), p.stat().st_size, exp, actual, status, detail, actual))
+    return rows
+
+
 def _source_rows(fname: str, record, expected: dict[str, str] | None, expected_from: str) -> list[Row]:
     label = f"{fname} [sources]"
     files = record.get("files") if isinstance(record, dict) else None

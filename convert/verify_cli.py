@@ -16,7 +16,7 @@ interrupts.hold_from_import("kimi-verify", __name__)
 
 def build_parser():
     p = argparse.ArgumentParser(prog="kimi-verify", description=__doc__)
-    p.add_argument("paths", nargs="+", help="checkpoint directories and/or .kst weight files")
+    p.add_argument("paths", nargs="+", help="checkpoint directories, .kst weight files and/or llama.cpp GGUF files")
     p.add_argument("--manifest", help="sha256sum-format manifest for a checkpoint directory (or, for a weight "
                                       "file, of the sources it should have been built from)")
     p.add_argument("--hub", metavar="REPO@REV", help="check against the hub's listing of REPO at REV: sizes, LFS "

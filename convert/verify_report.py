@@ -11,6 +11,8 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
+from kimistream.formats.gguffile import is_gguf
+
 from . import hub as H
 from . import verify as V
 from .converter import MANIFEST_NAME
@@ -115,6 +117,9 @@ def run(args) -> int:
                                          + [f"kimi-verify manifest of {path.resolve()}"])
                     for r in rows:
                         r.file = f"{raw.rstrip('/')}/{r.file}"
+                elif is_gguf(path):
+                    exp = _from_manifests(None, args)
+                    rows = V.verify_gguf(path, exp and exp.sha256, adv)
                 else:
                     exp = _from_hub(snap, None, args.checksums) if snap else _from_manifests(None, args)
                     rows = V.verify_weight_file(path, args.jobs, adv, exp and exp.sha256,

@@ -150,3 +150,31 @@ def test_quant_keep_transcodes_q8_0_blocks_exactly(tmp_path):
     assert "Q4_0" in proc.stderr and "q4.gguf" in proc.stderr and not (tmp_path / "q4.kst").exists()
     proc = run("kimistream.convert.cli", src, "-o", tmp_path / "x.kst", "--quant", "keep")
     assert proc.returncode == 2 and "not a GGUF file" in proc.stderr
+
+
+def test_kimi_verify_checks_a_gguf(tmp_path):
+    """kimi-verify MODEL.gguf: structure and SHA-256 against --manifest (0), a byte flipped in a tensor
+    (4, SHA-256 mismatch), no expected hash (5, structure ok), truncated (4, one line naming why)."""
+    import hashlib
+    import subprocess
+    import sys
+    src, _ = _source("stdlib-moe")
+    path = write_gguf(src, tmp_path / "m.gguf")
+    manifest = tmp_path / "m.sha256"
+    manifest.write_text(f"{hashlib.sha256(path.read_bytes()).hexdigest()}  m.gguf\n")
+
+    def verify(*args):
+        proc = subprocess.run([sys.executable, "-m", "kimistream.convert.verify_cli", *map(str, args), "--json"],
+                              capture_output=True, text=True)
+        return proc.returncode, json.loads(proc.stdout)["rows"] if proc.stdout.strip() else proc.stderr
+    code, rows = verify(path, "--manifest", manifest)
+    assert code == 0 and [r["status"] for r in rows] == ["ok"], rows
+    assert verify(path)[0] == 5
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    code, rows = verify(path, "--manifest", manifest)
+    assert code == 4 and rows[0]["detail"] == "SHA-256 mismatch"
+    path.write_bytes(bytes(data[:len(data) // 2]))
+    code, rows = verify(path, "--manifest", manifest)
+    assert code == 4 and "not a readable GGUF file" in rows[0]["detail"]
