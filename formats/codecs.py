@@ -103,3 +103,4 @@ def get_codec(name: str) -> Codec:
 
 
 from . import quants  # noqa: E402,F401  (the block codecs register themselves in CODECS)
+from . import ggufcodecs  # noqa: E402,F401  (and llama.cpp's block types, kept from GGUF files)

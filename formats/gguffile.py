@@ -310,28 +310,41 @@ class GGUFModel:
 
     # ------------------------------------------------------------------ blocks kept as they are
     def keep_codecs(self) -> dict[str, str]:
-        """Every tensor's kimi-stream codec holding its GGUF values exactly (kv_b, rebuilt from the
-        transposed attn_k_b, is re-encoded from its exact values: q8 from Q8_0); GGUFError naming the
-        types that have none."""
+        """Every tensor's codec holding its GGUF values exactly: a native one (F32, F16, BF16, Q8_0 as
+        q8, with fused kernels), else llama.cpp's blocks as they are (formats/ggufcodecs.py). kv_b,
+        rebuilt from the transposed attn_k_b, is encoded again from its exact values (in the float
+        codec of a float source, else q8). GGUFError naming the types neither holds."""
+        from .ggufcodecs import BLOCK_SIZES, codec_name
         out, other = {}, set()
         for name, how in self._map.items():
-            codec = EXACT_CODECS.get(how[1].tensor_type.name)
-            if codec is None:
-                other.add(how[1].tensor_type.name)
-            out[name] = codec
+            t = how[1].tensor_type.name
+            if how[0] == "kv_b":
+                out[name] = EXACT_CODECS.get(t) if t in ("F32", "F16", "BF16") else "q8"
+            elif t in EXACT_CODECS:
+                out[name] = EXACT_CODECS[t]
+            elif t in BLOCK_SIZES:
+                out[name] = codec_name(t)
+            else:
+                other.add(t)
         if other:
             raise GGUFError(f"{self.path}: --quant keep: no kimi-stream codec holds {', '.join(sorted(other))} blocks "
-                            f"as they are yet (it keeps {', '.join(EXACT_CODECS)}); choose a --quant preset to "
-                            f"requantize")
+                            f"as they are; choose a --quant preset to requantize")
         return out
 
     def kept_bytes(self, name: str, codec: str) -> np.ndarray | None:
         """The tensor in `codec`'s layout straight from its blocks, when they hold the same values
         (Q8_0 as q8: each row's scales, then its codes); None otherwise."""
+        from .ggufcodecs import codec_name
         how = self._map[name]
-        if codec != "q8" or how[0] == "kv_b" or how[1].tensor_type.name != "Q8_0":
+        if how[0] == "kv_b":
             return None
-        data = np.asarray(how[1].data if how[0] == "whole" else how[1].data[how[2]], dtype=np.uint8)
+        t = how[1].tensor_type.name
+        data = how[1].data if how[0] == "whole" else how[1].data[how[2]]
+        if codec == codec_name(t):                     # llama.cpp's blocks, row after row, unchanged
+            return np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        if codec != "q8" or t != "Q8_0":
+            return None
+        data = np.asarray(data, dtype=np.uint8)
         blocks = data.reshape(-1, data.shape[-1] // Q8_0_BLOCK, Q8_0_BLOCK)        # rows, sub-blocks, block
         return np.concatenate([blocks[:, :, :2].reshape(-1), blocks[:, :, 2:].reshape(-1)])
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from kimistream.formats.checksum import extent_digest
 from kimistream.formats.codecs import get_codec, is_float_codec
+from kimistream.formats.ggufcodecs import is_gguf_codec
 from kimistream.formats.constants import EXTENT_EMBEDDING, EXTENT_EXPERT, EXTENT_RESIDENT
 from kimistream.formats.memplan import DECODED_SUFFIXES
 from kimistream.formats.weightfile import WeightFile, WeightFileError, check_model
@@ -57,7 +58,7 @@ class Weight:
         if self.codec == "f32":
             self._dense = self.dense()
             return 0
-        if has_fused_kernel(self.codec):
+        if has_fused_kernel(self.codec) or is_gguf_codec(self.codec):    # llama.cpp blocks: decoded per use
             return 0
         self._dense = np.ascontiguousarray(self.dense())
         return self._dense.nbytes
@@ -76,7 +77,7 @@ class Weight:
 
 
 def has_fused_kernel(codec: str) -> bool:
-    return not is_float_codec(codec)
+    return not is_float_codec(codec) and not is_gguf_codec(codec)
 
 
 class ExpertProvider:

@@ -24,11 +24,25 @@ LAYER = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_a_proj.weigh
          "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight"}
 
 
+# Q2_K keeps its two f16 scales (d, dmin) in the last four bytes of each block
+RANDOM_BLOCKS = (gguf.GGMLQuantizationType.Q2_K,)
+
+
 def _typed(w: gguf.GGUFWriter, name: str, a: np.ndarray, qtype) -> None:
     a = np.ascontiguousarray(a, np.float32)
     keep_f32 = a.ndim == 1 or name.endswith(("_norm.weight", "ffn_gate_inp.weight", ".bias"))
     if keep_f32 or qtype == gguf.GGMLQuantizationType.F32:
         w.add_tensor(name, a)
+        return
+    if qtype in RANDOM_BLOCKS:                   # no Python quantizer: valid random blocks
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        if a.shape[-1] % block:
+            w.add_tensor(name, a.astype(np.float16))
+            return
+        rng = np.random.default_rng(len(name))
+        blocks = rng.integers(0, 256, (*a.shape[:-1], a.shape[-1] // block, size), dtype=np.uint8)
+        blocks[..., size - 4:] = np.frombuffer(np.array([1e-3, 1e-4], np.float16).tobytes(), np.uint8)  # d, dmin
+        w.add_tensor(name, blocks.reshape(*a.shape[:-1], -1), raw_dtype=qtype)
         return
     try:
         w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)

@@ -111,7 +111,7 @@ def test_quant_keep_transcodes_q8_0_blocks_exactly(tmp_path):
     """kimi-convert MODEL.gguf --quant keep: Q8_0 tensors become q8 without requantizing (decoded, each
     equals the gguf package's dequantizer of its source blocks, bit for bit; kv_b, which llama.cpp
     stores transposed, is the one tensor encoded again), F32 ones stay f32, and the file runs with
-    the logits of the same values in f32; a type no codec holds is refused in one line."""
+    the logits of the same values in f32; a type no codec holds (MXFP4) is refused in one line."""
     import subprocess
     import sys
 
@@ -144,10 +144,10 @@ def test_quant_keep_transcodes_q8_0_blocks_exactly(tmp_path):
         assert proc.returncode == 0, proc.stderr
         logits.append(np.load(tmp_path / f"{f}.npy"))
     assert np.abs(logits[0] - logits[1]).max() <= 2e-2 * np.abs(logits[1]).max()
-    q4 = write_gguf(src, tmp_path / "q4.gguf", gguf.GGMLQuantizationType.Q4_0)
-    proc = run("kimistream.convert.cli", q4, "-o", tmp_path / "q4.kst", "--quant", "keep")
+    mx = write_gguf(src, tmp_path / "mx.gguf", gguf.GGMLQuantizationType.MXFP4)
+    proc = run("kimistream.convert.cli", mx, "-o", tmp_path / "mx.kst", "--quant", "keep")
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
-    assert "Q4_0" in proc.stderr and "q4.gguf" in proc.stderr and not (tmp_path / "q4.kst").exists()
+    assert "MXFP4" in proc.stderr and "mx.gguf" in proc.stderr and not (tmp_path / "mx.kst").exists()
     proc = run("kimistream.convert.cli", src, "-o", tmp_path / "x.kst", "--quant", "keep")
     assert proc.returncode == 2 and "not a GGUF file" in proc.stderr
 
@@ -178,3 +178,47 @@ def test_kimi_verify_checks_a_gguf(tmp_path):
     path.write_bytes(bytes(data[:len(data) // 2]))
     code, rows = verify(path, "--manifest", manifest)
     assert code == 4 and "not a readable GGUF file" in rows[0]["detail"]
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q2_K"])
+def test_quant_keep_holds_llama_cpp_blocks_unchanged(qtype, tmp_path):
+    """Block types without a native codec are kept as llama.cpp's own blocks (codec gguf-<type>): each
+    tensor decodes to exactly what the gguf dequantizer gives for its source blocks (experts sliced out
+    of the merged tensors), and a Q4_0 file runs with the logits of the same values converted to f32."""
+    import subprocess
+    import sys
+
+    from kimistream.formats.codecs import get_codec
+    from kimistream.formats.weightfile import WeightFile
+    src, _ = _source("stdlib-moe")
+    g = write_gguf(src, tmp_path / "m.gguf", gguf.GGMLQuantizationType[qtype])
+
+    def run(module, *args):
+        return subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True)
+    proc = run("kimistream.convert.cli", g, "-o", tmp_path / "keep.kst", "--quant", "keep", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    m = GGUFModel(g)
+    with WeightFile(tmp_path / "keep.kst") as wf:
+        kept = [n for n, t in wf.tensors.items() if t.codec == f"gguf-{qtype.lower()}"]
+        assert len(kept) > 100            # rows not whole blocks fall back to F16, as llama.cpp does
+        for name in kept[::7] + kept[-3:]:
+            t = wf.tensors[name]
+            assert np.array_equal(get_codec(t.codec).decode(wf.raw(name), t.shape), m.read(name)), name
+    if qtype != "Q4_0":
+        return
+    proc = run("kimistream.convert.cli", g, "-o", tmp_path / "f32.kst", "--quant", "f32", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    logits = []
+    for f in ("keep", "f32"):
+        proc = run("kimistream.runtime.cli", "--weights", tmp_path / f"{f}.kst", "--prompt", "import os", "--max-tokens",
+                   2, "--dump-logits", tmp_path / f"{f}.npy", "--kv-dtype", "f32", "--quiet")
+        assert proc.returncode == 0, proc.stderr
+        logits.append(np.load(tmp_path / f"{f}.npy"))
+    # the same values, but kv_b (llama.cpp stores it transposed) encoded again at q8 in the kept file
+    assert np.abs(logits[0] - logits[1]).max() <= 2e-3 * np.abs(logits[1]).max()
+
+
+def test_gguf_block_sizes_are_llama_cpps():
+    from kimistream.formats.ggufcodecs import BLOCK_SIZES
+    for t, sizes in BLOCK_SIZES.items():
+        assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[t]] == sizes, t
