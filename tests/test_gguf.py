@@ -135,15 +135,8 @@ def test_quant_keep_transcodes_q8_0_blocks_exactly(tmp_path):
             assert np.array_equal(decoded, m.read(name)), name
             checked += t.codec == "q8"
         assert checked > 200
-    proc = run("kimistream.convert.cli", q8, "-o", tmp_path / "f32.kst", "--quant", "f32", "--quiet")
-    assert proc.returncode == 0, proc.stderr
-    logits = []
-    for f in ("keep", "f32"):
-        proc = run("kimistream.runtime.cli", "--weights", tmp_path / f"{f}.kst", "--prompt", "import os", "--max-tokens",
-                   2, "--dump-logits", tmp_path / f"{f}.npy", "--kv-dtype", "f32", "--quiet")
-        assert proc.returncode == 0, proc.stderr
-        logits.append(np.load(tmp_path / f"{f}.npy"))
-    assert np.abs(logits[0] - logits[1]).max() <= 2e-2 * np.abs(logits[1]).max()
+    kept, f32 = _kept_and_f32_logits(q8, tmp_path)
+    assert np.abs(kept - f32).max() <= 2e-2 * np.abs(f32).max()
     mx = write_gguf(src, tmp_path / "mx.gguf", gguf.GGMLQuantizationType.MXFP4)
     proc = run("kimistream.convert.cli", mx, "-o", tmp_path / "mx.kst", "--quant", "keep")
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
@@ -206,16 +199,24 @@ def test_quant_keep_holds_llama_cpp_blocks_unchanged(qtype, tmp_path):
             assert np.array_equal(get_codec(t.codec).decode(wf.raw(name), t.shape), m.read(name)), name
     if qtype != "Q4_0":
         return
-    proc = run("kimistream.convert.cli", g, "-o", tmp_path / "f32.kst", "--quant", "f32", "--quiet")
-    assert proc.returncode == 0, proc.stderr
-    logits = []
-    for f in ("keep", "f32"):
-        proc = run("kimistream.runtime.cli", "--weights", tmp_path / f"{f}.kst", "--prompt", "import os", "--max-tokens",
-                   2, "--dump-logits", tmp_path / f"{f}.npy", "--kv-dtype", "f32", "--quiet")
-        assert proc.returncode == 0, proc.stderr
-        logits.append(np.load(tmp_path / f"{f}.npy"))
+    kept, f32 = _kept_and_f32_logits(g, tmp_path)
     # the same values, but kv_b (llama.cpp stores it transposed) encoded again at q8 in the kept file
-    assert np.abs(logits[0] - logits[1]).max() <= 2e-3 * np.abs(logits[1]).max()
+    assert np.abs(kept - f32).max() <= 2e-3 * np.abs(f32).max()
+
+
+def _kept_and_f32_logits(gguf_path: Path, tmp_path: Path):
+    """The prompt logits of tmp_path/keep.kst and of the GGUF converted to f32 (both with an f32 KV cache)."""
+    import subprocess
+    import sys
+
+    def run(module, *args):
+        proc = subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+    run("kimistream.convert.cli", gguf_path, "-o", tmp_path / "f32.kst", "--quant", "f32", "--quiet")
+    for f in ("keep", "f32"):
+        run("kimistream.runtime.cli", "--weights", tmp_path / f"{f}.kst", "--prompt", "import os", "--max-tokens", 2,
+            "--dump-logits", tmp_path / f"{f}.npy", "--kv-dtype", "f32", "--quiet")
+    return np.load(tmp_path / "keep.npy"), np.load(tmp_path / "f32.npy")
 
 
 def test_gguf_block_sizes_are_llama_cpps():
