@@ -180,3 +180,18 @@ def test_a_tensor_a_worker_cannot_encode_is_one_line(cluster, tmp_path):
     assert lines == local.stderr.strip().splitlines()
     assert name in lines[0] and "model.safetensors" in lines[0] and "NaN" in lines[0]
     assert not (tmp_path / "ray.kst").exists()
+
+
+def test_a_gguf_source_converts_on_ray_to_the_same_file(cluster, tmp_path):
+    """Workers open a GGUF source themselves (the same path on every node): --ray writes the file a
+    local conversion writes, byte for byte, for kept Q8_0 blocks and for a requantizing preset."""
+    import gguf
+
+    from ggufmodels import write_gguf
+    src = write_gguf(ROOT / "models" / "stdlib-moe", tmp_path / "m.gguf", gguf.GGMLQuantizationType.Q8_0)
+    for quant in ("keep", "q2"):
+        local, remote = tmp_path / f"local-{quant}.kst", tmp_path / f"ray-{quant}.kst"
+        flags = ["--quant", quant] + (["--calibration", "none"] if quant == "q2" else [])
+        convert(src, "-o", local, *flags)
+        convert(src, "-o", remote, *flags, "--ray", cluster)
+        assert local.read_bytes() == remote.read_bytes(), quant
