@@ -3,6 +3,8 @@ models in llama.cpp's deepseek2 layout (tests/ggufmodels.py): the config and eve
 as the safetensors checkpoint has them, and bad files get one clear error."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -15,6 +17,10 @@ from kimistream.formats.config import ModelConfig
 from kimistream.formats.gguffile import GGUFError, GGUFModel, is_gguf
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
+
+
+def _run(module, *args):
+    return subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True)
 
 
 def _source(model):
@@ -84,25 +90,21 @@ def test_the_tokenizer_rebuilt_from_gguf_metadata_gives_the_original_ids(model, 
 def test_kimi_convert_reads_a_gguf_like_its_checkpoint(tmp_path):
     """kimi-convert MODEL.gguf: an F32 GGUF converts to a file whose logits equal the safetensors
     conversion's bit for bit, tokenizer included; a quantized one is requantized with a warning."""
-    import subprocess
-    import sys
     src, _ = _source("stdlib-moe")
     path = write_gguf(src, tmp_path / "m.gguf")
 
-    def run(module, *args):
-        return subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True)
     logits = []
     for source, out in ((path, tmp_path / "g.kst"), (src, tmp_path / "s.kst")):
-        proc = run("kimistream.convert.cli", source, "-o", out, "--quant", "f32", "--quiet")
+        proc = _run("kimistream.convert.cli", source, "-o", out, "--quant", "f32", "--quiet")
         assert proc.returncode == 0, proc.stderr
         npy = out.with_suffix(".npy")
-        proc = run("kimistream.runtime.cli", "--weights", out, "--prompt", "import os", "--max-tokens", 4,
+        proc = _run("kimistream.runtime.cli", "--weights", out, "--prompt", "import os", "--max-tokens", 4,
                    "--dump-logits", npy, "--quiet")
         assert proc.returncode == 0, proc.stderr
         logits.append(np.load(npy))
     assert logits[0].shape[0] >= 2 and np.array_equal(logits[0], logits[1])
     q8 = write_gguf(src, tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)
-    proc = run("kimistream.convert.cli", q8, "-o", tmp_path / "q.kst", "--quant", "q2", "--calibration", "none")
+    proc = _run("kimistream.convert.cli", q8, "-o", tmp_path / "q.kst", "--quant", "q2", "--calibration", "none")
     assert proc.returncode == 0, proc.stderr
     assert "holds Q8_0 blocks" in proc.stderr and "two quantizations stacked" in proc.stderr
 
@@ -112,17 +114,13 @@ def test_quant_keep_transcodes_q8_0_blocks_exactly(tmp_path):
     equals the gguf package's dequantizer of its source blocks, bit for bit; kv_b, which llama.cpp
     stores transposed, is the one tensor encoded again), F32 ones stay f32, and the file runs with
     the logits of the same values in f32; a type no codec holds (MXFP4) is refused in one line."""
-    import subprocess
-    import sys
 
     from kimistream.formats.codecs import get_codec
     from kimistream.formats.weightfile import WeightFile
     src, _ = _source("stdlib-moe")
     q8 = write_gguf(src, tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)
 
-    def run(module, *args):
-        return subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True)
-    proc = run("kimistream.convert.cli", q8, "-o", tmp_path / "keep.kst", "--quant", "keep", "--quiet")
+    proc = _run("kimistream.convert.cli", q8, "-o", tmp_path / "keep.kst", "--quant", "keep", "--quiet")
     assert proc.returncode == 0, proc.stderr
     m = GGUFModel(q8)
     with WeightFile(tmp_path / "keep.kst") as wf:
@@ -138,10 +136,10 @@ def test_quant_keep_transcodes_q8_0_blocks_exactly(tmp_path):
     kept, f32 = _kept_and_f32_logits(q8, tmp_path)
     assert np.abs(kept - f32).max() <= 2e-2 * np.abs(f32).max()
     mx = write_gguf(src, tmp_path / "mx.gguf", gguf.GGMLQuantizationType.MXFP4)
-    proc = run("kimistream.convert.cli", mx, "-o", tmp_path / "mx.kst", "--quant", "keep")
+    proc = _run("kimistream.convert.cli", mx, "-o", tmp_path / "mx.kst", "--quant", "keep")
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
     assert "MXFP4" in proc.stderr and "mx.gguf" in proc.stderr and not (tmp_path / "mx.kst").exists()
-    proc = run("kimistream.convert.cli", src, "-o", tmp_path / "x.kst", "--quant", "keep")
+    proc = _run("kimistream.convert.cli", src, "-o", tmp_path / "x.kst", "--quant", "keep")
     assert proc.returncode == 2 and "not a GGUF file" in proc.stderr
 
 
@@ -149,16 +147,13 @@ def test_kimi_verify_checks_a_gguf(tmp_path):
     """kimi-verify MODEL.gguf: structure and SHA-256 against --manifest (0), a byte flipped in a tensor
     (4, SHA-256 mismatch), no expected hash (5, structure ok), truncated (4, one line naming why)."""
     import hashlib
-    import subprocess
-    import sys
     src, _ = _source("stdlib-moe")
     path = write_gguf(src, tmp_path / "m.gguf")
     manifest = tmp_path / "m.sha256"
     manifest.write_text(f"{hashlib.sha256(path.read_bytes()).hexdigest()}  m.gguf\n")
 
     def verify(*args):
-        proc = subprocess.run([sys.executable, "-m", "kimistream.convert.verify_cli", *map(str, args), "--json"],
-                              capture_output=True, text=True)
+        proc = _run("kimistream.convert.verify_cli", *args, "--json")
         return proc.returncode, json.loads(proc.stdout)["rows"] if proc.stdout.strip() else proc.stderr
     code, rows = verify(path, "--manifest", manifest)
     assert code == 0 and [r["status"] for r in rows] == ["ok"], rows
@@ -178,17 +173,13 @@ def test_quant_keep_holds_llama_cpp_blocks_unchanged(qtype, tmp_path):
     """Block types without a native codec are kept as llama.cpp's own blocks (codec gguf-<type>): each
     tensor decodes to exactly what the gguf dequantizer gives for its source blocks (experts sliced out
     of the merged tensors), and a Q4_0 file runs with the logits of the same values converted to f32."""
-    import subprocess
-    import sys
 
     from kimistream.formats.codecs import get_codec
     from kimistream.formats.weightfile import WeightFile
     src, _ = _source("stdlib-moe")
     g = write_gguf(src, tmp_path / "m.gguf", gguf.GGMLQuantizationType[qtype])
 
-    def run(module, *args):
-        return subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True)
-    proc = run("kimistream.convert.cli", g, "-o", tmp_path / "keep.kst", "--quant", "keep", "--quiet")
+    proc = _run("kimistream.convert.cli", g, "-o", tmp_path / "keep.kst", "--quant", "keep", "--quiet")
     assert proc.returncode == 0, proc.stderr
     m = GGUFModel(g)
     with WeightFile(tmp_path / "keep.kst") as wf:
@@ -206,16 +197,12 @@ def test_quant_keep_holds_llama_cpp_blocks_unchanged(qtype, tmp_path):
 
 def _kept_and_f32_logits(gguf_path: Path, tmp_path: Path):
     """The prompt logits of tmp_path/keep.kst and of the GGUF converted to f32 (both with an f32 KV cache)."""
-    import subprocess
-    import sys
-
-    def run(module, *args):
-        proc = subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True)
+    runs = [("kimistream.convert.cli", gguf_path, "-o", tmp_path / "f32.kst", "--quant", "f32", "--quiet")]
+    runs += [("kimistream.runtime.cli", "--weights", tmp_path / f"{f}.kst", "--prompt", "import os", "--max-tokens", 2,
+              "--dump-logits", tmp_path / f"{f}.npy", "--kv-dtype", "f32", "--quiet") for f in ("keep", "f32")]
+    for args in runs:
+        proc = _run(*args)
         assert proc.returncode == 0, proc.stderr
-    run("kimistream.convert.cli", gguf_path, "-o", tmp_path / "f32.kst", "--quant", "f32", "--quiet")
-    for f in ("keep", "f32"):
-        run("kimistream.runtime.cli", "--weights", tmp_path / f"{f}.kst", "--prompt", "import os", "--max-tokens", 2,
-            "--dump-logits", tmp_path / f"{f}.npy", "--kv-dtype", "f32", "--quiet")
     return np.load(tmp_path / "keep.npy"), np.load(tmp_path / "f32.npy")
 
 
