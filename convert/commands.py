@@ -13,6 +13,7 @@ from rich.table import Table
 
 from kimistream.formats.constants import ROUTED_EXPERTS
 from kimistream.formats.gguffile import is_gguf
+from kimistream.formats.interrupts import say
 from kimistream.formats.progress import Phase
 
 from . import fetch as F
@@ -58,7 +59,7 @@ def print_summary(console: Console, summary) -> None:
 
 def _error(msg, code: int = 1) -> int:
     # Plain print: one line, never wrapped to a terminal width.
-    print(f"kimi-convert: error: {msg}", file=sys.stderr, flush=True)
+    say(f"kimi-convert: error: {msg}")
     return code
 
 

@@ -12,6 +12,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, Trans
 from rich.table import Table
 
 from kimistream.formats.gguffile import is_gguf
+from kimistream.formats.interrupts import say
 
 from . import hub as H
 from . import verify as V
@@ -128,7 +129,7 @@ def run(args) -> int:
                     sources += [s for s in exp.sources if s not in sources]
                 all_rows += rows
     except (ValueError, OSError) as e:
-        print(f"kimi-verify: error: {e}", file=sys.stderr)
+        say(f"kimi-verify: error: {e}")
         return 2
     code = V.exit_code(all_rows)
     if args.json:

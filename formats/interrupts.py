@@ -56,6 +56,13 @@ def caused_by_interrupt(e: BaseException | None) -> bool:
     return False
 
 
+def say(text: str) -> None:
+    """One message line on stderr, written by one call: print() writes the text and its newline
+    separately, and an interrupt between the two would glue the next line to this one."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
 def command(prog: str, start, interrupted: str) -> int:
     """A command's main: `start()` (parse the arguments, import the work) runs with the interrupt held
     and returns the work, a callable giving the exit status. Ctrl-C at any point, even wrapped in
@@ -75,5 +82,5 @@ def command(prog: str, start, interrupted: str) -> int:
             raise
     except KeyboardInterrupt:
         pass
-    print(f"{prog}: {interrupted}", file=sys.stderr, flush=True)
+    say(f"{prog}: {interrupted}")
     return 130

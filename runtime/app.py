@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from kimistream.formats.constants import ROUTED_EXPERTS
+from kimistream.formats.interrupts import say
 from kimistream.formats.weightfile import WeightFile, WeightFileError, check_model
 
 from . import budget as B
@@ -33,11 +34,11 @@ CALIBRATION_HOLD_BACK = 0.5   # calibration: share of the room beyond the minimu
 
 
 def _log(msg: str) -> None:
-    print(f"kimi-run: {msg}", file=sys.stderr, flush=True)
+    say(f"kimi-run: {msg}")
 
 
 def _fail(msg: str) -> int:
-    print(f"kimi-run: error: {msg}", file=sys.stderr, flush=True)
+    say(f"kimi-run: error: {msg}")
     return 1
 
 
