@@ -106,6 +106,8 @@ def run(args) -> int:
             return plan_config(args, log)
         if args.perplexity or args.calibration:
             return _quality(args, log)
+        if args.serve or (args.chat and args.prompt is None and not args.dry_run):
+            return _interactive(args, log)
         return _generate(args, log)
     except (RunError, WeightFileError, BundledModelError, TokenizerError, ExpertReadError, ContextFull,
             ValueError, OSError) as e:
@@ -211,9 +213,58 @@ def open_session(args, log, weights_path=None, describe: bool = True, hold_back:
     return Session(path, cfg, plan, weights, model, tok, resident, held_back)
 
 
+def _interactive(args, log) -> int:
+    """--serve and the interactive --chat: one engine that keeps the conversation's KV cache."""
+    from .engine import Engine
+    if args.serve and (args.prompt is not None or args.perplexity or args.calibration):
+        raise RunError("--serve takes no --prompt, --perplexity or --calibration")
+    if not args.serve and not sys.stdin.isatty():
+        raise RunError("--chat without --prompt needs a terminal on standard input (or give --prompt TEXT / -)")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise RunError("--max-tokens must be >= 1")
+    if args.serve:
+        try:
+            import starlette  # noqa: F401
+            import uvicorn  # noqa: F401
+        except ImportError:
+            raise RunError("--serve needs the serve extra: pip install 'kimi-stream[serve]'") from None
+        if not 0 <= args.port <= 65535:
+            raise RunError(f"--port must be 0..65535, got {args.port}")
+        if args.max_queue < 0:
+            raise RunError("--max-queue must be >= 0")
+        try:
+            max_body = B.parse_size(args.max_body)
+        except ValueError as e:
+            raise RunError(f"--max-body: {e}") from None
+    Sampler(args.temperature, args.top_p, args.seed)      # flag errors before loading
+    s = open_session(args, log)
+    if s is None:
+        return 0
+    untrained = untrained_chat_markers(s.tok, s.weights)
+    if untrained:
+        log(f"warning: this model looks untrained on its chat template's markers ({', '.join(untrained)}): "
+            f"a base model continues the text rather than answering")
+    stop_ids = {i for i in (s.tok.eos_id, *s.cfg.eos_token_ids) if i is not None}
+    engine = Engine(s.model, s.tok, stop_ids, args.prefill_batch_size, s.weights.pager,
+                    prefix_cache=not args.no_prompt_cache)
+    try:
+        if args.serve:
+            from .server import ServerConfig, serve
+            cfg = ServerConfig(model_id=s.path.stem, api_key=args.api_key, max_body=max_body,
+                               max_queue=args.max_queue, memory_budget=s.plan.budget,
+                               created=int(s.path.stat().st_mtime))
+            return serve(engine, cfg, args.host, args.port, log)
+        from .chat import repl
+        return repl(engine, args)
+    finally:
+        s.weights.close()
+
+
 def _generate(args, log) -> int:
     if args.prompt is None and not args.dry_run:
-        raise RunError("--prompt is required (or --perplexity FILE, --calibration FILE)")
+        raise RunError("--prompt is required (or --chat on a terminal, --serve, --perplexity FILE, --calibration FILE)")
+    if args.max_tokens is None:
+        args.max_tokens = 64
     if args.max_tokens < 0:
         raise RunError("--max-tokens must be >= 0")
     sampler = Sampler(args.temperature, args.top_p, args.seed)

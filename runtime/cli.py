@@ -16,8 +16,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kimi-run", description=__doc__)
     p.add_argument("--weights", help="weight file from kimi-convert (default: the bundled model)")
     p.add_argument("--prompt", help="prompt text ('-' reads standard input)")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--chat", action="store_true",
+                   help="wrap the prompt as a user message in the model's chat template; without --prompt, on a "
+                        "terminal: an interactive chat that keeps the conversation (and its KV cache) between turns")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="tokens to generate (default 64; in the interactive chat: up to the end of the context)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
@@ -58,6 +61,19 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--quant", default="q2", help="with --plan-config: the precision preset to plan for (default q2)")
     m.add_argument("--override", action="append", default=[], metavar="REGEX=CODEC",
                    help="with --plan-config: a per-tensor codec, as kimi-convert takes it (repeatable)")
+    v = p.add_argument_group("server (OpenAI API; needs the serve extra: pip install 'kimi-stream[serve]')")
+    v.add_argument("--serve", action="store_true",
+                   help="serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)")
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    v.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080; 0 picks a free one)")
+    v.add_argument("--api-key", default=os.environ.get("KIMI_STREAM_API_KEY"), metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (default: $KIMI_STREAM_API_KEY, else none)")
+    v.add_argument("--max-queue", type=int, default=16, metavar="N",
+                   help="requests that may wait while one generates; more get 503 (default 16)")
+    v.add_argument("--max-body", default="4M", metavar="SIZE", help="largest request body (default 4M)")
+    v.add_argument("--no-prompt-cache", action="store_true",
+                   help="compute every prompt in full instead of reusing the KV cache of the previous request's "
+                        "shared prefix (for measurements, or outputs independent of earlier requests)")
     q = p.add_argument_group("quality")
     q.add_argument("--perplexity", metavar="TEXT_FILE", help="perplexity over the file in windows of --max-context")
     q.add_argument("--kl-reference", metavar="REF_WEIGHTS",

@@ -33,9 +33,12 @@ class GenerationStats:
 
 
 def generate(model: Model, prompt_ids: list[int], max_tokens: int, sampler: Sampler, prefill_batch: int,
-             stop_ids=(), stats: GenerationStats | None = None, on_prefill_logits=None, telemetry=None):
+             stop_ids=(), stats: GenerationStats | None = None, on_prefill_logits=None, telemetry=None,
+             cancelled=None):
     """Yield generated token ids. `on_prefill_logits(all_logits)` gets every prompt position's logits
-    when given (teacher-forced), at no extra cost. `telemetry.record(phase, n)` closes each step."""
+    when given (teacher-forced), at no extra cost. `telemetry.record(phase, n)` closes each step.
+    `cancelled()`, when given, is asked before each prefill chunk and decode step: True stops there
+    (stop reason "cancelled")."""
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt_ids)
     if not prompt_ids:
@@ -48,6 +51,9 @@ def generate(model: Model, prompt_ids: list[int], max_tokens: int, sampler: Samp
     all_logits = on_prefill_logits is not None
     chunks = []
     for s in range(0, len(prompt_ids), prefill_batch):
+        if cancelled is not None and cancelled():
+            stats.stop_reason = "cancelled"
+            return
         chunk = prompt_ids[s:s + prefill_batch]
         chunks.append(model.forward(chunk, all_logits=all_logits))
         if telemetry:
@@ -69,6 +75,9 @@ def generate(model: Model, prompt_ids: list[int], max_tokens: int, sampler: Samp
             break
         if model.cache.length >= model.cache.max_context:
             stats.stop_reason = "context full"
+            return
+        if cancelled is not None and cancelled():
+            stats.stop_reason = "cancelled"
             return
         t = time.perf_counter()
         logits = model.forward([tok])

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[test,cluster]')")
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[test,cluster,serve]')")
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {"stdlib-moe": "stdlib-heldout.txt", "manpages-moe": "manpages-heldout.txt"}

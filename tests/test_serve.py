@@ -1,0 +1,437 @@
+"""kimi-run --serve driven by the real `openai` client on the bundled model: the same tokens as
+kimi-run --prompt at temperature 0, usage counts, prefix caching seen in the server's counters, the
+queue (order, 503 when full), a client that leaves mid-stream, OpenAI-shaped errors; and the
+interactive --chat on a pseudo-terminal."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+KEY = "test-key-123"
+CONTEXT = 1024
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """The bundled model, converted once into a cache of this module's own."""
+    e = dict(os.environ, KIMI_STREAM_CACHE=str(tmp_path_factory.mktemp("cache")))
+    proc = subprocess.run([shutil.which("kimi-run"), "--dry-run", "--quiet"], env=e, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return e
+
+
+class Server:
+    def __init__(self, env, *flags):
+        self.proc = subprocess.Popen([shutil.which("kimi-run"), "--serve", "--port", "0", "--max-context", str(CONTEXT),
+                                      *flags], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.log = []
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            line = self.proc.stderr.readline()
+            if not line:
+                raise AssertionError(f"the server ended: {''.join(self.log)}")
+            self.log.append(line)
+            m = re.search(r"serving (\S+) at (http://[\d.]+:\d+)/v1", line)
+            if m:
+                self.model, self.url = m.group(1), m.group(2)
+                break
+        threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()
+
+    def client(self, key=KEY, **kw):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, **kw)
+
+    def raw(self, method, path, body=None, key=KEY, headers=None):
+        """(status, decoded JSON or text) of one request."""
+        data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+        h = {"Authorization": f"Bearer {key}", "Content-Type": "application/json", **(headers or {})}
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers=h)
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                status, text = r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            status, text = e.code, e.read().decode()
+        try:
+            return status, json.loads(text)
+        except ValueError:
+            return status, text
+
+    def metrics(self) -> dict:
+        status, text = self.raw("GET", "/metrics")
+        assert status == 200, text
+        return {k: float(v) for k, v in re.findall(r"^(kimi_\w+) (\S+)$", text, re.M)}
+
+    def wait_for(self, cond, timeout=60):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = self.metrics()
+            if cond(m):
+                return m
+            time.sleep(0.01)
+        raise AssertionError(f"timed out; metrics {self.metrics()}")
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+
+
+@pytest.fixture(scope="module")
+def server(env):
+    s = Server(env, "--api-key", KEY, "--max-queue", "2", "--max-body", "256K")
+    yield s
+    s.stop()
+
+
+def kimi_run_json(env, prompt, max_tokens, chat):
+    cmd = [shutil.which("kimi-run"), "--prompt", prompt, "--max-tokens", str(max_tokens), "--temperature", "0",
+           "--max-context", str(CONTEXT), "--json", "--quiet"] + (["--chat"] if chat else [])
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def expected_text(env, ref):
+    """kimi-run's tokens as text, less an end-of-sequence token (the API's content never shows it)."""
+    from kimistream.runtime.tokenizer import Tokenizer
+    from kimistream.runtime.weights import ModelWeights
+    path = next(p for p in (os.path.join(env["KIMI_STREAM_CACHE"], f) for f in os.listdir(env["KIMI_STREAM_CACHE"]))
+                if p.endswith(".kst"))
+    w = ModelWeights(path)
+    tok = Tokenizer(w.header["tokenizer"]["kind"], {n: w.file.blob(n) for n in w.header["tokenizer"]["files"]})
+    ids = [t for t in ref["tokens"] if t != tok.eos_id]
+    w.close()
+    return tok.decode(ids)
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_same_tokens_as_kimi_run(env, server, chat):
+    prompt = "def parse_args(argv):" if chat else "class Reader:\n    def __init__(self, path):"
+    ref = kimi_run_json(env, prompt, 40, chat)
+    want = expected_text(env, ref)
+    c = server.client()
+    if chat:
+        msgs = [{"role": "user", "content": prompt}]
+        r = c.chat.completions.create(model=server.model, messages=msgs, temperature=0, max_tokens=40)
+        got, finish = r.choices[0].message.content, r.choices[0].finish_reason
+        assert r.choices[0].message.role == "assistant" and r.object == "chat.completion"
+        stream = c.chat.completions.create(model=server.model, messages=msgs, temperature=0, max_tokens=40,
+                                           stream=True, stream_options={"include_usage": True})
+    else:
+        r = c.completions.create(model=server.model, prompt=prompt, temperature=0, max_tokens=40)
+        got, finish = r.choices[0].text, r.choices[0].finish_reason
+        stream = c.completions.create(model=server.model, prompt=prompt, temperature=0, max_tokens=40, stream=True,
+                                      stream_options={"include_usage": True})
+    assert got == want
+    assert finish == ("stop" if ref["stats"]["stop_reason"] == "eos" else "length")
+    assert r.usage.prompt_tokens == len(ref["prompt_tokens"])
+    assert r.usage.completion_tokens == len(ref["tokens"])
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    pieces, finishes, usage = [], [], None
+    for ch in stream:
+        if ch.usage is not None:
+            usage = ch.usage
+        for choice in ch.choices:
+            pieces.append((choice.delta.content or "") if chat else choice.text)
+            finishes.append(choice.finish_reason)
+    assert "".join(pieces) == want
+    assert len(pieces) > 3                                  # streamed piece by piece, not in one event
+    assert [f for f in finishes if f] == [finish] and finishes[-1] == finish
+    assert usage.prompt_tokens == len(ref["prompt_tokens"]) and usage.completion_tokens == len(ref["tokens"])
+    # the same prompt again: all of it but its last token comes from the kept cache
+    assert usage.prompt_tokens_details.cached_tokens == len(ref["prompt_tokens"]) - 1
+
+
+def test_second_turn_computes_only_new_tokens(server):
+    c = server.client()
+    turn1 = [{"role": "user", "content": "import json\nimport sys"}]
+    r1 = c.chat.completions.create(model=server.model, messages=turn1, temperature=0, max_tokens=24)
+    before = server.metrics()
+    turn2 = turn1 + [{"role": "assistant", "content": r1.choices[0].message.content},
+                     {"role": "user", "content": "def load(path):"}]
+    r2 = c.chat.completions.create(model=server.model, messages=turn2, temperature=0, max_tokens=8)
+    after = server.metrics()
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert cached >= r1.usage.prompt_tokens                 # at least the whole first prompt was kept
+    assert cached < r2.usage.prompt_tokens
+    computed = after["kimi_prompt_tokens_computed_total"] - before["kimi_prompt_tokens_computed_total"]
+    assert computed == r2.usage.prompt_tokens - cached
+    assert after["kimi_prompt_tokens_cached_total"] - before["kimi_prompt_tokens_cached_total"] == cached
+
+
+def _long_prompt(seed: str) -> str:
+    return seed + "\n" + "\n".join(f"    value_{i} = compute({i}, {seed!r})" for i in range(40))
+
+
+def test_queue_order_and_overflow(server):
+    """One generation at a time, the others answered in arrival order; past --max-queue (2), 503."""
+    c = server.client()
+    done, errors = [], []
+
+    def ask(name, prompt, max_tokens):
+        try:
+            r = c.completions.create(model=server.model, prompt=prompt, temperature=0, max_tokens=max_tokens)
+            done.append((name, r.usage.completion_tokens))
+        except Exception as e:                              # noqa: BLE001 - reported by the assertion below
+            errors.append((name, e))
+
+    threads = [threading.Thread(target=ask, args=("A", _long_prompt("first"), 480))]
+    threads[0].start()
+    server.wait_for(lambda m: m["kimi_queue_running"] == 1)
+    for i, name in enumerate("BC"):
+        threads.append(threading.Thread(target=ask, args=(name, f"def {name.lower()}():", 5)))
+        threads[-1].start()
+        server.wait_for(lambda m, n=i + 1: m["kimi_queue_waiting"] == n)
+    with pytest.raises(openai.APIStatusError) as e:
+        c.completions.create(model=server.model, prompt="x = 1", max_tokens=2)
+    assert e.value.status_code == 503 and e.value.body["code"] == "queue_full"
+    assert server.metrics()["kimi_queue_running"] == 1     # A was still generating when D was refused
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert done == [("A", 480), ("B", 5), ("C", 5)]
+
+
+def test_disconnected_stream_stops_generating(server):
+    before = server.wait_for(lambda m: m["kimi_queue_running"] == 0)
+    c = server.client()
+    stream = c.completions.create(model=server.model, prompt="import os", temperature=0, max_tokens=900, stream=True)
+    it = iter(stream)
+    for _ in range(3):
+        next(it)
+    stream.close()
+    after = server.wait_for(lambda m: m["kimi_queue_running"] == 0
+                            and m["kimi_requests_cancelled_total"] > before["kimi_requests_cancelled_total"])
+    generated = after["kimi_generated_tokens_total"] - before["kimi_generated_tokens_total"]
+    assert 3 <= generated < 900                       # kimi-run generates all 900 for this prompt (no end token)
+    assert after["kimi_requests_cancelled_total"] - before["kimi_requests_cancelled_total"] == 1
+
+
+def test_stop_strings(env, server):
+    prompt = "import os"
+    full = server.client().completions.create(model=server.model, prompt=prompt, temperature=0, max_tokens=60)
+    text = full.choices[0].text
+    stop = text.strip()[6:9]
+    assert stop and stop in text
+    r = server.client().completions.create(model=server.model, prompt=prompt, temperature=0, max_tokens=60, stop=[stop])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == text[:text.find(stop)]
+    pieces = [ch.choices[0].text for ch in server.client().completions.create(
+        model=server.model, prompt=prompt, temperature=0, max_tokens=60, stop=stop, stream=True) if ch.choices]
+    assert "".join(pieces) == text[:text.find(stop)]
+
+
+def test_errors_have_openai_shape(server):
+    def shape(body):
+        assert set(body) == {"error"} and isinstance(body["error"]["message"], str)
+        assert {"message", "type", "code"} <= set(body["error"])
+        return body["error"]["code"]
+
+    msgs = [{"role": "user", "content": "hi"}]
+    cases = [
+        (("POST", "/v1/chat/completions", b"{not json"), 400, "invalid_json"),
+        (("POST", "/v1/chat/completions", b"[1, 2]"), 400, "invalid_json"),
+        (("POST", "/v1/chat/completions", b"[" * 100000 + b"]" * 100000), 400, "invalid_json"),
+        (("POST", "/v1/chat/completions", {"model": "no-such-model", "messages": msgs}), 404, "model_not_found"),
+        (("POST", "/v1/chat/completions", {"model": server.model, "messages": msgs, "max_tokens": CONTEXT}), 400,
+         "context_length_exceeded"),
+        (("POST", "/v1/completions", {"model": server.model, "prompt": "x " * (2 * CONTEXT)}), 400,
+         "context_length_exceeded"),
+        (("POST", "/v1/chat/completions", {"model": server.model, "messages": msgs, "n": 2}), 400,
+         "unsupported_parameter"),
+        (("POST", "/v1/chat/completions", {"model": server.model, "messages": "hi"}), 400, "invalid_type"),
+        (("POST", "/v1/chat/completions", {"model": server.model, "messages": msgs, "temperature": "hot"}), 400,
+         "invalid_type"),
+        (("POST", "/v1/chat/completions", b'{"model": "x", "pad": "' + b"a" * (300 << 10) + b'"}'), 413,
+         "request_too_large"),
+        (("GET", "/v1/nothing-here", None), 404, "not_found"),
+        (("GET", "/v1/chat/completions", None), 405, "method_not_allowed"),
+    ]
+    for (method, path, body), status, code in cases:
+        got_status, got = server.raw(method, path, body)
+        assert (got_status, shape(got)) == (status, code), (path, body if not isinstance(body, bytes) else body[:40], got)
+    for path in ("/v1/models", "/metrics"):
+        status, body = server.raw("GET", path, key="wrong")
+        assert (status, shape(body)) == (401, "invalid_api_key")
+    with pytest.raises(openai.AuthenticationError):
+        server.client(key="wrong").models.list()
+    with pytest.raises(openai.NotFoundError):
+        server.client().chat.completions.create(model="nope", messages=msgs)
+    assert server.raw("GET", "/health", key="")[0] == 200          # health needs no key
+    assert [m.id for m in server.client().models.list()] == [server.model]
+    assert server.proc.poll() is None                               # still serving
+    assert not any("Traceback" in line for line in server.log), "".join(server.log)
+
+
+def test_listening_elsewhere_without_key_warns(env):
+    s = Server(env, "--host", "0.0.0.0", "--max-queue", "0")
+    try:
+        assert any("warning: serving on 0.0.0.0 without --api-key" in line for line in s.log), s.log
+        assert s.raw("GET", "/health")[0] == 200
+        assert s.client(key="anything").models.list().data[0].id == s.model
+    finally:
+        s.stop()
+    assert "Traceback" not in "".join(s.log)
+
+
+def test_default_host_is_loopback(env):
+    s = Server(env)
+    try:
+        assert s.url.startswith("http://127.0.0.1:")
+    finally:
+        s.stop()
+
+
+# ------------------------------------------------------------------------------------ --chat on a terminal
+
+class Terminal:
+    """kimi-run --chat on a pseudo-terminal, as a user at a keyboard sees it."""
+
+    def __init__(self, env, *flags):
+        import pty
+        pid, fd = pty.fork()
+        if pid == 0:
+            try:
+                os.execve(shutil.which("kimi-run"), ["kimi-run", "--chat", "--max-context", str(CONTEXT), *flags], env)
+            finally:
+                os._exit(127)
+        self.pid, self.fd, self.seen = pid, fd, ""
+
+    def read_until(self, marker: str, timeout=120) -> str:
+        import select
+        start, deadline = len(self.seen), time.monotonic() + timeout
+        while marker not in self.seen[start:]:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {marker!r} in {self.seen[start:]!r}")
+            if select.select([self.fd], [], [], 0.5)[0]:
+                try:
+                    data = os.read(self.fd, 4096)
+                except OSError:
+                    raise AssertionError(f"the chat ended: {self.seen!r}") from None
+                self.seen += data.decode(errors="replace")
+        return self.seen[start:]
+
+    def type(self, text: str) -> None:
+        os.write(self.fd, text.encode())
+
+    def exit_status(self, timeout=60) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                return os.waitstatus_to_exitcode(status)
+            try:
+                self.seen += os.read(self.fd, 4096).decode(errors="replace")
+            except OSError:
+                time.sleep(0.05)
+        os.kill(self.pid, signal.SIGKILL)
+        raise AssertionError("the chat did not end")
+
+
+def _stats(text: str) -> tuple[int, int, int]:
+    m = re.search(r"turns (\d+); prompt tokens (\d+) \((\d+) from the kept cache", text)
+    assert m, text
+    return int(m.group(1)), int(m.group(2)), int(m.group(3))
+
+
+def test_interactive_chat(env):
+    t = Terminal(env, "--max-tokens", "16")
+    t.read_until("Ctrl-D or /exit quits")
+    t.read_until("> ")
+    t.type("def main():\n")
+    t.read_until("> ")
+    t.type("/stats\n")
+    assert _stats(t.read_until("> "))[:1] == (1,)
+    t.type("import sys\n")                                   # the second turn reuses the first one's cache
+    t.read_until("> ")
+    t.type("/stats\n")
+    turns, _, cached = _stats(t.read_until("> "))
+    assert turns == 2 and cached > 10
+    t.type("/reset\n")
+    assert "(conversation forgotten)" in t.read_until("> ")
+    t.type("/stats\n")
+    t.read_until("> ")
+    t.type("\x04")                                           # Ctrl-D
+    assert t.exit_status() == 0
+
+
+def test_interactive_chat_ctrl_c_stops_the_answer_only(env):
+    t = Terminal(env)                                        # answers run to the end of the context
+    t.read_until("> ")
+    t.type("import os\n")
+    t.read_until("\n", timeout=60)                           # the echoed line
+    time.sleep(0.5)                                          # the answer is streaming
+    t.type("\x03")                                           # Ctrl-C
+    assert "[stopped]" in t.read_until("> ")
+    t.type("/stats\n")
+    turns, _, _ = _stats(t.read_until("> "))
+    assert turns == 1
+    t.type("/exit\n")
+    assert t.exit_status() == 0
+    assert "Traceback" not in t.seen
+
+
+def test_chat_without_terminal_is_one_line_error(env):
+    proc = subprocess.run([shutil.which("kimi-run"), "--chat"], env=env, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1].startswith("kimi-run: error: --chat without --prompt needs a terminal")
+
+
+def test_readme_client_example(server):
+    """The README's client example, pointed at this server, gets an answer."""
+    import pathlib
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    code = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
+    code = code.replace("http://127.0.0.1:8080", server.url).replace('"MODEL"', repr(server.model))
+    code = code.replace('api_key="unused"', f"api_key={KEY!r}")
+    scope = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    assert scope["reply"].choices[0].message.content
+
+
+def test_no_prompt_cache_computes_every_prompt(env):
+    s = Server(env, "--no-prompt-cache")
+    try:
+        c = s.client()
+        for _ in range(2):
+            r = c.completions.create(model=s.model, prompt="import os", temperature=0, max_tokens=4)
+            assert r.usage.prompt_tokens_details.cached_tokens == 0
+        m = s.metrics()
+        assert m["kimi_prompt_tokens_computed_total"] == 2 * r.usage.prompt_tokens
+    finally:
+        s.stop()
+
+
+def test_bad_server_flags_are_one_line_errors(env):
+    import socket
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    try:
+        for flags, message in [(["--port", "70000"], "--port must be 0..65535"),
+                               (["--max-queue", "-1"], "--max-queue must be >= 0"),
+                               (["--max-body", "lots"], "--max-body"),
+                               (["--prompt", "hi"], "--serve takes no --prompt"),
+                               (["--port", str(port)], f"cannot listen on 127.0.0.1:{port}")]:
+            proc = subprocess.run([shutil.which("kimi-run"), "--serve", "--max-context", "64", *flags], env=env,
+                                  capture_output=True, text=True, timeout=120)
+            last = proc.stderr.strip().splitlines()[-1]
+            assert proc.returncode == 1 and last.startswith("kimi-run: error: ") and message in last, proc.stderr
+            assert "Traceback" not in proc.stderr
+    finally:
+        taken.close()
