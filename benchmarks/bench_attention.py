@@ -14,7 +14,8 @@ import time
 
 import numpy as np
 
-from kimistream.runtime import blas, kernels
+from kimistream.formats import blas
+from kimistream.runtime import kernels
 
 
 def best_ms(fn, seconds: float = 1.0) -> float:

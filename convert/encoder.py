@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from kimistream.formats import blas
 from kimistream.formats.codecs import Codec, CodecError, get_codec
 from kimistream.formats.quants import F16_MAX, BlockCodec, to_subs
 
@@ -31,6 +32,7 @@ def encode(codec: Codec | str, values: np.ndarray, importance: np.ndarray | None
     `importance` its diagonal weights the grid fit. Codecs that fit nothing ignore both."""
     c = get_codec(codec) if isinstance(codec, str) else codec
     if isinstance(c, BlockCodec):
+        blas.set_threads(1)     # same bytes on any thread count (formats/blas.py); rows run on every core anyway
         return _encode_block(c, values, importance, moment)
     return _encode_float(c, values)
 

@@ -18,9 +18,10 @@ import os
 
 import numpy as np
 
+from kimistream.formats import blas
 from kimistream.formats.config import ModelConfig, RopeConfig
 
-from . import blas, kernels
+from . import kernels
 from .weights import ExpertProvider, ModelWeights, Weight, has_fused_kernel
 
 # every core for prefill's large products (kimi-run --threads sets the variable)
@@ -388,7 +389,7 @@ class Model:
         T, start = ids2.shape[1], self.cache.length
         if start + T > self.cache.max_context:
             raise ContextFull(f"context of {self.cache.max_context} tokens is full (raise --max-context)")
-        blas.set_threads(1 if T == 1 else _THREADS)   # see runtime/blas.py: decode steps, one or several sequences
+        blas.set_threads(1 if T == 1 else _THREADS)   # see formats/blas.py: decode steps, one or several sequences
         kernels.set_spin(T == 1)
         x = self.embed(ids2.reshape(-1))
         for layer in self.layers:

@@ -1,8 +1,10 @@
-"""BLAS thread count at run time. A decode step multiplies only small matrices with numpy, and an
-OpenBLAS worker spinning on the second core after each of them takes that core from the mat-vec
-kernel's own thread; prefill's large products want every core. So the model asks for one BLAS
-thread per decode step and for all of them in prefill. Works with the OpenBLAS numpy ships (or any
-OpenBLAS loaded in the process); elsewhere it does nothing."""
+"""BLAS thread count, set from inside the process. At run time a decode step multiplies only small
+matrices with numpy, and an OpenBLAS worker spinning on the second core after each of them takes
+that core from the mat-vec kernel's own thread; prefill's large products want every core. So the
+model asks for one BLAS thread per decode step and for all of them in prefill. The encoder asks for
+one thread always: OpenBLAS's results can depend on its thread count, and a file must be the same
+bytes whether it was encoded here or on a cluster worker. Works with the OpenBLAS numpy ships (or
+any OpenBLAS loaded in the process); elsewhere it does nothing."""
 
 from __future__ import annotations
 
