@@ -308,11 +308,12 @@ class Terminal:
                 os.execve(shutil.which("kimi-run"), ["kimi-run", "--chat", "--max-context", str(CONTEXT), *flags], env)
             finally:
                 os._exit(127)
-        self.pid, self.fd, self.seen = pid, fd, ""
+        self.pid, self.fd, self.seen, self.pos = pid, fd, "", 0
 
     def read_until(self, marker: str, timeout=120) -> str:
+        """The output from the end of the last marker found to the end of this one."""
         import select
-        start, deadline = len(self.seen), time.monotonic() + timeout
+        start, deadline = self.pos, time.monotonic() + timeout
         while marker not in self.seen[start:]:
             if time.monotonic() > deadline:
                 raise AssertionError(f"no {marker!r} in {self.seen[start:]!r}")
@@ -322,7 +323,8 @@ class Terminal:
                 except OSError:
                     raise AssertionError(f"the chat ended: {self.seen!r}") from None
                 self.seen += data.decode(errors="replace")
-        return self.seen[start:]
+        self.pos = self.seen.index(marker, start) + len(marker)
+        return self.seen[start:self.pos]
 
     def type(self, text: str) -> None:
         os.write(self.fd, text.encode())
