@@ -224,10 +224,10 @@ def _interactive(args, log) -> int:
         raise RunError("--max-tokens must be >= 1")
     if args.serve:
         try:
-            import starlette  # noqa: F401
-            import uvicorn  # noqa: F401
+            from . import server
         except ImportError:
             raise RunError("--serve needs the serve extra: pip install 'kimi-stream[serve]'") from None
+        server.warm_up()      # before the plan measures the process: the server's libraries are part of it
         if not 0 <= args.port <= 65535:
             raise RunError(f"--port must be 0..65535, got {args.port}")
         if args.max_queue < 0:
@@ -249,11 +249,10 @@ def _interactive(args, log) -> int:
                     prefix_cache=not args.no_prompt_cache)
     try:
         if args.serve:
-            from .server import ServerConfig, serve
-            cfg = ServerConfig(model_id=s.path.stem, api_key=args.api_key, max_body=max_body,
+            cfg = server.ServerConfig(model_id=s.path.stem, api_key=args.api_key, max_body=max_body,
                                max_queue=args.max_queue, memory_budget=s.plan.budget,
                                created=int(s.path.stat().st_mtime))
-            return serve(engine, cfg, args.host, args.port, log)
+            return server.serve(engine, cfg, args.host, args.port, log)
         from .chat import repl
         return repl(engine, args)
     finally:

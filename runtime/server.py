@@ -517,6 +517,17 @@ def _prometheus(m: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _config(app):
+    import uvicorn
+    return uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=2)
+
+
+def warm_up() -> None:
+    """Import what serving loads lazily (uvicorn's protocol classes), so the memory plan, which
+    measures the process before the first weight, counts it."""
+    _config(Starlette()).load()
+
+
 def serve(engine: Engine, cfg: ServerConfig, host: str, port: int, log) -> int:
     """Bind, say where, and serve until interrupted."""
     import socket
@@ -537,10 +548,8 @@ def serve(engine: Engine, cfg: ServerConfig, host: str, port: int, log) -> int:
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     log(f"serving {cfg.model_id} at http://{shown}:{bound}/v1 (OpenAI API; /health, /metrics); Ctrl-C stops")
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=2)
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        uvicorn.Server(_config(app)).run(sockets=[sock])
     finally:
         app.state.scheduler.stop()
     log("server stopped")

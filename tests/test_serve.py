@@ -437,3 +437,26 @@ def test_bad_server_flags_are_one_line_errors(env):
             assert "Traceback" not in proc.stderr
     finally:
         taken.close()
+
+
+def test_server_keeps_the_memory_budget(env):
+    """Under a budget that holds a quarter of the experts (planned with the server's libraries
+    loaded), a conversation stays within it: VmHWM as /metrics reports it."""
+    proc = subprocess.run([shutil.which("kimi-run"), "--serve", "--dry-run", "--json", "--quiet", "--max-context",
+                           str(CONTEXT)], env=env, capture_output=True, text=True, timeout=120)
+    p = json.loads(proc.stdout)["memory_plan"]
+    budget = sum(p[k] for k in ("baseline", "resident", "metadata", "kv_cache", "activations")) \
+        + p["total_experts"] // 4 * p["expert_bytes"]
+    s = Server(env, "--memory-budget", str(budget))
+    try:
+        c = s.client()
+        msgs = [{"role": "user", "content": _long_prompt("budget")}]
+        r = c.chat.completions.create(model=s.model, messages=msgs, temperature=0, max_tokens=64)
+        msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "x = 1"}]
+        c.chat.completions.create(model=s.model, messages=msgs, temperature=0, max_tokens=64, stream=True).close()
+        m = s.wait_for(lambda m: m["kimi_queue_running"] == 0)
+        assert m["kimi_memory_budget_bytes"] == budget
+        assert m["kimi_expert_cache_evictions_total"] > 0          # the experts did not fit
+        assert m["kimi_peak_rss_bytes"] <= budget
+    finally:
+        s.stop()
