@@ -18,6 +18,7 @@ from kimistream.formats.weightfile import WeightFile, WeightFileError, check_mod
 
 from . import budget as B
 from .bundled import BundledModelError, default_weights
+from .engine import TextStream
 from .generate import GenerationStats, generate
 from . import planner
 from .errors import RunError
@@ -45,30 +46,6 @@ def _fail(msg: str) -> int:
 def peak_rss_bytes() -> int:
     # VmHWM, not getrusage's ru_maxrss: the latter keeps the parent's peak across fork+exec.
     return vm_hwm()
-
-
-class _TextStream:
-    """Decode the growing id list and write only the new, complete characters."""
-
-    def __init__(self, tok: Tokenizer, out):
-        self.tok, self.out, self.ids, self.done = tok, out, [], ""
-
-    def push(self, tid: int) -> None:
-        self.ids.append(tid)
-        text = self.tok.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return   # an incomplete UTF-8 sequence: wait for the next token
-        if self.out is not None:
-            self.out.write(text[len(self.done):])
-            self.out.flush()
-        self.done = text
-
-    def finish(self) -> None:
-        """Write whatever is left, even an incomplete character, when generation ends."""
-        text = self.tok.decode(self.ids)
-        if self.out is not None and text != self.done:
-            self.out.write(text[len(self.done):])
-        self.done = text
 
 
 # ------------------------------------------------------------------------------------ memory plan
@@ -293,16 +270,22 @@ def _generate(args, log) -> int:
 
     telemetry = Telemetry(weights.pager, args.trace)
     stop_ids = {i for i in (tok.eos_id, *cfg.eos_token_ids) if i is not None}
-    stream = _TextStream(tok, None if args.json else sys.stdout)
+    stream = TextStream(tok)
+    out = None if args.json else sys.stdout
     try:
         for tid in generate(model, prompt_ids, args.max_tokens, sampler, args.prefill_batch_size,
                             stop_ids, stats, dump, telemetry):
-            stream.push(tid)
+            piece = stream.push(tid)
+            if piece and out:
+                out.write(piece)
+                out.flush()
     except KeyboardInterrupt:
         log("interrupted")
     finally:
         telemetry.close()
-    stream.finish()
+    tail = stream.finish()
+    if tail and out:
+        out.write(tail)
     if not args.json:
         sys.stdout.write("\n")
     tele = telemetry.summary()

@@ -63,12 +63,12 @@ class Counters:
     decode_steps: int = 0
 
 
-class _Text:
+class TextStream:
     """Generated ids → text: only complete characters, and never a tail that might begin a stop
     string. `push` returns the new text that is safe to show; `stopped` is set once a stop string
     appears (the text is cut before it)."""
 
-    def __init__(self, tok: Tokenizer, stop: tuple[str, ...], skip: set[int]):
+    def __init__(self, tok: Tokenizer, stop: tuple[str, ...] = (), skip: set[int] = frozenset()):
         self.tok, self.stop, self.skip = tok, tuple(s for s in stop if s), skip
         self.ids: list[int] = []
         self.text = ""           # the text so far (up to a stop string)
@@ -90,6 +90,9 @@ class _Text:
         return self._flush(len(text) - hold)
 
     def finish(self) -> str:
+        """The rest, even an incomplete character, once generation has ended."""
+        if not self.stopped:
+            self.text = self.tok.decode(self.ids)
         return self._flush(len(self.text))
 
     def _flush(self, upto: int) -> str:
@@ -135,7 +138,7 @@ class Engine:
         res.cached_tokens = cached
         c.cached_tokens += cached
         sampler = Sampler(req.temperature, req.top_p, req.seed)
-        text = _Text(self.tok, req.stop, self.stop_ids)
+        text = TextStream(self.tok, req.stop, self.stop_ids)
         suffix = req.prompt_ids[cached:]
         telemetry = Telemetry(self.pager)
         fed = list(req.prompt_ids)         # what the cache holds once each step is done
