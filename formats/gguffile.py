@@ -57,6 +57,7 @@ PRE_SPLITS = {
                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"],
 }
 PRE_SPLITS["llama-bpe"] = PRE_SPLITS["llama-v3"] = PRE_SPLITS["llama3"]
+PRE_SPLITS["gpt-2"] = PRE_SPLITS["gpt2"]          # llama.cpp's converter writes "gpt-2" for GPT-2's own split
 IGNORE_MERGES = ("llama3", "llama-bpe", "llama-v3")
 
 

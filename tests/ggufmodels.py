@@ -50,7 +50,8 @@ def _typed(w: gguf.GGUFWriter, name: str, a: np.ndarray, qtype) -> None:
         w.add_tensor(name, a.astype(np.float16))
 
 
-def write_gguf(model_dir: Path, out: Path, qtype=gguf.GGMLQuantizationType.F32, arch: str = "deepseek2") -> Path:
+def write_gguf(model_dir: Path, out: Path, qtype=gguf.GGMLQuantizationType.F32, arch: str = "deepseek2",
+               pre: str = "gpt2") -> Path:
     cfg = json.loads((model_dir / "config.json").read_text())
     st = {k: v.float().numpy() for k, v in load_file(str(model_dir / "model.safetensors")).items()}
     w = gguf.GGUFWriter(str(out), arch)
@@ -84,7 +85,7 @@ def write_gguf(model_dir: Path, out: Path, qtype=gguf.GGMLQuantizationType.F32, 
     if cfg["norm_topk_prob"]:
         w.add_expert_weights_norm(True)
     w.add_rope_dimension_count(rope)
-    _tokenizer(w, model_dir)
+    _tokenizer(w, model_dir, pre)
 
     _typed(w, "token_embd.weight", st["model.embed_tokens.weight"], qtype)
     for i in range(L):
@@ -109,7 +110,7 @@ def write_gguf(model_dir: Path, out: Path, qtype=gguf.GGMLQuantizationType.F32, 
     return out
 
 
-def _tokenizer(w: gguf.GGUFWriter, model_dir: Path) -> None:
+def _tokenizer(w: gguf.GGUFWriter, model_dir: Path, pre: str) -> None:
     tj = json.loads((model_dir / "tokenizer.json").read_text())
     tc = json.loads((model_dir / "tokenizer_config.json").read_text())
     vocab = tj["model"]["vocab"]
@@ -120,7 +121,7 @@ def _tokenizer(w: gguf.GGUFWriter, model_dir: Path) -> None:
     for t in tj["added_tokens"]:
         tokens[t["id"]] = t["content"]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
+    w.add_tokenizer_pre(pre)
     w.add_token_list([t if t is not None else f"[PAD{i}]" for i, t in enumerate(tokens)])
     w.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
     merges = tj["model"]["merges"]
