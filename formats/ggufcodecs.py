@@ -2,8 +2,8 @@
 MODEL.gguf --quant keep`): codec `gguf-<type>` (e.g. `gguf-q2_k`) holds a tensor's rows of blocks
 unchanged, in llama.cpp's own layout (one row after the other, each `cols / block` blocks of
 `type_size` bytes; the layouts are llama.cpp's, see its ggml-common.h). Decoding is the `gguf`
-package's dequantizer, imported on first use. These codecs have no fused kernel yet: the runtime
-decodes such a weight to float32 when it uses it (planned as scratch), which is exact but slow."""
+package's dequantizer, imported on first use; the runtime has its own C decoders and products for
+them (runtime/_ggml.c), equal to it bit for bit."""
 
 from __future__ import annotations
 

@@ -17,7 +17,6 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from .codecs import get_codec, is_float_codec
-from .ggufcodecs import is_gguf_codec
 from .config import ModelConfig
 from .constants import (ATTENTION, DENSE_MLP, EXTENT_EXPERT, EXTENT_RESIDENT, LM_HEAD, ROUTER, SHARED_EXPERTS)
 from .layout import EXPERT_PROJS, expert_entries, plan_extents
@@ -78,10 +77,9 @@ def footprint(tensors, extents, header_bytes: int, blob_bytes: int) -> Footprint
             copies += n                                   # decoded once and kept
         if float_copy and cls in ("routed_experts", "shared_experts", "dense_mlp"):
             scratch = max(scratch, 2 * n)                 # decoded one projection at a time
-        elif is_gguf_codec(codec):
-            scratch = max(scratch, 2 * n)                 # no fused kernel: decoded whole when used
         elif not is_float_codec(codec) and len(shape) == 2:
-            scratch = max(scratch, 4 * 64 * shape[1])     # block codecs run fused (a 64-row block)
+            # block codecs (llama.cpp's too) run fused; many tokens dequantize blocks of rows
+            scratch = max(scratch, 4 * 64 * shape[1])
         if name.endswith("kv_b_proj.weight") and codec != "f32":
             scratch = max(scratch, n)                     # decoded per use
     experts = [nb for kind, nb in extents if kind == EXTENT_EXPERT]

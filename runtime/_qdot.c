@@ -26,6 +26,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "_ggml.h"
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define HAVE_X86 1
@@ -570,6 +572,7 @@ AVX2 static void multi_avx2(int kind, const uint8_t *codes, int64_t row_bytes, i
 #endif
 
 static int use_avx2;
+extern int ggml_avx2;
 
 /* ---------------------------------------------------------------------------------------- one row */
 
@@ -829,6 +832,7 @@ struct task {
     const int16_t *xq, *xp;
     int64_t cols, nspan, n, stride;
     int64_t ntok, ostride;                                /* rows jobs: tokens per job, output stride */
+    int64_t njobs_rows;                                   /* ggml jobs: rows of the tensor */
     int64_t scratch_floats;                               /* per thread */
     const int64_t *jobs;
     int64_t njobs;
@@ -959,6 +963,25 @@ static void rows_job(task_t *t, int64_t j, float *scratch) {
 static void deq_job(task_t *t, int64_t j, float *scratch) {
     int64_t lo = DEQ_ROWS * j, hi = lo + DEQ_ROWS < t->n ? lo + DEQ_ROWS : t->n;
     for (int64_t i = lo; i < hi; i++) deq_row(t->raw, t->geoms, t->stride + i, t->out + i * t->cols, scratch);
+}
+
+/* llama.cpp blocks (runtime/_ggml.c): t->n is the GGML type, t->stride a row's bytes, t->nspan its
+   blocks, t->ntok the inputs (rows of xf, cols apart), out [ntok, t->cols_out]: rows of job j */
+#define GGML_JOB_WEIGHTS (1 << 15)
+static void ggml_rows_job(task_t *t, int64_t j, float *scratch) {
+    int64_t per = t->ostride, lo = j * per, hi = lo + per < t->njobs_rows ? lo + per : t->njobs_rows;
+    float *acc = scratch, *buf = scratch + t->ntok + 8;
+    for (int64_t r = lo; r < hi; r++) {
+        for (int64_t k = 0; k < t->ntok; k++) acc[k] = 0.0f;
+        ggml_row_dot((int)t->n, t->raw + r * t->stride, t->nspan, t->xf, t->cols, t->ntok, acc, buf);
+        for (int64_t k = 0; k < t->ntok; k++) t->out[k * t->njobs_rows + r] = acc[k];
+    }
+}
+
+static void ggml_deq_job(task_t *t, int64_t j, float *scratch) {
+    int64_t lo = DEQ_ROWS * j, hi = lo + DEQ_ROWS < t->njobs_rows ? lo + DEQ_ROWS : t->njobs_rows;
+    for (int64_t i = lo; i < hi; i++)
+        ggml_decode((int)t->n, t->raw + i * t->stride, t->nspan, t->out + i * t->cols);
 }
 
 #define SUM_BYTES (1 << 20)
@@ -1816,6 +1839,103 @@ done:
     return ret;
 }
 
+/* a GGUF tensor's geometry checked against its bytes: the row's bytes, or -1 with ValueError set */
+static int64_t ggml_row_bytes(int type, int64_t rows, int64_t cols, Py_ssize_t have, int64_t *nblk) {
+    int64_t w, b;
+    if (!ggml_block_size(type, &w, &b)) {
+        PyErr_Format(PyExc_ValueError, "GGML type %d has no kernel (or its codebook is not loaded)", type);
+        return -1;
+    }
+    if (rows < 0 || cols <= 0 || cols % w || (cols / w) * b * rows > have) {
+        PyErr_SetString(PyExc_ValueError, "ggml: buffers do not match the tensor's shape");
+        return -1;
+    }
+    *nblk = cols / w;
+    return *nblk * b;
+}
+
+PyDoc_STRVAR(ggml_rows_doc,
+"ggml_rows(raw, type, rows, cols, xf, out, threads): out [T, rows] = xf [T, cols] @ W.T for the GGML\n"
+"tensor W [rows, cols] of llama.cpp blocks of `type` in raw (float32 buffers)");
+
+static PyObject *py_ggml_rows(PyObject *self, PyObject *args) {
+    PyObject *o[3];
+    int type, threads;
+    Py_ssize_t rows, cols;
+    if (!PyArg_ParseTuple(args, "OinnOOi", &o[0], &type, &rows, &cols, &o[1], &o[2], &threads)) return NULL;
+    buf_t b[3];
+    memset(b, 0, sizeof b);
+    PyObject *ret = NULL;
+    if (get_buf(o[0], &b[0], 0, 1, "raw") || get_buf(o[1], &b[1], 0, 4, "xf") || get_buf(o[2], &b[2], 1, 4, "out"))
+        goto done;
+    int64_t nblk, rb = ggml_row_bytes(type, rows, cols, b[0].b.len, &nblk);
+    if (rb < 0) goto done;
+    int64_t ntok = b[1].b.len / (4 * cols);
+    if (b[1].b.len != 4 * ntok * cols || b[2].b.len != 4 * ntok * rows) {
+        PyErr_SetString(PyExc_ValueError, "ggml_rows: xf must be [T, cols] and out [T, rows]");
+        goto done;
+    }
+    int64_t per = GGML_JOB_WEIGHTS / cols > 8 ? GGML_JOB_WEIGHTS / cols : 8;
+    task_t t = {.job = ggml_rows_job, .raw = b[0].b.buf, .xf = b[1].b.buf, .out = b[2].b.buf, .n = type,
+                .stride = rb, .nspan = nblk, .cols = cols, .ntok = ntok, .ostride = per, .njobs_rows = rows,
+                .njobs = (rows + per - 1) / per, .scratch_floats = ntok + 8 + 256};
+    if (ntok && rows && run_unlocked(&t, threads) >= 0) ret = Py_NewRef(Py_None);
+    else if (!ntok || !rows) ret = Py_NewRef(Py_None);
+done:
+    release(b, 3);
+    return ret;
+}
+
+PyDoc_STRVAR(ggml_dequantize_doc,
+"ggml_dequantize(raw, type, cols, out, threads): the rows of llama.cpp blocks of `type` in raw decoded\n"
+"into out (float32 [n, cols]), as the gguf package's dequantizer gives them");
+
+static PyObject *py_ggml_dequantize(PyObject *self, PyObject *args) {
+    PyObject *o[2];
+    int type, threads;
+    Py_ssize_t cols;
+    if (!PyArg_ParseTuple(args, "OinOi", &o[0], &type, &cols, &o[1], &threads)) return NULL;
+    buf_t b[2];
+    memset(b, 0, sizeof b);
+    PyObject *ret = NULL;
+    if (get_buf(o[0], &b[0], 0, 1, "raw") || get_buf(o[1], &b[1], 1, 4, "out")) goto done;
+    int64_t rows = cols > 0 ? b[1].b.len / (4 * cols) : 0, nblk;
+    if (cols <= 0 || b[1].b.len != 4 * rows * cols) {
+        PyErr_SetString(PyExc_ValueError, "ggml_dequantize: out must be [n, cols]");
+        goto done;
+    }
+    int64_t rb = ggml_row_bytes(type, rows, cols, b[0].b.len, &nblk);
+    if (rb < 0) goto done;
+    task_t t = {.job = ggml_deq_job, .raw = b[0].b.buf, .out = b[1].b.buf, .n = type, .stride = rb,
+                .nspan = nblk, .cols = cols, .njobs_rows = rows, .njobs = (rows + DEQ_ROWS - 1) / DEQ_ROWS,
+                .scratch_floats = 16};
+    if (!rows || run_unlocked(&t, threads) >= 0) ret = Py_NewRef(Py_None);
+done:
+    release(b, 2);
+    return ret;
+}
+
+static PyObject *py_ggml_grid(PyObject *self, PyObject *args) {
+    PyObject *o;
+    int type;
+    if (!PyArg_ParseTuple(args, "iO", &type, &o)) return NULL;
+    buf_t b;
+    memset(&b, 0, sizeof b);
+    if (get_buf(o, &b, 0, 4, "grid")) { release(&b, 1); return NULL; }
+    int rc = ggml_set_grid(type, b.b.buf, b.b.len / 4);
+    release(&b, 1);
+    if (rc) return PyErr_Format(PyExc_ValueError, "GGML type %d: not a codebook of the expected size", type);
+    return Py_NewRef(Py_None);
+}
+
+static PyObject *py_ggml_info(PyObject *self, PyObject *args) {
+    int type;
+    if (!PyArg_ParseTuple(args, "i", &type)) return NULL;
+    int64_t w = 0, b = 0;
+    int ready = ggml_block_size(type, &w, &b);
+    return Py_BuildValue("iLLi", ready, (long long)w, (long long)b, ggml_needs_grid(type));
+}
+
 static PyObject *py_read_sum(PyObject *self, PyObject *args) {
     PyObject *o;
     int threads;
@@ -1858,6 +1978,7 @@ static PyObject *py_set_isa(PyObject *self, PyObject *args) {
     else if (!strcmp(name, "avx2") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) use_avx2 = 1;
 #endif
     else return PyErr_Format(PyExc_ValueError, "instruction set %s is not available here", name);
+    ggml_avx2 = use_avx2;
     return Py_NewRef(Py_None);
 }
 
@@ -2067,6 +2188,10 @@ done:
 
 static PyMethodDef methods[] = {
     {"rows", py_rows, METH_VARARGS, rows_doc},
+    {"ggml_rows", py_ggml_rows, METH_VARARGS, ggml_rows_doc},
+    {"ggml_dequantize", py_ggml_dequantize, METH_VARARGS, ggml_dequantize_doc},
+    {"ggml_grid", py_ggml_grid, METH_VARARGS, "ggml_grid(type, grid): an IQ type's codebook (float32), from the gguf package"},
+    {"ggml_info", py_ggml_info, METH_VARARGS, "ggml_info(type) -> (ready, weights per block, bytes per block, needs a codebook)"},
     {"heads_t", py_heads_t, METH_VARARGS, heads_t_doc},
     {"moe", py_moe, METH_VARARGS, moe_doc},
     {"attend", py_attend, METH_VARARGS, attend_doc},
@@ -2091,6 +2216,8 @@ PyMODINIT_FUNC PyInit__qdot(void) {
     __builtin_cpu_init();
     use_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #endif
+    ggml_avx2 = use_avx2;
+    ggml_init();
     pthread_atfork(NULL, NULL, pool_after_fork);
     return PyModule_Create(&module);
 }

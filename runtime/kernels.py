@@ -10,6 +10,9 @@ Several tokens (prefill, or the tokens routed to one expert): the same kernel ta
 digits out once and multiplies them by every token. Many tokens: rows are dequantized one block at a
 time (BLOCK_BYTES, bit for bit as the reference decoder) and BLAS multiplies.
 `dequantize` equals the numpy reference decoder bit for bit (no fastmath there); tests hold it to it.
+llama.cpp's block types kept from a GGUF file (codecs `gguf-<type>`) have their own C decoders
+(runtime/_ggml.c, equal bit for bit to the gguf package's dequantizer): a product decodes one block at
+a time into L1 and multiplies it in float32 by every token.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import os
 import numpy as np
 
 from kimistream.formats.codecs import CodecError, get_codec
+from kimistream.formats.ggufcodecs import is_gguf_codec
 from kimistream.formats.quants import QUANT_CODECS, BlockCodec, outlier_columns_valid
 from kimistream.runtime import _qdot
 
@@ -45,7 +49,34 @@ _threads = int(os.environ.get("KIMI_STREAM_THREADS") or len(os.sched_getaffinity
 
 
 def has_kernel(codec: str) -> bool:
-    return codec in QUANT_CODECS
+    """The codec's weights multiply straight from their packed bytes (this project's block codecs,
+    and llama.cpp's blocks kept from a GGUF file)."""
+    return codec in QUANT_CODECS or is_gguf_codec(codec)
+
+
+@functools.lru_cache(maxsize=None)
+def ggml_type(codec: str) -> int:
+    """The GGML type id of a `gguf-<type>` codec, its codebook handed to the C kernels on first use
+    (the IQ types' grids come from the gguf package, not from a table of ours)."""
+    import gguf
+    name = codec[len("gguf-"):].upper()
+    t = gguf.GGMLQuantizationType[name].value
+    ready, _, _, needs_grid = _qdot.ggml_info(t)
+    if not ready and needs_grid:
+        cls = getattr(gguf.quants, name)
+        cls.init_grid()
+        _qdot.ggml_grid(t, np.ascontiguousarray(cls.grid, np.float32).reshape(-1))
+    if not _qdot.ggml_info(t)[0]:
+        raise CodecError(f"{codec}: no kernel for this block type")
+    return t
+
+
+def _ggml_raw(codec: str, raw, shape):
+    raw = np.frombuffer(raw, dtype=np.uint8) if not isinstance(raw, np.ndarray) else raw.reshape(-1)
+    need = get_codec(codec).nbytes(shape)
+    if raw.dtype != np.uint8 or raw.size < need:
+        raise CodecError(f"{codec}: need {need} bytes of uint8 for shape {list(shape)}")
+    return raw
 
 
 def _geometry_vector(codec: BlockCodec, shape) -> np.ndarray:
@@ -116,6 +147,12 @@ def set_threads(n: int) -> None:
 
 def dequantize(codec: str, raw, shape) -> np.ndarray:
     """Float32 weight from the codec's bytes; equal to the reference decoder bit for bit."""
+    if is_gguf_codec(codec):
+        t, raw = ggml_type(codec), _ggml_raw(codec, raw, shape)
+        out = np.empty(tuple(shape), np.float32)
+        if out.size:
+            _qdot.ggml_dequantize(raw, t, int(shape[-1]), out, _threads if out.size >= PARALLEL_MIN_WEIGHTS else 1)
+        return out
     _, g, raw = _prepare(codec, raw, shape)
     _check_outliers(codec, raw, g)
     out = np.empty(tuple(shape), np.float32)
@@ -182,12 +219,15 @@ def _run(raw, geoms, xf, jobs, out, weights: int, what: str, ntok: int = 1, ostr
 class Linear:
     """y = x @ W.T for one weight W [out, in] held in `raw` with `codec`, everything but the input worked
     out once (geometry, bounds, jobs): a decode step makes about five calls per layer."""
-    __slots__ = ("codec", "raw", "g", "geoms", "jobs", "rows", "cols")
+    __slots__ = ("codec", "raw", "g", "geoms", "jobs", "rows", "cols", "ggml")
 
     def __init__(self, codec: str, raw, shape: tuple):
         rows, cols = (int(s) for s in shape)
         self.codec, self.rows, self.cols = codec, rows, cols
-        if has_kernel(codec):
+        self.ggml = ggml_type(codec) if is_gguf_codec(codec) else None
+        if self.ggml is not None:
+            self.raw = _ggml_raw(codec, raw, (rows, cols))
+        elif has_kernel(codec):
             _, self.g, self.raw = _prepare(codec, raw, (rows, cols))
             self.geoms, self.jobs = self.g[None, :], _linear_jobs(rows, cols)
         else:
@@ -206,7 +246,13 @@ class Linear:
             return y[0] if squeeze else y
         T = x2.shape[0]
         y = np.empty((T, rows), np.float32)
-        if rows and T:
+        if rows and T and self.ggml is not None:
+            if T < BLAS_MIN_TOKENS:     # each block decoded once into L1 and multiplied by every token
+                threads = _threads if rows * cols * T >= PARALLEL_MIN_WEIGHTS else 1
+                _qdot.ggml_rows(self.raw, self.ggml, rows, cols, x2, y, threads)
+            else:
+                _dequantized_matmul(x2, self.raw, None, rows, cols, y, self.codec)
+        elif rows and T:
             if T < BLAS_MIN_TOKENS:
                 # every token through each block of rows in one pass (the digits are taken out once)
                 _run(self.raw, self.geoms, x2, self.jobs, y, rows * cols * T, self.codec, T, rows)
@@ -223,14 +269,19 @@ def linear(x: np.ndarray, codec: str, raw, shape: tuple) -> np.ndarray:
 def _dequantized_matmul(x2, raw, g, rows, cols, y, codec):
     """More tokens: dequantize a block of rows at a time (BLOCK_BYTES, never the whole weight) and
     let BLAS do the products."""
-    _check_outliers(codec, raw, g)
+    if g is not None:
+        _check_outliers(codec, raw, g)
     step = max(MIN_BLOCK_ROWS, BLOCK_BYTES // (4 * cols) // 8 * 8)
     buf = np.empty((min(step, rows), cols), np.float32)
     for r0 in range(0, rows, step):
         blk = buf[:min(step, rows - r0)]
         # on this thread: BLAS's threads spin between products, and a parallel region next to
         # them waits for a core (measured: 3.8 ms per 64-row block instead of 0.1)
-        _qdot.dequantize(raw, g, r0, blk, 1)
+        if g is None:                  # llama.cpp blocks
+            rb = get_codec(codec).nbytes((1, cols))
+            _qdot.ggml_dequantize(raw[r0 * rb:(r0 + blk.shape[0]) * rb], ggml_type(codec), cols, blk, 1)
+        else:
+            _qdot.dequantize(raw, g, r0, blk, 1)
         np.matmul(x2, blk.T, out=y[:, r0:r0 + blk.shape[0]])
 
 

@@ -47,7 +47,7 @@ class Weight:
     def dense(self) -> np.ndarray:
         if self._dense is not None:
             return self._dense
-        if has_fused_kernel(self.codec):
+        if has_fused_kernel(self.codec) or is_gguf_codec(self.codec):
             from . import kernels            # the C decoder: same values, far faster
             return kernels.dequantize(self.codec, self.raw, self.shape)
         return get_codec(self.codec).decode(self.raw, self.shape)
@@ -58,7 +58,7 @@ class Weight:
         if self.codec == "f32":
             self._dense = self.dense()
             return 0
-        if has_fused_kernel(self.codec) or is_gguf_codec(self.codec):    # llama.cpp blocks: decoded per use
+        if has_fused_kernel(self.codec) or is_gguf_codec(self.codec):    # multiplied from their packed bytes
             return 0
         self._dense = np.ascontiguousarray(self.dense())
         return self._dense.nbytes
@@ -69,7 +69,7 @@ class Weight:
             return self._kernel(x)
         if self._dense is not None:
             return x @ self._dense.T
-        if has_fused_kernel(self.codec):
+        if has_fused_kernel(self.codec) or is_gguf_codec(self.codec):
             from . import kernels        # imported only when a file has block codecs
             self._kernel = kernels.Linear(self.codec, self.raw, self.shape)
             return self._kernel(x)
@@ -77,6 +77,8 @@ class Weight:
 
 
 def has_fused_kernel(codec: str) -> bool:
+    """A codec of this project's block kernels (the MoE call, kv_b's head products); llama.cpp's
+    blocks have their own products (kernels.Linear), not these."""
     return not is_float_codec(codec) and not is_gguf_codec(codec)
 
 

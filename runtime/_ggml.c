@@ -1,0 +1,750 @@
+/* llama.cpp's block types, decoded and multiplied in C: a GGUF tensor kept bit for bit
+   (formats/ggufcodecs.py) runs without being decoded to float32 as a whole. Each decoder below follows
+   the block layout of llama.cpp's ggml-common.h and computes every weight with the same float32
+   operations, in the same order, as the `gguf` package's numpy dequantizer (tests/test_ggml_kernels.py
+   holds them to it bit for bit). The IQ types' codebooks are not typed in here: the runtime hands in
+   the `gguf` package's own grids (ggml_set_grid). A product decodes one block (32 or 256 weights) into
+   a small buffer in L1 and multiplies it by every input, so no row is ever materialised. */
+#include "_ggml.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define GGML_X86 1
+/* one AVX2 clone and one portable clone of each decoder: the compiler vectorises the simple loops */
+#define CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define GGML_X86 0
+#define CLONES
+#endif
+
+int ggml_avx2 = 0;     /* set by _qdot.c (the kernels' instruction set) */
+
+static inline float f16(const uint8_t *p) {
+    uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
+    uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 31, m = h & 1023, bits;
+    if (e == 31) bits = sign | 0x7f800000u | (m << 13);                 /* inf, NaN */
+    else if (e) bits = sign | ((e + 112) << 23) | (m << 13);
+    else if (!m) bits = sign;
+    else {                                                              /* subnormal: normalise */
+        e = 113;
+        while (!(m & 1024)) { m <<= 1; e--; }
+        bits = sign | (e << 23) | ((m & 1023) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+static inline uint32_t u32(const uint8_t *p) { return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24); }
+
+/* ksigns: 7 sign bits and their parity as the eighth */
+static inline uint8_t ksign(uint32_t k) { return (uint8_t)(k | ((__builtin_popcount(k) & 1) << 7)); }
+static inline float sgn(uint8_t signs, int j) { return (signs >> j) & 1 ? -1.0f : 1.0f; }
+
+static const int8_t KV_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+#define IQ1_DELTA 0.125f
+
+/* codebooks, from the gguf package: entries x levels */
+static float *grid_iq2xxs, *grid_iq2xs, *grid_iq2s, *grid_iq3xxs, *grid_iq3s, *grid_iq1s;
+
+static float **grid_slot(int type, int64_t *n) {
+    switch (type) {
+    case GT_IQ2_XXS: *n = 256 * 8; return &grid_iq2xxs;
+    case GT_IQ2_XS: *n = 512 * 8; return &grid_iq2xs;
+    case GT_IQ2_S: *n = 1024 * 8; return &grid_iq2s;
+    case GT_IQ3_XXS: *n = 256 * 4; return &grid_iq3xxs;
+    case GT_IQ3_S: *n = 512 * 4; return &grid_iq3s;
+    case GT_IQ1_S: case GT_IQ1_M: *n = 2048 * 8; return &grid_iq1s;
+    default: *n = 0; return NULL;
+    }
+}
+
+int ggml_needs_grid(int type) { int64_t n; return grid_slot(type, &n) != NULL; }
+
+int ggml_set_grid(int type, const float *grid, int64_t n) {
+    int64_t want;
+    float **slot = grid_slot(type, &want);
+    if (!slot || n != want) return -1;
+    float *copy = malloc(sizeof(float) * n);
+    if (!copy) return -1;
+    memcpy(copy, grid, sizeof(float) * n);
+    float *old = *slot;
+    *slot = copy;          /* grids never change once set; an old copy may still be read, so it is kept */
+    (void)old;
+    return 0;
+}
+
+int ggml_block_size(int type, int64_t *weights, int64_t *bytes) {
+    static const struct { int type, w, b; } SIZES[] = {
+        {GT_Q4_0, 32, 18}, {GT_Q4_1, 32, 20}, {GT_Q5_0, 32, 22}, {GT_Q5_1, 32, 24}, {GT_Q8_0, 32, 34},
+        {GT_IQ4_NL, 32, 18}, {GT_Q2_K, 256, 84}, {GT_Q3_K, 256, 110}, {GT_Q4_K, 256, 144}, {GT_Q5_K, 256, 176},
+        {GT_Q6_K, 256, 210}, {GT_IQ2_XXS, 256, 66}, {GT_IQ2_XS, 256, 74}, {GT_IQ2_S, 256, 82},
+        {GT_IQ3_XXS, 256, 98}, {GT_IQ3_S, 256, 110}, {GT_IQ1_S, 256, 50}, {GT_IQ1_M, 256, 56},
+        {GT_IQ4_XS, 256, 136}, {GT_TQ1_0, 256, 54}, {GT_TQ2_0, 256, 66},
+    };
+    for (size_t i = 0; i < sizeof SIZES / sizeof SIZES[0]; i++) {
+        if (SIZES[i].type != type) continue;
+        int64_t n;
+        float **slot = grid_slot(type, &n);
+        if (slot && !*slot) return 0;
+        *weights = SIZES[i].w;
+        *bytes = SIZES[i].b;
+        return 1;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------ 32-weight blocks */
+
+CLONES static void deq_q4_0(const uint8_t *b, float *y) {
+    float d = f16(b);
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (float)((b[2 + j] & 15) - 8);
+        y[j + 16] = d * (float)((b[2 + j] >> 4) - 8);
+    }
+}
+
+CLONES static void deq_q4_1(const uint8_t *b, float *y) {
+    float d = f16(b), m = f16(b + 2);
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (float)(b[4 + j] & 15) + m;
+        y[j + 16] = d * (float)(b[4 + j] >> 4) + m;
+    }
+}
+
+CLONES static void deq_q5_0(const uint8_t *b, float *y) {
+    float d = f16(b);
+    uint32_t qh = u32(b + 2);
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (float)((int)((b[6 + j] & 15) | (((qh >> j) & 1) << 4)) - 16);
+        y[j + 16] = d * (float)((int)((b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+    }
+}
+
+CLONES static void deq_q5_1(const uint8_t *b, float *y) {
+    float d = f16(b), m = f16(b + 2);
+    uint32_t qh = u32(b + 4);
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (float)((b[8 + j] & 15) | (((qh >> j) & 1) << 4)) + m;
+        y[j + 16] = d * (float)((b[8 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) + m;
+    }
+}
+
+CLONES static void deq_q8_0(const uint8_t *b, float *y) {
+    float d = f16(b);
+    for (int j = 0; j < 32; j++) y[j] = (float)(int8_t)b[2 + j] * d;
+}
+
+CLONES static void deq_iq4_nl(const uint8_t *b, float *y) {
+    float d = f16(b);
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (float)KV_IQ4NL[b[2 + j] & 15];
+        y[j + 16] = d * (float)KV_IQ4NL[b[2 + j] >> 4];
+    }
+}
+
+/* ----------------------------------------------------------------------------- 256-weight blocks */
+
+CLONES static void deq_q2_k(const uint8_t *b, float *y) {
+    const uint8_t *sc = b, *qs = b + 16;
+    float d = f16(b + 80), dmin = f16(b + 82);
+    for (int h = 0; h < 2; h++)                     /* 128 weights from 32 bytes, four 2-bit planes */
+        for (int s = 0; s < 4; s++)
+            for (int half = 0; half < 2; half++) {
+                int g = 8 * h + 2 * s + half;
+                float dl = d * (float)(sc[g] & 15), ml = dmin * (float)(sc[g] >> 4);
+                const uint8_t *q = qs + 32 * h + 16 * half;
+                float *o = y + 128 * h + 32 * s + 16 * half;
+                for (int l = 0; l < 16; l++) o[l] = dl * (float)((q[l] >> (2 * s)) & 3) - ml;
+            }
+}
+
+CLONES static void deq_q3_k(const uint8_t *b, float *y) {
+    const uint8_t *hm = b, *qs = b + 32, *ss = b + 96;
+    float d = f16(b + 108);
+    for (int g = 0; g < 16; g++) {
+        int lo = g < 8 ? ss[g] & 15 : ss[g - 8] >> 4;
+        int hi = (ss[8 + g % 4] >> (2 * (g / 4))) & 3;
+        float dl = d * (float)((lo | (hi << 4)) - 32);
+        int w0 = 16 * g, h = w0 / 128, s = (w0 % 128) / 32, l0 = w0 % 32, bit = 4 * h + s;
+        for (int l = l0; l < l0 + 16; l++) {
+            int q = ((qs[32 * h + l] >> (2 * s)) & 3) - (((hm[l] >> bit) & 1) ? 0 : 4);
+            y[128 * h + 32 * s + l] = dl * (float)q;
+        }
+    }
+}
+
+static inline void k4_scale_min(const uint8_t *s, int j, int *sc, int *m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 15) | ((s[j - 4] >> 2) & 0x30);
+        *m = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+    }
+}
+
+/* Q4_K, and Q5_K with its fifth bits (qh) */
+static inline void deq_q45_k(const uint8_t *b, float *y, int five) {
+    float d = f16(b), dmin = f16(b + 2);
+    const uint8_t *qh = b + 16, *qs = b + (five ? 48 : 16);
+    for (int j = 0; j < 8; j++) {
+        int sc, m;
+        k4_scale_min(b + 4, j, &sc, &m);
+        float dl = d * (float)sc, ml = dmin * (float)m;
+        const uint8_t *q = qs + 32 * (j / 2);
+        int shift = 4 * (j % 2);
+        for (int l = 0; l < 32; l++)
+            y[32 * j + l] = dl * (float)(((q[l] >> shift) & 15) | (five ? ((qh[l] >> j) & 1) << 4 : 0)) - ml;
+    }
+}
+CLONES static void deq_q4_k(const uint8_t *b, float *y) { deq_q45_k(b, y, 0); }
+CLONES static void deq_q5_k(const uint8_t *b, float *y) { deq_q45_k(b, y, 1); }
+
+CLONES static void deq_q6_k(const uint8_t *b, float *y) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    float d = f16(b + 208);
+    for (int w = 0; w < 256; w += 16) {
+        float dl = d * (float)sc[w / 16];
+        int h = w / 128, k0 = w % 128;
+        for (int k = k0; k < k0 + 16; k++) {
+            int lo = (ql[64 * h + k % 64] >> (4 * (k / 64))) & 15;
+            int hi = (qh[32 * h + k % 32] >> (2 * (k / 32))) & 3;
+            y[128 * h + k] = dl * (float)((lo | (hi << 4)) - 32);
+        }
+    }
+}
+
+CLONES static void deq_tq1_0(const uint8_t *b, float *y) {
+    static const uint8_t POW3[5] = {1, 3, 9, 27, 81};
+    const uint8_t *qs = b, *qh = b + 48;
+    float d = f16(b + 52);
+    int o = 0;
+    for (int n = 0; n < 5; n++)
+        for (int m = 0; m < 32; m++) y[o++] = d * (float)((((uint8_t)(qs[m] * POW3[n]) * 3) >> 8) - 1);
+    for (int n = 0; n < 5; n++)
+        for (int m = 0; m < 16; m++) y[o++] = d * (float)((((uint8_t)(qs[32 + m] * POW3[n]) * 3) >> 8) - 1);
+    for (int n = 0; n < 4; n++)
+        for (int m = 0; m < 4; m++) y[o++] = d * (float)((((uint8_t)(qh[m] * POW3[n]) * 3) >> 8) - 1);
+}
+
+CLONES static void deq_tq2_0(const uint8_t *b, float *y) {
+    float d = f16(b + 64);
+    for (int h = 0; h < 2; h++)
+        for (int s = 0; s < 4; s++)
+            for (int m = 0; m < 32; m++) y[128 * h + 32 * s + m] = d * (float)(((b[32 * h + m] >> (2 * s)) & 3) - 1);
+}
+
+CLONES static void deq_iq4_xs(const uint8_t *b, float *y) {
+    float d = f16(b);
+    uint16_t sh = u16(b + 2);
+    const uint8_t *sl = b + 4, *qs = b + 8;
+    for (int ib = 0; ib < 8; ib++) {
+        int ls = ((sl[ib / 2] >> (4 * (ib % 2))) & 15) | (((sh >> (2 * ib)) & 3) << 4);
+        float dl = d * (float)(ls - 32);
+        for (int j = 0; j < 16; j++) {
+            y[32 * ib + j] = dl * (float)KV_IQ4NL[qs[16 * ib + j] & 15];
+            y[32 * ib + 16 + j] = dl * (float)KV_IQ4NL[qs[16 * ib + j] >> 4];
+        }
+    }
+}
+
+/* eight weights: scale * grid entry, signs applied */
+static inline void grid8(float *y, float db, const float *g, uint8_t signs) {
+    for (int j = 0; j < 8; j++) y[j] = db * g[j] * sgn(signs, j);
+}
+
+/* eight weights from two 4-level grid entries */
+static inline void grid44(float *y, float db, const float *g1, const float *g2, uint8_t signs) {
+    for (int j = 0; j < 4; j++) {
+        y[j] = db * g1[j] * sgn(signs, j);
+        y[j + 4] = db * g2[j] * sgn(signs, j + 4);
+    }
+}
+
+CLONES static void deq_iq2_xxs(const uint8_t *b, float *y) {
+    float d = f16(b);
+    for (int ib = 0; ib < 8; ib++) {
+        const uint8_t *q = b + 2 + 8 * ib;
+        uint32_t aux = u32(q + 4);
+        float db = d * (0.5f + (float)(aux >> 28)) * 0.25f;
+        for (int l = 0; l < 4; l++) grid8(y + 32 * ib + 8 * l, db, grid_iq2xxs + 8 * q[l], ksign((aux >> (7 * l)) & 127));
+    }
+}
+
+CLONES static void deq_iq2_xs(const uint8_t *b, float *y) {
+    float d = f16(b);
+    const uint8_t *sc = b + 66;
+    for (int i = 0; i < 32; i++) {
+        uint16_t q = u16(b + 2 + 2 * i);
+        float db = d * (0.5f + (float)((sc[i / 4] >> (4 * ((i / 2) % 2))) & 15)) * 0.25f;
+        grid8(y + 8 * i, db, grid_iq2xs + 8 * (q & 511), ksign(q >> 9));
+    }
+}
+
+CLONES static void deq_iq2_s(const uint8_t *b, float *y) {
+    float d = f16(b);
+    const uint8_t *qs = b + 2, *signs = b + 34, *qh = b + 66, *sc = b + 74;
+    for (int i = 0; i < 32; i++) {
+        float db = d * (0.5f + (float)((sc[i / 4] >> (4 * ((i / 2) % 2))) & 15)) * 0.25f;
+        int idx = qs[i] | (((qh[i / 4] >> (2 * (i % 4))) & 3) << 8);
+        grid8(y + 8 * i, db, grid_iq2s + 8 * idx, signs[i]);
+    }
+}
+
+CLONES static void deq_iq3_xxs(const uint8_t *b, float *y) {
+    float d = f16(b);
+    const uint8_t *qs = b + 2, *ss = b + 66;
+    for (int ib = 0; ib < 8; ib++) {
+        uint32_t aux = u32(ss + 4 * ib);
+        float db = d * (0.5f + (float)(aux >> 28)) * 0.5f;
+        for (int l = 0; l < 4; l++) {
+            const float *g1 = grid_iq3xxs + 4 * qs[8 * ib + 2 * l], *g2 = grid_iq3xxs + 4 * qs[8 * ib + 2 * l + 1];
+            grid44(y + 32 * ib + 8 * l, db, g1, g2, ksign((aux >> (7 * l)) & 127));
+        }
+    }
+}
+
+CLONES static void deq_iq3_s(const uint8_t *b, float *y) {
+    float d = f16(b);
+    const uint8_t *qs = b + 2, *qh = b + 66, *signs = b + 74, *sc = b + 106;
+    for (int ib = 0; ib < 8; ib++) {
+        float db = d * (float)(1 + 2 * ((sc[ib / 2] >> (4 * (ib % 2))) & 15));
+        for (int l = 0; l < 4; l++) {
+            int i = 8 * ib + 2 * l;
+            const float *g1 = grid_iq3s + 4 * (qs[i] | (((qh[i / 8] >> (i % 8)) & 1) << 8));
+            const float *g2 = grid_iq3s + 4 * (qs[i + 1] | (((qh[(i + 1) / 8] >> ((i + 1) % 8)) & 1) << 8));
+            grid44(y + 32 * ib + 8 * l, db, g1, g2, signs[4 * ib + l]);
+        }
+    }
+}
+
+CLONES static void deq_iq1_s(const uint8_t *b, float *y) {
+    float d = f16(b);
+    const uint8_t *qs = b + 2, *qhp = b + 34;
+    for (int ib = 0; ib < 8; ib++) {
+        uint16_t qh = u16(qhp + 2 * ib);
+        float dl = d * (float)(2 * ((qh >> 12) & 7) + 1);
+        float delta = (qh & 0x8000) ? -IQ1_DELTA : IQ1_DELTA;
+        for (int l = 0; l < 4; l++) {
+            const float *g = grid_iq1s + 8 * (qs[4 * ib + l] | (((qh >> (3 * l)) & 7) << 8));
+            for (int j = 0; j < 8; j++) y[32 * ib + 8 * l + j] = dl * (g[j] + delta);
+        }
+    }
+}
+
+CLONES static void deq_iq1_m(const uint8_t *b, float *y) {
+    const uint8_t *qs = b, *qh = b + 32, *scp = b + 48;
+    uint16_t sc[4] = {u16(scp), u16(scp + 2), u16(scp + 4), u16(scp + 6)};
+    uint16_t dbits = (uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) | (sc[3] & 0xf000));
+    uint8_t dh[2] = {(uint8_t)(dbits & 255), (uint8_t)(dbits >> 8)};
+    float d = f16(dh);
+    for (int i = 0; i < 32; i++) {                  /* groups of 8 weights */
+        int half = i / 2;                           /* 16 weights share a 3-bit scale */
+        float dl = d * (float)(2 * ((sc[half / 4] >> (3 * (half % 4))) & 7) + 1);
+        int nib = (qh[i / 2] >> (4 * (i % 2))) & 15;
+        float delta = (nib & 8) ? -IQ1_DELTA : IQ1_DELTA;
+        const float *g = grid_iq1s + 8 * (qs[i] | ((nib & 7) << 8));
+        for (int j = 0; j < 8; j++) y[8 * i + j] = dl * (g[j] + delta);
+    }
+}
+
+/* ------------------------------------------------------------------------ AVX2 decoders (same bits) */
+#if GGML_X86
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+#define LD32(p) _mm256_loadu_si256((const __m256i *)(p))
+#define LD16(p) _mm_loadu_si128((const __m128i *)(p))
+
+static float SIGN8[256][8];                 /* sign patterns as factors of +-1 */
+
+static void init_signs(void) {
+    for (int s = 0; s < 256; s++)
+        for (int j = 0; j < 8; j++) SIGN8[s][j] = (s >> j) & 1 ? -1.0f : 1.0f;
+}
+
+AVX2 static inline __m256 u8f(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+AVX2 static inline __m256 i8f(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+
+/* 16 codes (bytes) -> y = dl * q - ml; `sgn` if the codes are signed */
+AVX2 static inline void emit16(float *y, __m128i q, float dl, float ml, int sgn) {
+    __m256 d = _mm256_set1_ps(dl), m = _mm256_set1_ps(ml);
+    __m256 a = sgn ? i8f(q) : u8f(q), b = sgn ? i8f(_mm_srli_si128(q, 8)) : u8f(_mm_srli_si128(q, 8));
+    _mm256_storeu_ps(y, _mm256_sub_ps(_mm256_mul_ps(d, a), m));
+    _mm256_storeu_ps(y + 8, _mm256_sub_ps(_mm256_mul_ps(d, b), m));
+}
+
+/* 16 signed codes -> y = dl * q (no offset term, as the reference computes it) */
+AVX2 static inline void emit16m(float *y, __m128i q, float dl) {
+    __m256 d = _mm256_set1_ps(dl);
+    _mm256_storeu_ps(y, _mm256_mul_ps(d, i8f(q)));
+    _mm256_storeu_ps(y + 8, _mm256_mul_ps(d, i8f(_mm_srli_si128(q, 8))));
+}
+
+#define LO(v) _mm256_castsi256_si128(v)
+#define HI(v) _mm256_extracti128_si256(v, 1)
+
+AVX2 static void deq_q2_k_avx2(const uint8_t *b, float *y) {
+    const uint8_t *sc = b;
+    float d = f16(b + 80), dmin = f16(b + 82);
+    const __m256i m3 = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; h++) {
+        __m256i v = LD32(b + 16 + 32 * h);
+        for (int s = 0; s < 4; s++) {
+            __m256i q = _mm256_and_si256(_mm256_srli_epi16(v, 2 * s), m3);
+            int g = 8 * h + 2 * s;
+            float *o = y + 128 * h + 32 * s;
+            emit16(o, LO(q), d * (float)(sc[g] & 15), dmin * (float)(sc[g] >> 4), 0);
+            emit16(o + 16, HI(q), d * (float)(sc[g + 1] & 15), dmin * (float)(sc[g + 1] >> 4), 0);
+        }
+    }
+}
+
+AVX2 static void deq_q3_k_avx2(const uint8_t *b, float *y) {
+    const uint8_t *ss = b + 96;
+    float d = f16(b + 108);
+    float dl[16];
+    for (int g = 0; g < 16; g++) {
+        int lo = g < 8 ? ss[g] & 15 : ss[g - 8] >> 4;
+        int hi = (ss[8 + g % 4] >> (2 * (g / 4))) & 3;
+        dl[g] = d * (float)((lo | (hi << 4)) - 32);
+    }
+    const __m256i m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    __m256i hm = LD32(b);
+    for (int h = 0; h < 2; h++) {
+        __m256i v = LD32(b + 32 + 32 * h);
+        for (int s = 0; s < 4; s++) {
+            __m256i ql = _mm256_and_si256(_mm256_srli_epi16(v, 2 * s), m3);
+            __m256i hb = _mm256_and_si256(_mm256_srli_epi16(hm, 4 * h + s), one);
+            __m256i q = _mm256_sub_epi8(ql, _mm256_slli_epi16(_mm256_xor_si256(hb, one), 2));
+            int g = 8 * h + 2 * s;
+            emit16m(y + 128 * h + 32 * s, LO(q), dl[g]);
+            emit16m(y + 128 * h + 32 * s + 16, HI(q), dl[g + 1]);
+        }
+    }
+}
+
+AVX2 static void deq_q45_k_avx2(const uint8_t *b, float *y, int five) {
+    float d = f16(b), dmin = f16(b + 2);
+    const uint8_t *qs = b + (five ? 48 : 16);
+    const __m256i m15 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+    __m256i qh = five ? LD32(b + 16) : _mm256_setzero_si256();
+    for (int j = 0; j < 8; j++) {
+        int sc, m;
+        k4_scale_min(b + 4, j, &sc, &m);
+        __m256i q = _mm256_and_si256(_mm256_srli_epi16(LD32(qs + 32 * (j / 2)), 4 * (j % 2)), m15);
+        if (five) q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, j), one), 4));
+        float dl = d * (float)sc, ml = dmin * (float)m;
+        emit16(y + 32 * j, LO(q), dl, ml, 0);
+        emit16(y + 32 * j + 16, HI(q), dl, ml, 0);
+    }
+}
+AVX2 static void deq_q4_k_avx2(const uint8_t *b, float *y) { deq_q45_k_avx2(b, y, 0); }
+AVX2 static void deq_q5_k_avx2(const uint8_t *b, float *y) { deq_q45_k_avx2(b, y, 1); }
+
+AVX2 static void deq_q6_k_avx2(const uint8_t *b, float *y) {
+    const int8_t *sc = (const int8_t *)(b + 192);
+    float d = f16(b + 208);
+    const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
+    for (int h = 0; h < 2; h++) {
+        __m256i qh = LD32(b + 128 + 32 * h);
+        for (int p = 0; p < 4; p++) {
+            __m256i lo = _mm256_and_si256(_mm256_srli_epi16(LD32(b + 64 * h + 32 * (p % 2)), 4 * (p / 2)), m15);
+            __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * p), m3), 4);
+            __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, hi), k32);
+            int g = 8 * h + 2 * p;
+            emit16m(y + 128 * h + 32 * p, LO(q), d * (float)sc[g]);
+            emit16m(y + 128 * h + 32 * p + 16, HI(q), d * (float)sc[g + 1]);
+        }
+    }
+}
+
+AVX2 static void deq_q8_0_avx2(const uint8_t *b, float *y) {
+    __m256 d = _mm256_set1_ps(f16(b));
+    for (int j = 0; j < 32; j += 8)
+        _mm256_storeu_ps(y + j, _mm256_mul_ps(i8f(_mm_loadl_epi64((const __m128i *)(b + 2 + j))), d));
+}
+
+/* 32 weights from 16 bytes of nibbles: low nibbles first, then high */
+AVX2 static inline __m256i nibbles32(const uint8_t *p) {
+    __m128i v = LD16(p), m = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+
+/* the 32 fifth bits of Q5_0 / Q5_1 as 0 or 16 per byte */
+AVX2 static inline __m256i fifth_bits(uint32_t qh) {
+    const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), shuf), bit);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(16));
+}
+
+AVX2 static void deq_q4_0_avx2(const uint8_t *b, float *y) {
+    __m256i q = _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8));
+    float d = f16(b);
+    emit16m(y, LO(q), d);
+    emit16m(y + 16, HI(q), d);
+}
+
+AVX2 static void deq_q5_0_avx2(const uint8_t *b, float *y) {
+    __m256i q = _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), fifth_bits(u32(b + 2))), _mm256_set1_epi8(16));
+    float d = f16(b);
+    emit16m(y, LO(q), d);
+    emit16m(y + 16, HI(q), d);
+}
+
+/* y = d * q + m, as Q4_1 and Q5_1 are computed */
+AVX2 static inline void emit32_add(float *y, __m256i q, float dd, float mm) {
+    __m256 d = _mm256_set1_ps(dd), m = _mm256_set1_ps(mm);
+    __m128i lo = LO(q), hi = HI(q);
+    _mm256_storeu_ps(y, _mm256_add_ps(_mm256_mul_ps(d, u8f(lo)), m));
+    _mm256_storeu_ps(y + 8, _mm256_add_ps(_mm256_mul_ps(d, u8f(_mm_srli_si128(lo, 8))), m));
+    _mm256_storeu_ps(y + 16, _mm256_add_ps(_mm256_mul_ps(d, u8f(hi)), m));
+    _mm256_storeu_ps(y + 24, _mm256_add_ps(_mm256_mul_ps(d, u8f(_mm_srli_si128(hi, 8))), m));
+}
+
+AVX2 static void deq_q4_1_avx2(const uint8_t *b, float *y) { emit32_add(y, nibbles32(b + 4), f16(b), f16(b + 2)); }
+AVX2 static void deq_q5_1_avx2(const uint8_t *b, float *y) {
+    emit32_add(y, _mm256_or_si256(nibbles32(b + 8), fifth_bits(u32(b + 4))), f16(b), f16(b + 2));
+}
+
+AVX2 static inline __m256i iq4_values(const uint8_t *p) {
+    __m256i tbl = _mm256_broadcastsi128_si256(LD16(KV_IQ4NL));
+    return _mm256_shuffle_epi8(tbl, nibbles32(p));
+}
+
+AVX2 static void deq_iq4_nl_avx2(const uint8_t *b, float *y) {
+    __m256i q = iq4_values(b + 2);
+    float d = f16(b);
+    emit16m(y, LO(q), d);
+    emit16m(y + 16, HI(q), d);
+}
+
+AVX2 static void deq_iq4_xs_avx2(const uint8_t *b, float *y) {
+    float d = f16(b);
+    uint16_t sh = u16(b + 2);
+    for (int ib = 0; ib < 8; ib++) {
+        int ls = ((b[4 + ib / 2] >> (4 * (ib % 2))) & 15) | (((sh >> (2 * ib)) & 3) << 4);
+        __m256i q = iq4_values(b + 8 + 16 * ib);
+        float dl = d * (float)(ls - 32);
+        emit16m(y + 32 * ib, LO(q), dl);
+        emit16m(y + 32 * ib + 16, HI(q), dl);
+    }
+}
+
+/* eight weights db * grid * sign, in that order (as the reference multiplies them) */
+AVX2 static inline void grid8_avx2(float *y, __m256 db, __m256 g, uint8_t signs) {
+    _mm256_storeu_ps(y, _mm256_mul_ps(_mm256_mul_ps(db, g), _mm256_loadu_ps(SIGN8[signs])));
+}
+#define G8(p) _mm256_loadu_ps(p)
+#define G44(p1, p2) _mm256_set_m128(_mm_loadu_ps(p2), _mm_loadu_ps(p1))
+
+AVX2 static void deq_iq2_xxs_avx2(const uint8_t *b, float *y) {
+    float d = f16(b);
+    for (int ib = 0; ib < 8; ib++) {
+        const uint8_t *q = b + 2 + 8 * ib;
+        uint32_t aux = u32(q + 4);
+        __m256 db = _mm256_set1_ps(d * (0.5f + (float)(aux >> 28)) * 0.25f);
+        for (int l = 0; l < 4; l++)
+            grid8_avx2(y + 32 * ib + 8 * l, db, G8(grid_iq2xxs + 8 * q[l]), ksign((aux >> (7 * l)) & 127));
+    }
+}
+
+AVX2 static void deq_iq2_xs_avx2(const uint8_t *b, float *y) {
+    float d = f16(b);
+    for (int i = 0; i < 32; i += 2) {
+        __m256 db = _mm256_set1_ps(d * (0.5f + (float)((b[66 + i / 4] >> (4 * ((i / 2) % 2))) & 15)) * 0.25f);
+        uint16_t q0 = u16(b + 2 + 2 * i), q1 = u16(b + 4 + 2 * i);
+        grid8_avx2(y + 8 * i, db, G8(grid_iq2xs + 8 * (q0 & 511)), ksign(q0 >> 9));
+        grid8_avx2(y + 8 * i + 8, db, G8(grid_iq2xs + 8 * (q1 & 511)), ksign(q1 >> 9));
+    }
+}
+
+AVX2 static void deq_iq2_s_avx2(const uint8_t *b, float *y) {
+    float d = f16(b);
+    const uint8_t *qs = b + 2, *signs = b + 34, *qh = b + 66, *sc = b + 74;
+    for (int i = 0; i < 32; i += 2) {
+        __m256 db = _mm256_set1_ps(d * (0.5f + (float)((sc[i / 4] >> (4 * ((i / 2) % 2))) & 15)) * 0.25f);
+        for (int k = i; k < i + 2; k++)
+            grid8_avx2(y + 8 * k, db, G8(grid_iq2s + 8 * (qs[k] | (((qh[k / 4] >> (2 * (k % 4))) & 3) << 8))), signs[k]);
+    }
+}
+
+AVX2 static void deq_iq3_xxs_avx2(const uint8_t *b, float *y) {
+    float d = f16(b);
+    const uint8_t *qs = b + 2, *ss = b + 66;
+    for (int ib = 0; ib < 8; ib++) {
+        uint32_t aux = u32(ss + 4 * ib);
+        __m256 db = _mm256_set1_ps(d * (0.5f + (float)(aux >> 28)) * 0.5f);
+        for (int l = 0; l < 4; l++) {
+            const uint8_t *q = qs + 8 * ib + 2 * l;
+            grid8_avx2(y + 32 * ib + 8 * l, db, G44(grid_iq3xxs + 4 * q[0], grid_iq3xxs + 4 * q[1]),
+                       ksign((aux >> (7 * l)) & 127));
+        }
+    }
+}
+
+AVX2 static void deq_iq3_s_avx2(const uint8_t *b, float *y) {
+    float d = f16(b);
+    const uint8_t *qs = b + 2, *qh = b + 66, *signs = b + 74, *sc = b + 106;
+    for (int ib = 0; ib < 8; ib++) {
+        __m256 db = _mm256_set1_ps(d * (float)(1 + 2 * ((sc[ib / 2] >> (4 * (ib % 2))) & 15)));
+        int h = qh[ib];
+        for (int l = 0; l < 4; l++) {
+            int i = 8 * ib + 2 * l;
+            const float *g1 = grid_iq3s + 4 * (qs[i] | (((h >> (2 * l)) & 1) << 8));
+            const float *g2 = grid_iq3s + 4 * (qs[i + 1] | (((h >> (2 * l + 1)) & 1) << 8));
+            grid8_avx2(y + 32 * ib + 8 * l, db, G44(g1, g2), signs[4 * ib + l]);
+        }
+    }
+}
+
+AVX2 static void deq_iq1_s_avx2(const uint8_t *b, float *y) {
+    float d = f16(b);
+    for (int ib = 0; ib < 8; ib++) {
+        uint16_t qh = u16(b + 34 + 2 * ib);
+        __m256 dl = _mm256_set1_ps(d * (float)(2 * ((qh >> 12) & 7) + 1));
+        __m256 delta = _mm256_set1_ps((qh & 0x8000) ? -IQ1_DELTA : IQ1_DELTA);
+        for (int l = 0; l < 4; l++) {
+            const float *g = grid_iq1s + 8 * (b[2 + 4 * ib + l] | (((qh >> (3 * l)) & 7) << 8));
+            _mm256_storeu_ps(y + 32 * ib + 8 * l, _mm256_mul_ps(dl, _mm256_add_ps(G8(g), delta)));
+        }
+    }
+}
+
+AVX2 static void deq_iq1_m_avx2(const uint8_t *b, float *y) {
+    const uint8_t *qs = b, *qh = b + 32, *scp = b + 48;
+    uint16_t sc[4] = {u16(scp), u16(scp + 2), u16(scp + 4), u16(scp + 6)};
+    uint16_t dbits = (uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) | (sc[3] & 0xf000));
+    uint8_t dh[2] = {(uint8_t)(dbits & 255), (uint8_t)(dbits >> 8)};
+    float d = f16(dh);
+    for (int i = 0; i < 32; i++) {
+        int half = i / 2, nib = (qh[i / 2] >> (4 * (i % 2))) & 15;
+        __m256 dl = _mm256_set1_ps(d * (float)(2 * ((sc[half / 4] >> (3 * (half % 4))) & 7) + 1));
+        __m256 delta = _mm256_set1_ps((nib & 8) ? -IQ1_DELTA : IQ1_DELTA);
+        _mm256_storeu_ps(y + 8 * i, _mm256_mul_ps(dl, _mm256_add_ps(G8(grid_iq1s + 8 * (qs[i] | ((nib & 7) << 8))), delta)));
+    }
+}
+#endif
+
+void ggml_init(void) {
+#if GGML_X86
+    init_signs();
+#endif
+}
+
+typedef void (*deq_fn)(const uint8_t *, float *);
+
+static deq_fn decoder(int type) {
+#if GGML_X86
+    if (ggml_avx2) {
+        switch (type) {
+        case GT_Q4_0: return deq_q4_0_avx2;
+        case GT_Q4_1: return deq_q4_1_avx2;
+        case GT_Q5_0: return deq_q5_0_avx2;
+        case GT_Q5_1: return deq_q5_1_avx2;
+        case GT_Q8_0: return deq_q8_0_avx2;
+        case GT_IQ4_NL: return deq_iq4_nl_avx2;
+        case GT_Q2_K: return deq_q2_k_avx2;
+        case GT_Q3_K: return deq_q3_k_avx2;
+        case GT_Q4_K: return deq_q4_k_avx2;
+        case GT_Q5_K: return deq_q5_k_avx2;
+        case GT_Q6_K: return deq_q6_k_avx2;
+        case GT_IQ4_XS: return deq_iq4_xs_avx2;
+        case GT_IQ2_XXS: return deq_iq2_xxs_avx2;
+        case GT_IQ2_XS: return deq_iq2_xs_avx2;
+        case GT_IQ2_S: return deq_iq2_s_avx2;
+        case GT_IQ3_XXS: return deq_iq3_xxs_avx2;
+        case GT_IQ3_S: return deq_iq3_s_avx2;
+        case GT_IQ1_S: return deq_iq1_s_avx2;
+        case GT_IQ1_M: return deq_iq1_m_avx2;
+        default: break;       /* TQ1_0, TQ2_0: the portable decoders */
+        }
+    }
+#endif
+    switch (type) {
+    case GT_Q4_0: return deq_q4_0;
+    case GT_Q4_1: return deq_q4_1;
+    case GT_Q5_0: return deq_q5_0;
+    case GT_Q5_1: return deq_q5_1;
+    case GT_Q8_0: return deq_q8_0;
+    case GT_IQ4_NL: return deq_iq4_nl;
+    case GT_Q2_K: return deq_q2_k;
+    case GT_Q3_K: return deq_q3_k;
+    case GT_Q4_K: return deq_q4_k;
+    case GT_Q5_K: return deq_q5_k;
+    case GT_Q6_K: return deq_q6_k;
+    case GT_TQ1_0: return deq_tq1_0;
+    case GT_TQ2_0: return deq_tq2_0;
+    case GT_IQ4_XS: return deq_iq4_xs;
+    case GT_IQ2_XXS: return deq_iq2_xxs;
+    case GT_IQ2_XS: return deq_iq2_xs;
+    case GT_IQ2_S: return deq_iq2_s;
+    case GT_IQ3_XXS: return deq_iq3_xxs;
+    case GT_IQ3_S: return deq_iq3_s;
+    case GT_IQ1_S: return deq_iq1_s;
+    case GT_IQ1_M: return deq_iq1_m;
+    default: return NULL;
+    }
+}
+
+void ggml_decode(int type, const uint8_t *src, int64_t nblocks, float *out) {
+    int64_t w, nb;
+    deq_fn f = decoder(type);
+    if (!f || !ggml_block_size(type, &w, &nb)) return;
+    for (int64_t i = 0; i < nblocks; i++) f(src + i * nb, out + i * w);
+}
+
+/* ------------------------------------------------------------------------------------------ products */
+
+static float dot_generic(const float *a, const float *b, int64_t n) {
+    float s[8] = {0};
+    for (int64_t i = 0; i < n; i += 8)
+        for (int j = 0; j < 8; j++) s[j] += a[i + j] * b[i + j];
+    return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
+}
+
+#if GGML_X86
+/* n is a multiple of 32 */
+__attribute__((target("avx2,fma"))) static void dots_avx2(const float *w, int64_t n, const float *x, int64_t xstride,
+                                                            int64_t ntok, float *acc) {
+    for (int64_t t = 0; t < ntok; t++) {
+        const float *xt = x + t * xstride;
+        __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n; i += 32) {
+            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(xt + i), s0);
+            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8), _mm256_loadu_ps(xt + i + 8), s1);
+            s2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 16), _mm256_loadu_ps(xt + i + 16), s2);
+            s3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 24), _mm256_loadu_ps(xt + i + 24), s3);
+        }
+        __m256 s = _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3));
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        acc[t] += _mm_cvtss_f32(h);
+    }
+}
+#endif
+
+void ggml_row_dot(int type, const uint8_t *src, int64_t nblocks, const float *x, int64_t xstride, int64_t ntok,
+                  float *acc, float *buf) {
+    int64_t w, nb;
+    deq_fn f = decoder(type);
+    if (!f || !ggml_block_size(type, &w, &nb)) return;
+    for (int64_t i = 0; i < nblocks; i++) {
+        f(src + i * nb, buf);
+#if GGML_X86
+        if (ggml_avx2) {
+            dots_avx2(buf, w, x + i * w, xstride, ntok, acc);
+            continue;
+        }
+#endif
+        for (int64_t t = 0; t < ntok; t++) acc[t] += dot_generic(buf, x + t * xstride + i * w, w);
+    }
+}

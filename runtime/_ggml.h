@@ -1,0 +1,28 @@
+/* llama.cpp's block types (GGUF tensors kept as they are): decoding and dot products, for _qdot.c. */
+#ifndef KIMI_GGML_H
+#define KIMI_GGML_H
+#include <stdint.h>
+
+/* GGML type ids, as in the GGUF format */
+enum {
+    GT_Q4_0 = 2, GT_Q4_1 = 3, GT_Q5_0 = 6, GT_Q5_1 = 7, GT_Q8_0 = 8, GT_Q2_K = 10, GT_Q3_K = 11, GT_Q4_K = 12,
+    GT_Q5_K = 13, GT_Q6_K = 14, GT_IQ2_XXS = 16, GT_IQ2_XS = 17, GT_IQ3_XXS = 18, GT_IQ1_S = 19, GT_IQ4_NL = 20,
+    GT_IQ3_S = 21, GT_IQ2_S = 22, GT_IQ4_XS = 23, GT_IQ1_M = 29, GT_TQ1_0 = 34, GT_TQ2_0 = 35,
+};
+
+/* tables built once, at module load */
+void ggml_init(void);
+/* weights and bytes per block of `type`; 0 if the type is unknown or its codebook is not loaded yet */
+int ggml_block_size(int type, int64_t *weights, int64_t *bytes);
+/* whether `type` needs a codebook (a grid handed in by ggml_set_grid before use) */
+int ggml_needs_grid(int type);
+/* the codebook of an IQ type: `n` float32 values (entries x 8 or x 4 levels), copied; -1 on a bad size */
+int ggml_set_grid(int type, const float *grid, int64_t n);
+/* the `nblocks` blocks at `src` decoded to float32, as the gguf package's dequantizer computes them */
+void ggml_decode(int type, const uint8_t *src, int64_t nblocks, float *out);
+/* for each of `ntok` inputs x[t * xstride ..], acc[t] += (the row of `nblocks` blocks at src) . x;
+   `buf` holds one block's weights (256 floats) */
+void ggml_row_dot(int type, const uint8_t *src, int64_t nblocks, const float *x, int64_t xstride, int64_t ntok,
+                  float *acc, float *buf);
+
+#endif
