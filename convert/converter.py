@@ -16,7 +16,7 @@ from kimistream.formats.checksum import sha256_file
 from kimistream.formats.codecs import CodecError, get_codec
 from kimistream.formats.imatrix import ImatrixError
 from kimistream.formats.constants import DEFAULT_ALIGNMENT, TENSOR_CLASSES
-from kimistream.formats.layout import model_shapes, plan_extents
+from kimistream.formats.layout import model_shapes, plan_extents, split_kv_b_names
 from kimistream.formats.weightfile import WeightFileWriter
 
 from kimistream.formats.presets import PrecisionPlan
@@ -168,7 +168,10 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
         raise ConversionError(str(e)) from None
     check_output_apart(ckpt, out)
     cfg = ckpt.config
-    expected = model_shapes(cfg)
+    # MLA's kv_b in the two halves a GGUF keeps (formats/layout.py) when the plan names them
+    split = cfg.num_hidden_layers > 0 and split_kv_b_names(0)[0] in plan.tensors
+    expected = model_shapes(cfg, split)
+    other_form = set(model_shapes(cfg, not split)) - set(expected)
     missing = [n for n in expected if not ckpt.has(n)]
     if missing:
         raise ConversionError(f"{ckpt.dir}: checkpoint lacks {len(missing)} tensor(s) the config requires, "
@@ -178,7 +181,8 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
             raise ConversionError(f"{ckpt.dir / ckpt.location[n]}: tensor {n} has shape {list(ckpt.shape(n))}, "
                                   f"config.json implies {list(shape)}")
     summary = Summary(output=str(out))
-    summary.skipped = sorted(n for n in ckpt.location if n not in expected and not n.endswith("_scale_inv"))
+    summary.skipped = sorted(n for n in ckpt.location
+                             if n not in expected and n not in other_form and not n.endswith("_scale_inv"))
     if ckpt.missing_shards:
         names = ", ".join(sorted(ckpt.missing_shards))
         if not WeightFileWriter(out, alignment).journaled_meta():
@@ -196,7 +200,7 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
 
     plan.for_model(cfg.first_k_dense_replace, cfg.num_hidden_layers)
     writer = WeightFileWriter(out, alignment)
-    for name, kind, tensors in plan_extents(cfg, plan.codec_for):
+    for name, kind, tensors in plan_extents(cfg, plan.codec_for, split_kv_b=split):
         writer.add_extent(name, kind, tensors)
     for name, data in tok_files.items():
         writer.add_blob(name, data)

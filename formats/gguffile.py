@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .layout import split_kv_b_names
+
 ARCH = "deepseek2"
 SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 GATING = {1: "softmax", 2: "sigmoid"}       # llama.cpp's expert_gating_func values
@@ -64,6 +66,7 @@ IGNORE_MERGES = ("llama3", "llama-bpe", "llama-v3")
 # GGUF types a kimi-stream codec holds exactly (the same values; Q8_0's blocks are q8's scales and
 # codes interleaved), for `kimi-convert --quant keep`
 EXACT_CODECS = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8"}
+FLOAT_TYPES = ("F32", "F16", "BF16")
 Q8_0_BLOCK = 34                  # f16 scale + 32 int8 codes
 
 
@@ -232,7 +235,8 @@ class GGUFModel:
 
     # ------------------------------------------------------------------ tensors
     def _names(self) -> dict:
-        """Hugging Face name -> how to read it: ("whole", tensor) | ("expert", tensor, e) | ("kv_b", k_b, v_b)."""
+        """Hugging Face name -> how to read it: ("whole", tensor) | ("expert", tensor, e) | ("kv_b", k_b, v_b) |
+        ("split", tensor) for k_b_proj / v_b_proj, the same two tensors as they are (formats/layout.py)."""
         out, cfg = {}, self.config
         for g, hf in GLOBAL_TENSORS.items():
             if g in self._tensors:
@@ -247,6 +251,8 @@ class GGUFModel:
                 raise GGUFError(f"{self.path}: layer {i} has only one of attn_k_b and attn_v_b")
             if k_b is not None:
                 out[f"model.layers.{i}.self_attn.kv_b_proj.weight"] = ("kv_b", k_b, v_b)
+                k_name, v_name = split_kv_b_names(i)
+                out[k_name], out[v_name] = ("split", k_b), ("split", v_b)
             for g, proj in EXPERT_TENSORS.items():
                 t = self._tensors.get(p + g)
                 if t is None:
@@ -287,6 +293,8 @@ class GGUFModel:
             nope, kvl, h = (int(d) for d in k_b.shape)
             return (h * (nope + int(v_b.shape[1])), kvl)
         dims = tuple(int(d) for d in reversed(how[1].shape))
+        if how[0] == "split":                    # [H, rows, cols] -> [H x rows, cols]
+            return (dims[0] * dims[1], dims[2])
         return dims[1:] if how[0] == "expert" else dims
 
     def read(self, name: str) -> np.ndarray:
@@ -294,6 +302,8 @@ class GGUFModel:
         how = self._map[name]
         if how[0] == "whole":
             return self._dequantize(how[1], how[1].data)
+        if how[0] == "split":
+            return self._dequantize(how[1], how[1].data).reshape(self.shape(name))
         if how[0] == "expert":
             t, e = how[1], how[2]
             return self._dequantize(t, t.data[e])
@@ -310,17 +320,26 @@ class GGUFModel:
             raise GGUFError(f"{self.path}: tensor {t.name} ({t.tensor_type.name}) cannot be decoded: {e}") from None
 
     # ------------------------------------------------------------------ blocks kept as they are
+    def split_kv_b(self) -> bool:
+        """Whether --quant keep keeps MLA's attn_k_b / attn_v_b as they are (k_b_proj / v_b_proj): when
+        they hold quantized blocks, which kv_b_proj's layout (k_b transposed) cannot hold unchanged.
+        Float ones are put back together as kv_b_proj, the same values."""
+        return any(how[0] == "kv_b" and {how[1].tensor_type.name, how[2].tensor_type.name} - set(FLOAT_TYPES)
+                   for how in self._map.values())
+
     def keep_codecs(self) -> dict[str, str]:
         """Every tensor's codec holding its GGUF values exactly: a native one (F32, F16, BF16, Q8_0 as
-        q8, with fused kernels), else llama.cpp's blocks as they are (formats/ggufcodecs.py). kv_b,
-        rebuilt from the transposed attn_k_b, is encoded again from its exact values (in the float
-        codec of a float source, else q8). GGUFError naming the types neither holds."""
+        q8, with fused kernels), else llama.cpp's blocks as they are (formats/ggufcodecs.py); MLA's
+        kv_b in the form split_kv_b() says. GGUFError naming the types neither holds."""
         from .ggufcodecs import BLOCK_SIZES, codec_name
         out, other = {}, set()
+        split = self.split_kv_b()
         for name, how in self._map.items():
             t = how[1].tensor_type.name
+            if how[0] == ("split" if not split else "kv_b"):
+                continue                         # the other form of the same values
             if how[0] == "kv_b":
-                out[name] = EXACT_CODECS.get(t) if t in ("F32", "F16", "BF16") else "q8"
+                out[name] = EXACT_CODECS[t]
             elif t in EXACT_CODECS:
                 out[name] = EXACT_CODECS[t]
             elif t in BLOCK_SIZES:
@@ -340,7 +359,7 @@ class GGUFModel:
         if how[0] == "kv_b":
             return None
         t = how[1].tensor_type.name
-        data = how[1].data if how[0] == "whole" else how[1].data[how[2]]
+        data = how[1].data if how[0] in ("whole", "split") else how[1].data[how[2]]
         if codec == codec_name(t):                     # llama.cpp's blocks, row after row, unchanged
             return np.ascontiguousarray(data).view(np.uint8).reshape(-1)
         if codec != "q8" or t != "Q8_0":

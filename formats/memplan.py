@@ -80,7 +80,7 @@ def footprint(tensors, extents, header_bytes: int, blob_bytes: int) -> Footprint
         elif not is_float_codec(codec) and len(shape) == 2:
             # block codecs (llama.cpp's too) run fused; many tokens dequantize blocks of rows
             scratch = max(scratch, 4 * 64 * shape[1])
-        if name.endswith("kv_b_proj.weight") and codec != "f32":
+        if name.endswith(("kv_b_proj.weight", ".k_b_proj.weight", ".v_b_proj.weight")) and codec != "f32":
             scratch = max(scratch, n)                     # decoded per use
     experts = [nb for kind, nb in extents if kind == EXTENT_EXPERT]
     return Footprint(resident=sum(nb for kind, nb in extents if kind == EXTENT_RESIDENT) + copies,

@@ -22,7 +22,7 @@ import numpy as np
 
 from . import checksum, mapguard
 from .config import ConfigError, ModelConfig
-from .layout import model_shapes
+from .layout import model_shapes, split_kv_b_names
 from .codecs import CodecError, get_codec
 from .constants import (DEFAULT_ALIGNMENT, EXTENT_KINDS, MAGIC, MAX_ALIGNMENT, MAX_HEADER_BYTES,
                         PREFIX_SIZE, TENSOR_ALIGNMENT, TENSOR_CLASSES, VERSION)
@@ -540,7 +540,8 @@ def check_model(wf: WeightFile) -> ModelConfig:
     for key in ("tokenizer", "plan"):
         if key in h and not isinstance(h[key], dict):
             wf._fail(f"the header's {key} is not an object")
-    for name, shape in model_shapes(cfg).items():
+    split = cfg.num_hidden_layers > 0 and split_kv_b_names(0)[0] in wf.tensors
+    for name, shape in model_shapes(cfg, split).items():
         t = wf.tensors.get(name)
         if t is None:
             wf._fail(f"tensor {name}, which the header's config requires, is not in the file")

@@ -833,6 +833,7 @@ struct task {
     int64_t cols, nspan, n, stride;
     int64_t ntok, ostride;                                /* rows jobs: tokens per job, output stride */
     int64_t njobs_rows;                                   /* ggml jobs: rows of the tensor */
+    int64_t head_rows;                                    /* ggml heads: rows per input (0: every row, every input) */
     int64_t scratch_floats;                               /* per thread */
     const int64_t *jobs;
     int64_t njobs;
@@ -973,7 +974,8 @@ static void ggml_rows_job(task_t *t, int64_t j, float *scratch) {
     float *acc = scratch, *buf = scratch + t->ntok + 8;
     for (int64_t r = lo; r < hi; r++) {
         for (int64_t k = 0; k < t->ntok; k++) acc[k] = 0.0f;
-        ggml_row_dot((int)t->n, t->raw + r * t->stride, t->nspan, t->xf, t->cols, t->ntok, acc, buf);
+        const float *x = t->head_rows ? t->xf + (r / t->head_rows) * t->cols : t->xf;
+        ggml_row_dot((int)t->n, t->raw + r * t->stride, t->nspan, x, t->cols, t->ntok, acc, buf);
         for (int64_t k = 0; k < t->ntok; k++) t->out[k * t->njobs_rows + r] = acc[k];
     }
 }
@@ -1855,14 +1857,16 @@ static int64_t ggml_row_bytes(int type, int64_t rows, int64_t cols, Py_ssize_t h
 }
 
 PyDoc_STRVAR(ggml_rows_doc,
-"ggml_rows(raw, type, rows, cols, xf, out, threads): out [T, rows] = xf [T, cols] @ W.T for the GGML\n"
-"tensor W [rows, cols] of llama.cpp blocks of `type` in raw (float32 buffers)");
+"ggml_rows(raw, type, rows, cols, xf, out, threads, head_rows=0): out [T, rows] = xf [T, cols] @ W.T for\n"
+"the GGML tensor W [rows, cols] of llama.cpp blocks of `type` in raw (float32 buffers); with head_rows,\n"
+"xf holds one input per head of head_rows rows and out [rows] is each row times its head's input");
 
 static PyObject *py_ggml_rows(PyObject *self, PyObject *args) {
     PyObject *o[3];
     int type, threads;
-    Py_ssize_t rows, cols;
-    if (!PyArg_ParseTuple(args, "OinnOOi", &o[0], &type, &rows, &cols, &o[1], &o[2], &threads)) return NULL;
+    Py_ssize_t rows, cols, head_rows = 0;
+    if (!PyArg_ParseTuple(args, "OinnOOi|n", &o[0], &type, &rows, &cols, &o[1], &o[2], &threads, &head_rows))
+        return NULL;
     buf_t b[3];
     memset(b, 0, sizeof b);
     PyObject *ret = NULL;
@@ -1871,14 +1875,20 @@ static PyObject *py_ggml_rows(PyObject *self, PyObject *args) {
     int64_t nblk, rb = ggml_row_bytes(type, rows, cols, b[0].b.len, &nblk);
     if (rb < 0) goto done;
     int64_t ntok = b[1].b.len / (4 * cols);
-    if (b[1].b.len != 4 * ntok * cols || b[2].b.len != 4 * ntok * rows) {
+    if (head_rows < 0 || (head_rows && (rows % head_rows || b[1].b.len != 4 * (rows / head_rows) * cols ||
+                                        b[2].b.len != 4 * rows))) {
+        PyErr_SetString(PyExc_ValueError, "ggml_rows: with head_rows, xf must be [rows / head_rows, cols] and out [rows]");
+        goto done;
+    }
+    if (head_rows) ntok = 1;
+    else if (b[1].b.len != 4 * ntok * cols || b[2].b.len != 4 * ntok * rows) {
         PyErr_SetString(PyExc_ValueError, "ggml_rows: xf must be [T, cols] and out [T, rows]");
         goto done;
     }
     int64_t per = GGML_JOB_WEIGHTS / cols > 8 ? GGML_JOB_WEIGHTS / cols : 8;
     task_t t = {.job = ggml_rows_job, .raw = b[0].b.buf, .xf = b[1].b.buf, .out = b[2].b.buf, .n = type,
                 .stride = rb, .nspan = nblk, .cols = cols, .ntok = ntok, .ostride = per, .njobs_rows = rows,
-                .njobs = (rows + per - 1) / per, .scratch_floats = ntok + 8 + 256};
+                .head_rows = head_rows, .njobs = (rows + per - 1) / per, .scratch_floats = ntok + 8 + 256};
     if (ntok && rows && run_unlocked(&t, threads) >= 0) ret = Py_NewRef(Py_None);
     else if (!ntok || !rows) ret = Py_NewRef(Py_None);
 done:

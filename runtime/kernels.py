@@ -393,9 +393,20 @@ def heads_t(codec: str, raw, shape, v: np.ndarray, stride: int) -> np.ndarray:
 
 def heads(codec: str, raw, shape, x: np.ndarray, stride: int, first: int, n: int) -> np.ndarray:
     """[nh, n]: for each head h, rows h*stride+first .. +n-1 of W times x[h] (kv_b's value part)."""
-    _, g, raw = _prepare(codec, raw, shape)
     x = np.ascontiguousarray(x, dtype=np.float32)
     nh = x.shape[0]
+    if is_gguf_codec(codec):
+        raw, cols = _ggml_raw(codec, raw, shape), int(shape[1])
+        rb = get_codec(codec).nbytes((1, cols))
+        if first or stride != n:          # one call per head, on its rows
+            return np.concatenate([heads(codec, raw[(h * stride + first) * rb:(h * stride + first + n) * rb], (n, cols),
+                                         x[h:h + 1], n, 0, n) for h in range(nh)])
+        out = np.empty(nh * n, np.float32)
+        rows = nh * n
+        _qdot.ggml_rows(raw[:rows * rb], ggml_type(codec), rows, cols, x, out,
+                        _threads if rows * cols >= PARALLEL_MIN_WEIGHTS else 1, n)
+        return out.reshape(nh, n)
+    _, g, raw = _prepare(codec, raw, shape)
     out = np.empty(nh * n, np.float32)
     jobs = _head_jobs(nh, stride, first, n, x.shape[1])
     _run(raw, g[None, :], x, jobs, out, nh * n * x.shape[1], codec)

@@ -20,6 +20,7 @@ import numpy as np
 
 from kimistream.formats import blas
 from kimistream.formats.config import ModelConfig, RopeConfig
+from kimistream.formats.layout import split_kv_b_names
 
 from . import kernels
 from .weights import ExpertProvider, ModelWeights, Weight, has_fused_kernel
@@ -133,17 +134,24 @@ class Attention:
     """Multi-head latent attention (MLA), absorbed: q from h (through a LoRA when q_lora_rank), the
     KV latent and the rotated key from kv_a, kv_b folded into the query and the output."""
 
-    def __init__(self, cfg: ModelConfig, index: int, *, kv_a: Weight, kv_ln: np.ndarray, kv_b: Weight, o: Weight,
+    def __init__(self, cfg: ModelConfig, index: int, *, kv_a: Weight, kv_ln: np.ndarray, o: Weight,
+                 kv_b: Weight | None = None, k_b: Weight | None = None, v_b: Weight | None = None,
                  q: Weight | None = None, q_a: Weight | None = None, q_ln: np.ndarray | None = None,
                  q_b: Weight | None = None):
+        """kv_b as Hugging Face stores it, or its halves k_b [nh x r, nope] and v_b [nh x v, r] as a
+        GGUF keeps them (formats/layout.py)."""
         self.cfg, self.index = cfg, index
-        self.kv_a, self.kv_ln, self.kv_b, self.o = kv_a, kv_ln, kv_b, o
+        self.kv_a, self.kv_ln, self.kv_b, self.k_b, self.v_b, self.o = kv_a, kv_ln, kv_b, k_b, v_b, o
         self.q, self.q_a, self.q_ln, self.q_b = q, q_a, q_ln, q_b
         # kv_b per head as strided views of the mapping when stored as f32; otherwise it stays packed
         # (a resident float32 copy of every layer's would take 2 GB for Kimi K2)
         self.w_k = self.w_v_t = None
-        if kv_b.codec == "f32":
+        if kv_b is not None and kv_b.codec == "f32":
             self.w_k, self.w_v_t = self.split_kv_b(kv_b.dense())
+        if kv_b is not None:
+            self.packed = has_fused_kernel(kv_b.codec) and self.w_k is None
+        else:
+            self.packed = kernels.has_kernel(k_b.codec) and kernels.has_kernel(v_b.codec)
         scale = cfg.qk_head_dim ** -0.5
         if cfg.rope.type != "default" and cfg.rope.mscale_all_dim:
             scale *= _yarn_mscale(cfg.rope.factor, cfg.rope.mscale_all_dim) ** 2
@@ -154,6 +162,36 @@ class Attention:
         nh, nope, v, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         kv_b = kv_b.reshape(nh, nope + v, r)
         return kv_b[:, :nope, :], kv_b[:, nope:, :].transpose(0, 2, 1)     # [nh, nope, r], [nh, r, v]
+
+    def absorbed(self):
+        """(w_k [nh, nope, r], w_v_t [nh, r, v]) as float32: the key rows folded into the query, the
+        value rows applied to the attention's latent output."""
+        if self.w_k is not None:
+            return self.w_k, self.w_v_t
+        if self.kv_b is not None:
+            return self.split_kv_b(self.kv_b.dense())
+        cfg = self.cfg
+        nh, r = cfg.num_attention_heads, cfg.kv_lora_rank
+        return (self.k_b.dense().reshape(nh, r, -1).transpose(0, 2, 1),
+                self.v_b.dense().reshape(nh, -1, r).transpose(0, 2, 1))
+
+    def absorb_query(self, q_nope: np.ndarray) -> np.ndarray:
+        """One token's q_nope [nh, nope] -> [nh, r], from the packed weights."""
+        cfg = self.cfg
+        if self.kv_b is not None:
+            kv_b = self.kv_b
+            return kernels.heads_t(kv_b.codec, kv_b.raw, kv_b.shape, q_nope, cfg.qk_nope_head_dim + cfg.v_head_dim)
+        r = cfg.kv_lora_rank
+        return kernels.heads(self.k_b.codec, self.k_b.raw, self.k_b.shape, q_nope, r, 0, r)
+
+    def values(self, o_lat: np.ndarray) -> np.ndarray:
+        """One token's attention output in the latent [nh, r] -> [nh, v], from the packed weights."""
+        cfg = self.cfg
+        nope, v = cfg.qk_nope_head_dim, cfg.v_head_dim
+        if self.kv_b is not None:
+            kv_b = self.kv_b
+            return kernels.heads(kv_b.codec, kv_b.raw, kv_b.shape, o_lat, nope + v, nope, v)
+        return kernels.heads(self.v_b.codec, self.v_b.raw, self.v_b.shape, o_lat, v, 0, v)
 
     def query(self, h: np.ndarray) -> np.ndarray:
         if self.q_a is not None:
@@ -185,15 +223,13 @@ class Attention:
         # [B, nh, T, d]
         q_nope = q_nope.reshape(B, T, nh, nope).transpose(0, 2, 1, 3)
         q_rot = q_rot.reshape(B, T, nh, -1).transpose(0, 2, 1, 3)
-        kv_b = self.kv_b
-        packed = self.w_k is None and B * T == 1 and has_fused_kernel(kv_b.codec)
+        packed = self.packed and B * T == 1
         if packed:
             # one token: kv_b stays packed, its key rows applied transposed and its value rows as
             # mat-vecs, head by head (no float32 copy of the whole matrix at every step)
-            stride = nope + cfg.v_head_dim
-            q_lat = kernels.heads_t(kv_b.codec, kv_b.raw, kv_b.shape, q_nope[0, :, 0], stride)[None, :, None, :]
+            q_lat = self.absorb_query(q_nope[0, :, 0])[None, :, None, :]
         else:
-            w_k, w_v_t = (self.w_k, self.w_v_t) if self.w_k is not None else self.split_kv_b(kv_b.dense())
+            w_k, w_v_t = self.absorbed()
             q_lat = np.matmul(q_nope, w_k)                                     # [B, nh, T, r]
         if T == 1:                      # decode steps: every sequence's cache read once for all heads
             o_lat = np.empty(q_lat.shape, np.float32)
@@ -210,8 +246,7 @@ class Attention:
             probs /= probs.sum(axis=-1, keepdims=True)
             o_lat = np.matmul(probs, Ct)                                       # [B, nh, T, r]
         if packed:
-            o = kernels.heads(kv_b.codec, kv_b.raw, kv_b.shape, o_lat[0, :, 0, :], stride, nope,
-                              cfg.v_head_dim)[None, :, None, :]
+            o = self.values(o_lat[0, :, 0, :])[None, :, None, :]
         else:
             o = np.matmul(o_lat, w_v_t)                                        # [B, nh, T, v]
         return linear(o.transpose(0, 2, 1, 3).reshape(B * T, nh * cfg.v_head_dim), self.o)
@@ -347,9 +382,12 @@ def load_layer(w: ModelWeights, cfg: ModelConfig, i: int) -> Layer:
              "q_b": w.resident(p + "self_attn.q_b_proj.weight")}
     else:
         q = {"q": w.resident(p + "self_attn.q_proj.weight")}
+    k_b, v_b = split_kv_b_names(i)
+    kv = ({"k_b": w.weight(k_b), "v_b": w.weight(v_b)} if w.has(k_b) else
+          {"kv_b": w.weight(p + "self_attn.kv_b_proj.weight")})
     attn = Attention(cfg, i, kv_a=w.resident(p + "self_attn.kv_a_proj_with_mqa.weight"),
-                     kv_ln=w.vector(p + "self_attn.kv_a_layernorm.weight"), kv_b=w.weight(p + "self_attn.kv_b_proj.weight"),
-                     o=w.resident(p + "self_attn.o_proj.weight"), **q)
+                     kv_ln=w.vector(p + "self_attn.kv_a_layernorm.weight"),
+                     o=w.resident(p + "self_attn.o_proj.weight"), **kv, **q)
     if cfg.is_moe_layer(i):
         shared = None
         if cfg.n_shared_experts:

@@ -304,7 +304,8 @@ def observing(model: Model, observer):
 
         def compress(h, attn=attn, inner=attn.compress):
             latent, k_rot = inner(h)
-            observer(attn.kv_b.name, latent)
+            if attn.kv_b is not None:       # (a GGUF's kept k_b / v_b halves take other inputs; not calibrated)
+                observer(attn.kv_b.name, latent)
             return latent, k_rot
         wrap(attn, "compress", compress)
         mlp = layer.mlp

@@ -88,3 +88,19 @@ def test_bad_buffers_are_refused():
     with pytest.raises(ValueError, match="do not match"):
         _qdot.ggml_rows(raw, gguf.GGMLQuantizationType.Q2_K.value, 5, 256, np.zeros((1, 256), np.float32),
                         np.zeros((1, 5), np.float32), 1)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "IQ4_NL", "Q4_K"])
+def test_head_products_use_each_heads_input(qtype):
+    """kernels.heads on llama.cpp blocks (MLA's k_b / v_b halves): rows h*stride+first .. +n-1 times
+    x[h], for whole heads (one C call) and for part of each head's rows."""
+    block = BLOCK_SIZES[qtype][0]
+    nh, per, cols = 3, 16, 2 * block
+    raw = random_blocks(qtype, nh * per, cols, seed=5)
+    w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).astype(np.float64).reshape(nh, per, cols)
+    x = np.random.default_rng(2).standard_normal((nh, cols)).astype(np.float32)
+    tol = 2e-6 * np.sqrt(cols) * np.abs(x).max() * np.abs(w).max()
+    for first, n in ((0, per), (4, 8)):
+        got = kernels.heads(codec_name(qtype), raw, (nh * per, cols), x, per, first, n)
+        want = np.einsum("hrc,hc->hr", w[:, first:first + n], x.astype(np.float64))
+        assert got.shape == (nh, n) and np.abs(got - want).max() <= tol
