@@ -251,6 +251,14 @@ class LlamaBench:
 
     def once(self) -> tuple[float, float]:
         p = subprocess.run([str(x) for x in self.cmd], capture_output=True, text=True)
+        if p.returncode != 0 and "cur_backend_id != -1" in p.stderr and "--repack" not in self.cmd:
+            # Where the CPU backend repacks weights (Q4_0 into interleaved rows; on AVX-512 machines
+            # more types), it can take a tensor the deepseek2 graph then cannot place, and aborts.
+            # Without repacking every tensor stays as stored.
+            log("llama-bench aborted with weight repacking (a scheduler assert); again with --repack 0")
+            self.cmd += ["--repack", 0]
+            self.shown = shlex.join(str(x) for x in self.cmd)
+            return self.once()
         if p.returncode != 0:
             sys.stderr.write(p.stderr[-4000:])
             raise SystemExit(f"bench_llamacpp: llama-bench failed: {self.shown}")
