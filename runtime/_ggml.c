@@ -371,25 +371,36 @@ static void init_signs(void) {
 AVX2 static inline __m256 u8f(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
 AVX2 static inline __m256 i8f(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
 
+/* Every decoder body below runs in two modes, each compiled on its own (`dot` is a constant where
+   the body is inlined): dot = 0 stores the weights at y; dot = 1 multiplies them straight into the
+   accumulators acc[0..1] by the inputs at y (then pointing at x), so a mat-vec never writes a block
+   out. Eight weights v at p go through put(). */
+#define INL AVX2 static inline __attribute__((always_inline))
+
+INL void put(float *p, __m256 v, __m256 *acc, int dot) {
+    if (dot) *acc = _mm256_fmadd_ps(v, _mm256_loadu_ps(p), *acc);
+    else _mm256_storeu_ps(p, v);
+}
+
 /* 16 codes (bytes) -> y = dl * q - ml; `sgn` if the codes are signed */
-AVX2 static inline void emit16(float *y, __m128i q, float dl, float ml, int sgn) {
+INL void emit16(float *y, __m128i q, float dl, float ml, int sgn, __m256 *acc, int dot) {
     __m256 d = _mm256_set1_ps(dl), m = _mm256_set1_ps(ml);
     __m256 a = sgn ? i8f(q) : u8f(q), b = sgn ? i8f(_mm_srli_si128(q, 8)) : u8f(_mm_srli_si128(q, 8));
-    _mm256_storeu_ps(y, _mm256_sub_ps(_mm256_mul_ps(d, a), m));
-    _mm256_storeu_ps(y + 8, _mm256_sub_ps(_mm256_mul_ps(d, b), m));
+    put(y, _mm256_sub_ps(_mm256_mul_ps(d, a), m), acc, dot);
+    put(y + 8, _mm256_sub_ps(_mm256_mul_ps(d, b), m), acc + 1, dot);
 }
 
 /* 16 signed codes -> y = dl * q (no offset term, as the reference computes it) */
-AVX2 static inline void emit16m(float *y, __m128i q, float dl) {
+INL void emit16m(float *y, __m128i q, float dl, __m256 *acc, int dot) {
     __m256 d = _mm256_set1_ps(dl);
-    _mm256_storeu_ps(y, _mm256_mul_ps(d, i8f(q)));
-    _mm256_storeu_ps(y + 8, _mm256_mul_ps(d, i8f(_mm_srli_si128(q, 8))));
+    put(y, _mm256_mul_ps(d, i8f(q)), acc, dot);
+    put(y + 8, _mm256_mul_ps(d, i8f(_mm_srli_si128(q, 8))), acc + 1, dot);
 }
 
 #define LO(v) _mm256_castsi256_si128(v)
 #define HI(v) _mm256_extracti128_si256(v, 1)
 
-AVX2 static void deq_q2_k_avx2(const uint8_t *b, float *y) {
+INL void q2_k_body(const uint8_t *b, float *y, __m256 *acc, int dot) {
     const uint8_t *sc = b;
     float d = f16(b + 80), dmin = f16(b + 82);
     const __m256i m3 = _mm256_set1_epi8(3);
@@ -399,13 +410,13 @@ AVX2 static void deq_q2_k_avx2(const uint8_t *b, float *y) {
             __m256i q = _mm256_and_si256(_mm256_srli_epi16(v, 2 * s), m3);
             int g = 8 * h + 2 * s;
             float *o = y + 128 * h + 32 * s;
-            emit16(o, LO(q), d * (float)(sc[g] & 15), dmin * (float)(sc[g] >> 4), 0);
-            emit16(o + 16, HI(q), d * (float)(sc[g + 1] & 15), dmin * (float)(sc[g + 1] >> 4), 0);
+            emit16(o, LO(q), d * (float)(sc[g] & 15), dmin * (float)(sc[g] >> 4), 0, acc, dot);
+            emit16(o + 16, HI(q), d * (float)(sc[g + 1] & 15), dmin * (float)(sc[g + 1] >> 4), 0, acc, dot);
         }
     }
 }
 
-AVX2 static void deq_q3_k_avx2(const uint8_t *b, float *y) {
+INL void q3_k_body(const uint8_t *b, float *y, __m256 *acc, int dot) {
     const uint8_t *ss = b + 96;
     float d = f16(b + 108);
     float dl[16];
@@ -423,13 +434,13 @@ AVX2 static void deq_q3_k_avx2(const uint8_t *b, float *y) {
             __m256i hb = _mm256_and_si256(_mm256_srli_epi16(hm, 4 * h + s), one);
             __m256i q = _mm256_sub_epi8(ql, _mm256_slli_epi16(_mm256_xor_si256(hb, one), 2));
             int g = 8 * h + 2 * s;
-            emit16m(y + 128 * h + 32 * s, LO(q), dl[g]);
-            emit16m(y + 128 * h + 32 * s + 16, HI(q), dl[g + 1]);
+            emit16m(y + 128 * h + 32 * s, LO(q), dl[g], acc, dot);
+            emit16m(y + 128 * h + 32 * s + 16, HI(q), dl[g + 1], acc, dot);
         }
     }
 }
 
-AVX2 static void deq_q45_k_avx2(const uint8_t *b, float *y, int five) {
+INL void q45_k_body(const uint8_t *b, float *y, __m256 *acc, int dot, int five) {
     float d = f16(b), dmin = f16(b + 2);
     const uint8_t *qs = b + (five ? 48 : 16);
     const __m256i m15 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
@@ -440,14 +451,14 @@ AVX2 static void deq_q45_k_avx2(const uint8_t *b, float *y, int five) {
         __m256i q = _mm256_and_si256(_mm256_srli_epi16(LD32(qs + 32 * (j / 2)), 4 * (j % 2)), m15);
         if (five) q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, j), one), 4));
         float dl = d * (float)sc, ml = dmin * (float)m;
-        emit16(y + 32 * j, LO(q), dl, ml, 0);
-        emit16(y + 32 * j + 16, HI(q), dl, ml, 0);
+        emit16(y + 32 * j, LO(q), dl, ml, 0, acc, dot);
+        emit16(y + 32 * j + 16, HI(q), dl, ml, 0, acc, dot);
     }
 }
-AVX2 static void deq_q4_k_avx2(const uint8_t *b, float *y) { deq_q45_k_avx2(b, y, 0); }
-AVX2 static void deq_q5_k_avx2(const uint8_t *b, float *y) { deq_q45_k_avx2(b, y, 1); }
+INL void q4_k_body(const uint8_t *b, float *y, __m256 *acc, int dot) { q45_k_body(b, y, acc, dot, 0); }
+INL void q5_k_body(const uint8_t *b, float *y, __m256 *acc, int dot) { q45_k_body(b, y, acc, dot, 1); }
 
-AVX2 static void deq_q6_k_avx2(const uint8_t *b, float *y) {
+INL void q6_k_body(const uint8_t *b, float *y, __m256 *acc, int dot) {
     const int8_t *sc = (const int8_t *)(b + 192);
     float d = f16(b + 208);
     const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
@@ -458,16 +469,17 @@ AVX2 static void deq_q6_k_avx2(const uint8_t *b, float *y) {
             __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * p), m3), 4);
             __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, hi), k32);
             int g = 8 * h + 2 * p;
-            emit16m(y + 128 * h + 32 * p, LO(q), d * (float)sc[g]);
-            emit16m(y + 128 * h + 32 * p + 16, HI(q), d * (float)sc[g + 1]);
+            emit16m(y + 128 * h + 32 * p, LO(q), d * (float)sc[g], acc, dot);
+            emit16m(y + 128 * h + 32 * p + 16, HI(q), d * (float)sc[g + 1], acc, dot);
         }
     }
 }
 
-AVX2 static void deq_q8_0_avx2(const uint8_t *b, float *y) {
+INL void q8_0_body(const uint8_t *b, float *y, __m256 *acc, int dot) {
     __m256 d = _mm256_set1_ps(f16(b));
+    #pragma GCC unroll 32      /* constant accumulator indices: they stay in registers */
     for (int j = 0; j < 32; j += 8)
-        _mm256_storeu_ps(y + j, _mm256_mul_ps(i8f(_mm_loadl_epi64((const __m128i *)(b + 2 + j))), d));
+        put(y + j, _mm256_mul_ps(i8f(_mm_loadl_epi64((const __m128i *)(b + 2 + j))), d), acc + ((j >> 3) & 1), dot);
 }
 
 /* 32 weights from 16 bytes of nibbles: low nibbles first, then high */
@@ -485,33 +497,35 @@ AVX2 static inline __m256i fifth_bits(uint32_t qh) {
     return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(16));
 }
 
-AVX2 static void deq_q4_0_avx2(const uint8_t *b, float *y) {
+INL void q4_0_body(const uint8_t *b, float *y, __m256 *acc, int dot) {
     __m256i q = _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8));
     float d = f16(b);
-    emit16m(y, LO(q), d);
-    emit16m(y + 16, HI(q), d);
+    emit16m(y, LO(q), d, acc, dot);
+    emit16m(y + 16, HI(q), d, acc, dot);
 }
 
-AVX2 static void deq_q5_0_avx2(const uint8_t *b, float *y) {
+INL void q5_0_body(const uint8_t *b, float *y, __m256 *acc, int dot) {
     __m256i q = _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), fifth_bits(u32(b + 2))), _mm256_set1_epi8(16));
     float d = f16(b);
-    emit16m(y, LO(q), d);
-    emit16m(y + 16, HI(q), d);
+    emit16m(y, LO(q), d, acc, dot);
+    emit16m(y + 16, HI(q), d, acc, dot);
 }
 
 /* y = d * q + m, as Q4_1 and Q5_1 are computed */
-AVX2 static inline void emit32_add(float *y, __m256i q, float dd, float mm) {
+INL void emit32_add(float *y, __m256i q, float dd, float mm, __m256 *acc, int dot) {
     __m256 d = _mm256_set1_ps(dd), m = _mm256_set1_ps(mm);
     __m128i lo = LO(q), hi = HI(q);
-    _mm256_storeu_ps(y, _mm256_add_ps(_mm256_mul_ps(d, u8f(lo)), m));
-    _mm256_storeu_ps(y + 8, _mm256_add_ps(_mm256_mul_ps(d, u8f(_mm_srli_si128(lo, 8))), m));
-    _mm256_storeu_ps(y + 16, _mm256_add_ps(_mm256_mul_ps(d, u8f(hi)), m));
-    _mm256_storeu_ps(y + 24, _mm256_add_ps(_mm256_mul_ps(d, u8f(_mm_srli_si128(hi, 8))), m));
+    put(y, _mm256_add_ps(_mm256_mul_ps(d, u8f(lo)), m), acc, dot);
+    put(y + 8, _mm256_add_ps(_mm256_mul_ps(d, u8f(_mm_srli_si128(lo, 8))), m), acc + 1, dot);
+    put(y + 16, _mm256_add_ps(_mm256_mul_ps(d, u8f(hi)), m), acc, dot);
+    put(y + 24, _mm256_add_ps(_mm256_mul_ps(d, u8f(_mm_srli_si128(hi, 8))), m), acc + 1, dot);
 }
 
-AVX2 static void deq_q4_1_avx2(const uint8_t *b, float *y) { emit32_add(y, nibbles32(b + 4), f16(b), f16(b + 2)); }
-AVX2 static void deq_q5_1_avx2(const uint8_t *b, float *y) {
-    emit32_add(y, _mm256_or_si256(nibbles32(b + 8), fifth_bits(u32(b + 4))), f16(b), f16(b + 2));
+INL void q4_1_body(const uint8_t *b, float *y, __m256 *acc, int dot) {
+    emit32_add(y, nibbles32(b + 4), f16(b), f16(b + 2), acc, dot);
+}
+INL void q5_1_body(const uint8_t *b, float *y, __m256 *acc, int dot) {
+    emit32_add(y, _mm256_or_si256(nibbles32(b + 8), fifth_bits(u32(b + 4))), f16(b), f16(b + 2), acc, dot);
 }
 
 AVX2 static inline __m256i iq4_values(const uint8_t *p) {
@@ -519,118 +533,148 @@ AVX2 static inline __m256i iq4_values(const uint8_t *p) {
     return _mm256_shuffle_epi8(tbl, nibbles32(p));
 }
 
-AVX2 static void deq_iq4_nl_avx2(const uint8_t *b, float *y) {
+INL void iq4_nl_body(const uint8_t *b, float *y, __m256 *acc, int dot) {
     __m256i q = iq4_values(b + 2);
     float d = f16(b);
-    emit16m(y, LO(q), d);
-    emit16m(y + 16, HI(q), d);
+    emit16m(y, LO(q), d, acc, dot);
+    emit16m(y + 16, HI(q), d, acc, dot);
 }
 
-AVX2 static void deq_iq4_xs_avx2(const uint8_t *b, float *y) {
+INL void iq4_xs_body(const uint8_t *b, float *y, __m256 *acc, int dot) {
     float d = f16(b);
     uint16_t sh = u16(b + 2);
     for (int ib = 0; ib < 8; ib++) {
         int ls = ((b[4 + ib / 2] >> (4 * (ib % 2))) & 15) | (((sh >> (2 * ib)) & 3) << 4);
         __m256i q = iq4_values(b + 8 + 16 * ib);
         float dl = d * (float)(ls - 32);
-        emit16m(y + 32 * ib, LO(q), dl);
-        emit16m(y + 32 * ib + 16, HI(q), dl);
+        emit16m(y + 32 * ib, LO(q), dl, acc, dot);
+        emit16m(y + 32 * ib + 16, HI(q), dl, acc, dot);
     }
 }
 
 /* eight weights db * grid * sign, in that order (as the reference multiplies them) */
-AVX2 static inline void grid8_avx2(float *y, __m256 db, __m256 g, uint8_t signs) {
-    _mm256_storeu_ps(y, _mm256_mul_ps(_mm256_mul_ps(db, g), _mm256_loadu_ps(SIGN8[signs])));
+INL void grid8_avx2(float *y, __m256 db, __m256 g, uint8_t signs, __m256 *acc, int dot) {
+    put(y, _mm256_mul_ps(_mm256_mul_ps(db, g), _mm256_loadu_ps(SIGN8[signs])), acc, dot);
 }
 #define G8(p) _mm256_loadu_ps(p)
 #define G44(p1, p2) _mm256_set_m128(_mm_loadu_ps(p2), _mm_loadu_ps(p1))
 
-AVX2 static void deq_iq2_xxs_avx2(const uint8_t *b, float *y) {
+INL void iq2_xxs_body(const uint8_t *b, float *y, __m256 *acc, int dot) {
     float d = f16(b);
     for (int ib = 0; ib < 8; ib++) {
         const uint8_t *q = b + 2 + 8 * ib;
         uint32_t aux = u32(q + 4);
         __m256 db = _mm256_set1_ps(d * (0.5f + (float)(aux >> 28)) * 0.25f);
+        #pragma GCC unroll 32      /* constant accumulator indices: they stay in registers */
         for (int l = 0; l < 4; l++)
-            grid8_avx2(y + 32 * ib + 8 * l, db, G8(grid_iq2xxs + 8 * q[l]), ksign((aux >> (7 * l)) & 127));
+            grid8_avx2(y + 32 * ib + 8 * l, db, G8(grid_iq2xxs + 8 * q[l]), ksign((aux >> (7 * l)) & 127), acc + (l & 1), dot);
     }
 }
 
-AVX2 static void deq_iq2_xs_avx2(const uint8_t *b, float *y) {
+INL void iq2_xs_body(const uint8_t *b, float *y, __m256 *acc, int dot) {
     float d = f16(b);
     for (int i = 0; i < 32; i += 2) {
         __m256 db = _mm256_set1_ps(d * (0.5f + (float)((b[66 + i / 4] >> (4 * ((i / 2) % 2))) & 15)) * 0.25f);
         uint16_t q0 = u16(b + 2 + 2 * i), q1 = u16(b + 4 + 2 * i);
-        grid8_avx2(y + 8 * i, db, G8(grid_iq2xs + 8 * (q0 & 511)), ksign(q0 >> 9));
-        grid8_avx2(y + 8 * i + 8, db, G8(grid_iq2xs + 8 * (q1 & 511)), ksign(q1 >> 9));
+        grid8_avx2(y + 8 * i, db, G8(grid_iq2xs + 8 * (q0 & 511)), ksign(q0 >> 9), acc, dot);
+        grid8_avx2(y + 8 * i + 8, db, G8(grid_iq2xs + 8 * (q1 & 511)), ksign(q1 >> 9), acc + 1, dot);
     }
 }
 
-AVX2 static void deq_iq2_s_avx2(const uint8_t *b, float *y) {
+INL void iq2_s_body(const uint8_t *b, float *y, __m256 *acc, int dot) {
     float d = f16(b);
     const uint8_t *qs = b + 2, *signs = b + 34, *qh = b + 66, *sc = b + 74;
     for (int i = 0; i < 32; i += 2) {
         __m256 db = _mm256_set1_ps(d * (0.5f + (float)((sc[i / 4] >> (4 * ((i / 2) % 2))) & 15)) * 0.25f);
+        #pragma GCC unroll 32      /* constant accumulator indices: they stay in registers */
         for (int k = i; k < i + 2; k++)
-            grid8_avx2(y + 8 * k, db, G8(grid_iq2s + 8 * (qs[k] | (((qh[k / 4] >> (2 * (k % 4))) & 3) << 8))), signs[k]);
+            grid8_avx2(y + 8 * k, db, G8(grid_iq2s + 8 * (qs[k] | (((qh[k / 4] >> (2 * (k % 4))) & 3) << 8))), signs[k], acc + (k & 1), dot);
     }
 }
 
-AVX2 static void deq_iq3_xxs_avx2(const uint8_t *b, float *y) {
+INL void iq3_xxs_body(const uint8_t *b, float *y, __m256 *acc, int dot) {
     float d = f16(b);
     const uint8_t *qs = b + 2, *ss = b + 66;
     for (int ib = 0; ib < 8; ib++) {
         uint32_t aux = u32(ss + 4 * ib);
         __m256 db = _mm256_set1_ps(d * (0.5f + (float)(aux >> 28)) * 0.5f);
+        #pragma GCC unroll 32      /* constant accumulator indices: they stay in registers */
         for (int l = 0; l < 4; l++) {
             const uint8_t *q = qs + 8 * ib + 2 * l;
             grid8_avx2(y + 32 * ib + 8 * l, db, G44(grid_iq3xxs + 4 * q[0], grid_iq3xxs + 4 * q[1]),
-                       ksign((aux >> (7 * l)) & 127));
+                       ksign((aux >> (7 * l)) & 127), acc + (l & 1), dot);
         }
     }
 }
 
-AVX2 static void deq_iq3_s_avx2(const uint8_t *b, float *y) {
+INL void iq3_s_body(const uint8_t *b, float *y, __m256 *acc, int dot) {
     float d = f16(b);
     const uint8_t *qs = b + 2, *qh = b + 66, *signs = b + 74, *sc = b + 106;
     for (int ib = 0; ib < 8; ib++) {
         __m256 db = _mm256_set1_ps(d * (float)(1 + 2 * ((sc[ib / 2] >> (4 * (ib % 2))) & 15)));
         int h = qh[ib];
+        #pragma GCC unroll 32      /* constant accumulator indices: they stay in registers */
         for (int l = 0; l < 4; l++) {
             int i = 8 * ib + 2 * l;
             const float *g1 = grid_iq3s + 4 * (qs[i] | (((h >> (2 * l)) & 1) << 8));
             const float *g2 = grid_iq3s + 4 * (qs[i + 1] | (((h >> (2 * l + 1)) & 1) << 8));
-            grid8_avx2(y + 32 * ib + 8 * l, db, G44(g1, g2), signs[4 * ib + l]);
+            grid8_avx2(y + 32 * ib + 8 * l, db, G44(g1, g2), signs[4 * ib + l], acc + (l & 1), dot);
         }
     }
 }
 
-AVX2 static void deq_iq1_s_avx2(const uint8_t *b, float *y) {
+INL void iq1_s_body(const uint8_t *b, float *y, __m256 *acc, int dot) {
     float d = f16(b);
     for (int ib = 0; ib < 8; ib++) {
         uint16_t qh = u16(b + 34 + 2 * ib);
         __m256 dl = _mm256_set1_ps(d * (float)(2 * ((qh >> 12) & 7) + 1));
         __m256 delta = _mm256_set1_ps((qh & 0x8000) ? -IQ1_DELTA : IQ1_DELTA);
+        #pragma GCC unroll 32      /* constant accumulator indices: they stay in registers */
         for (int l = 0; l < 4; l++) {
             const float *g = grid_iq1s + 8 * (b[2 + 4 * ib + l] | (((qh >> (3 * l)) & 7) << 8));
-            _mm256_storeu_ps(y + 32 * ib + 8 * l, _mm256_mul_ps(dl, _mm256_add_ps(G8(g), delta)));
+            put(y + 32 * ib + 8 * l, _mm256_mul_ps(dl, _mm256_add_ps(G8(g), delta)), acc + (l & 1), dot);
         }
     }
 }
 
-AVX2 static void deq_iq1_m_avx2(const uint8_t *b, float *y) {
+INL void iq1_m_body(const uint8_t *b, float *y, __m256 *acc, int dot) {
     const uint8_t *qs = b, *qh = b + 32, *scp = b + 48;
     uint16_t sc[4] = {u16(scp), u16(scp + 2), u16(scp + 4), u16(scp + 6)};
     uint16_t dbits = (uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) | (sc[3] & 0xf000));
     uint8_t dh[2] = {(uint8_t)(dbits & 255), (uint8_t)(dbits >> 8)};
     float d = f16(dh);
+    #pragma GCC unroll 32      /* constant accumulator indices: they stay in registers */
     for (int i = 0; i < 32; i++) {
         int half = i / 2, nib = (qh[i / 2] >> (4 * (i % 2))) & 15;
         __m256 dl = _mm256_set1_ps(d * (float)(2 * ((sc[half / 4] >> (3 * (half % 4))) & 7) + 1));
         __m256 delta = _mm256_set1_ps((nib & 8) ? -IQ1_DELTA : IQ1_DELTA);
-        _mm256_storeu_ps(y + 8 * i, _mm256_mul_ps(dl, _mm256_add_ps(G8(grid_iq1s + 8 * (qs[i] | ((nib & 7) << 8))), delta)));
+        put(y + 8 * i, _mm256_mul_ps(dl, _mm256_add_ps(G8(grid_iq1s + 8 * (qs[i] | ((nib & 7) << 8))), delta)), acc + (i & 1), dot);
     }
 }
+
+/* each body as a decoder (into y) and as a fused product (into two accumulators, by x) */
+#define VARIANTS(name) \
+    AVX2 static void deq_##name##_avx2(const uint8_t *b, float *y) { name##_body(b, y, NULL, 0); } \
+    AVX2 static void dot_##name##_avx2(const uint8_t *b, const float *x, __m256 *acc) { name##_body(b, (float *)x, acc, 1); }
+VARIANTS(q4_0)
+VARIANTS(q4_1)
+VARIANTS(q5_0)
+VARIANTS(q5_1)
+VARIANTS(q8_0)
+VARIANTS(iq4_nl)
+VARIANTS(q2_k)
+VARIANTS(q3_k)
+VARIANTS(q4_k)
+VARIANTS(q5_k)
+VARIANTS(q6_k)
+VARIANTS(iq4_xs)
+VARIANTS(iq2_xxs)
+VARIANTS(iq2_xs)
+VARIANTS(iq2_s)
+VARIANTS(iq3_xxs)
+VARIANTS(iq3_s)
+VARIANTS(iq1_s)
+VARIANTS(iq1_m)
 #endif
 
 void ggml_init(void) {
@@ -694,6 +738,51 @@ static deq_fn decoder(int type) {
     }
 }
 
+#if GGML_X86
+typedef void (*dot_fn)(const uint8_t *, const float *, __m256 *);
+
+static dot_fn fused_dot(int type) {
+    if (!ggml_avx2) return NULL;
+    switch (type) {
+    case GT_Q4_0: return dot_q4_0_avx2;
+    case GT_Q4_1: return dot_q4_1_avx2;
+    case GT_Q5_0: return dot_q5_0_avx2;
+    case GT_Q5_1: return dot_q5_1_avx2;
+    case GT_Q8_0: return dot_q8_0_avx2;
+    case GT_IQ4_NL: return dot_iq4_nl_avx2;
+    case GT_Q2_K: return dot_q2_k_avx2;
+    case GT_Q3_K: return dot_q3_k_avx2;
+    case GT_Q4_K: return dot_q4_k_avx2;
+    case GT_Q5_K: return dot_q5_k_avx2;
+    case GT_Q6_K: return dot_q6_k_avx2;
+    case GT_IQ4_XS: return dot_iq4_xs_avx2;
+    case GT_IQ2_XXS: return dot_iq2_xxs_avx2;
+    case GT_IQ2_XS: return dot_iq2_xs_avx2;
+    case GT_IQ2_S: return dot_iq2_s_avx2;
+    case GT_IQ3_XXS: return dot_iq3_xxs_avx2;
+    case GT_IQ3_S: return dot_iq3_s_avx2;
+    case GT_IQ1_S: return dot_iq1_s_avx2;
+    case GT_IQ1_M: return dot_iq1_m_avx2;
+    default: return NULL;
+    }
+}
+
+/* one input: every block multiplied straight into two accumulators, summed once per row */
+AVX2 static int row_dot_fused(int type, const uint8_t *src, int64_t nblocks, int64_t w, int64_t nb, const float *x,
+                              float *acc) {
+    dot_fn f = fused_dot(type);
+    if (!f) return 0;
+    __m256 a[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t i = 0; i < nblocks; i++) f(src + i * nb, x + i * w, a);
+    __m256 v = _mm256_add_ps(a[0], a[1]);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    *acc += _mm_cvtss_f32(h);
+    return 1;
+}
+#endif
+
 void ggml_decode(int type, const uint8_t *src, int64_t nblocks, float *out) {
     int64_t w, nb;
     deq_fn f = decoder(type);
@@ -737,6 +826,9 @@ void ggml_row_dot(int type, const uint8_t *src, int64_t nblocks, const float *x,
     int64_t w, nb;
     deq_fn f = decoder(type);
     if (!f || !ggml_block_size(type, &w, &nb)) return;
+#if GGML_X86
+    if (ntok == 1 && row_dot_fused(type, src, nblocks, w, nb, x, acc)) return;
+#endif
     for (int64_t i = 0; i < nblocks; i++) {
         f(src + i * nb, buf);
 #if GGML_X86
