@@ -643,19 +643,25 @@ INL void iq1_m_body(const uint8_t *b, float *y, __m256 *acc, int dot) {
     uint16_t dbits = (uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) | (sc[3] & 0xf000));
     uint8_t dh[2] = {(uint8_t)(dbits & 255), (uint8_t)(dbits >> 8)};
     float d = f16(dh);
-    #pragma GCC unroll 32      /* constant accumulator indices: they stay in registers */
-    for (int i = 0; i < 32; i++) {
-        int half = i / 2, nib = (qh[i / 2] >> (4 * (i % 2))) & 15;
-        __m256 dl = _mm256_set1_ps(d * (float)(2 * ((sc[half / 4] >> (3 * (half % 4))) & 7) + 1));
-        __m256 delta = _mm256_set1_ps((nib & 8) ? -IQ1_DELTA : IQ1_DELTA);
-        put(y + 8 * i, _mm256_mul_ps(dl, _mm256_add_ps(G8(grid_iq1s + 8 * (qs[i] | ((nib & 7) << 8))), delta)), acc + (i & 1), dot);
+    for (int k = 0; k < 16; k++) {                  /* 16 weights share a 3-bit scale; 8 a delta's sign */
+        __m256 dl = _mm256_set1_ps(d * (float)(2 * ((sc[k / 4] >> (3 * (k % 4))) & 7) + 1));
+        int n0 = qh[k] & 15, n1 = qh[k] >> 4;
+        __m256 d0 = _mm256_set1_ps((n0 & 8) ? -IQ1_DELTA : IQ1_DELTA), d1 = _mm256_set1_ps((n1 & 8) ? -IQ1_DELTA : IQ1_DELTA);
+        put(y + 16 * k, _mm256_mul_ps(dl, _mm256_add_ps(G8(grid_iq1s + 8 * (qs[2 * k] | ((n0 & 7) << 8))), d0)), acc, dot);
+        put(y + 16 * k + 8, _mm256_mul_ps(dl, _mm256_add_ps(G8(grid_iq1s + 8 * (qs[2 * k + 1] | ((n1 & 7) << 8))), d1)),
+            acc + 1, dot);
     }
 }
 
 /* each body as a decoder (into y) and as a fused product (into two accumulators, by x) */
 #define VARIANTS(name) \
     AVX2 static void deq_##name##_avx2(const uint8_t *b, float *y) { name##_body(b, y, NULL, 0); } \
-    AVX2 static void dot_##name##_avx2(const uint8_t *b, const float *x, __m256 *acc) { name##_body(b, (float *)x, acc, 1); }
+    AVX2 static void dot_##name##_avx2(const uint8_t *b, const float *x, __m256 *acc) { \
+        __m256 a[2] = {acc[0], acc[1]};   /* local: loads of x cannot alias them, so they stay in registers */ \
+        name##_body(b, (float *)x, a, 1); \
+        acc[0] = a[0]; \
+        acc[1] = a[1]; \
+    }
 VARIANTS(q4_0)
 VARIANTS(q4_1)
 VARIANTS(q5_0)
@@ -767,13 +773,19 @@ static dot_fn fused_dot(int type) {
     }
 }
 
-/* one input: every block multiplied straight into two accumulators, summed once per row */
+/* one input: every block multiplied straight into two accumulators, summed once per row; the bytes
+   a few blocks ahead are asked for early (the loads of a block's codes otherwise wait on memory) */
+#define PREFETCH_AHEAD 1024
 AVX2 static int row_dot_fused(int type, const uint8_t *src, int64_t nblocks, int64_t w, int64_t nb, const float *x,
                               float *acc) {
     dot_fn f = fused_dot(type);
     if (!f) return 0;
     __m256 a[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t i = 0; i < nblocks; i++) f(src + i * nb, x + i * w, a);
+    for (int64_t i = 0; i < nblocks; i++) {
+        const uint8_t *p = src + i * nb;
+        for (int64_t o = 0; o < nb; o += 64) __builtin_prefetch(p + PREFETCH_AHEAD + o);
+        f(p, x + i * w, a);
+    }
     __m256 v = _mm256_add_ps(a[0], a[1]);
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));
