@@ -17,7 +17,7 @@ with the same geometry skips straight to the measurements):
 3. kimi-stream: `kimi-convert CHECKPOINT -o OUT.kst --quant q2 --calibration none`;
 4. `llama-bench -m Q2_K.gguf -t T -p P -n G -r 1 -o json` (pp and tg tok/s; it warms up itself)
    and `kimi-run --weights OUT.kst --prompt TEXT --max-tokens G --json --threads T --quiet`, after
-   one kimi-run to warm the page cache: R rounds of one run of each,
+   one run of each to warm the page cache: R rounds of one run of each,
    alternating, so load from elsewhere on the machine falls on both alike; mean, sd and median of
    the R samples. kimi-run's prefill = prompt tokens / prefill seconds, its decode = decode steps /
    decode seconds (the first generated token belongs to the prefill), as it reports them. llama-bench's
@@ -315,10 +315,12 @@ def summarise(samples: list[tuple[float, float]]) -> dict:
 
 
 def measure(theirs: LlamaBench, ours: KimiRun, repeats: int) -> tuple[dict, dict]:
-    """A warm-up run of kimi-run (page cache), then the two engines alternately,
+    """A warm-up run of each (page cache), then the two engines alternately,
     one run each per round, so that load from elsewhere on the machine falls on both alike."""
     log(f"kimi-run warm-up: {ours.shown}")
     ours.once()
+    log(f"llama.cpp warm-up: {theirs.shown}")
+    theirs.once()
     a_samples, b_samples = [], []
     for i in range(repeats):
         a_samples.append(theirs.once())
@@ -327,7 +329,7 @@ def measure(theirs: LlamaBench, ours: KimiRun, repeats: int) -> tuple[dict, dict
         b_samples.append(ours.once())
         log(f"round {i + 1}/{repeats} kimi-stream: prefill {b_samples[-1][0]:8.2f} tok/s, "
             f"decode {b_samples[-1][1]:8.2f} tok/s (load {os.getloadavg()[0]:.2f})")
-    return ({**summarise(a_samples), "command": theirs.shown + f"  (x{repeats}, alternating)", **theirs.info},
+    return ({**summarise(a_samples), "command": theirs.shown + f"  (warm-up + x{repeats}, alternating)", **theirs.info},
             {**summarise(b_samples), "command": ours.shown + f"  (warm-up + x{repeats}, alternating)", **ours.info})
 
 
