@@ -175,6 +175,16 @@ class Attention:
         return (self.k_b.dense().reshape(nh, r, -1).transpose(0, 2, 1),
                 self.v_b.dense().reshape(nh, -1, r).transpose(0, 2, 1))
 
+    def _expand_keys(self, T: int, S: int) -> bool:
+        """Whether T new tokens over S positions take fewer multiply-adds with kv_b applied to the
+        cached latents (keys and values per head, as the attention is written) than folded into the
+        queries and outputs (absorbed, as decode does)."""
+        cfg = self.cfg
+        nope, v, r, rope = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        absorbed = T * nope * r + T * S * (r + rope) + T * S * r + T * r * v
+        expanded = S * r * (nope + v) + T * S * (nope + rope) + T * S * v
+        return expanded < absorbed
+
     def absorb_query(self, q_nope: np.ndarray) -> np.ndarray:
         """One token's q_nope [nh, nope] -> [nh, r], from the packed weights."""
         cfg = self.cfg
@@ -223,32 +233,42 @@ class Attention:
         # [B, nh, T, d]
         q_nope = q_nope.reshape(B, T, nh, nope).transpose(0, 2, 1, 3)
         q_rot = q_rot.reshape(B, T, nh, -1).transpose(0, 2, 1, 3)
-        packed = self.packed and B * T == 1
-        if packed:
-            # one token: kv_b stays packed, its key rows applied transposed and its value rows as
-            # mat-vecs, head by head (no float32 copy of the whole matrix at every step)
-            q_lat = self.absorb_query(q_nope[0, :, 0])[None, :, None, :]
-        else:
-            w_k, w_v_t = self.absorbed()
-            q_lat = np.matmul(q_nope, w_k)                                     # [B, nh, T, r]
         if T == 1:                      # decode steps: every sequence's cache read once for all heads
+            packed = self.packed and B == 1
+            if packed:
+                # one token: kv_b stays packed, its key rows applied transposed and its value rows as
+                # mat-vecs, head by head (no float32 copy of the whole matrix at every step)
+                q_lat = self.absorb_query(q_nope[0, :, 0])[None, :, None, :]
+            else:
+                w_k, w_v_t = self.absorbed()
+                q_lat = np.matmul(q_nope, w_k)                                 # [B, nh, 1, r]
             o_lat = np.empty(q_lat.shape, np.float32)
             for b in range(B):
                 o_lat[b, :, 0] = kernels.attend(q_lat[b, :, 0], q_rot[b, :, 0], C[b], K[b], S, self.softmax_scale)
+            o = self.values(o_lat[0, :, 0, :])[None, :, None, :] if packed else np.matmul(o_lat, w_v_t)
         else:
+            w_k, w_v_t = self.absorbed()
             Ct, Kt = C[:, None, :S], K[:, None, :S]
-            scores = np.matmul(q_lat, Ct.transpose(0, 1, 3, 2)) + np.matmul(q_rot, Kt.transpose(0, 1, 3, 2))
+            if self._expand_keys(T, S):
+                # many new tokens: the keys' and values' head parts for every position, then attention
+                # as written (fewer multiply-adds than folding kv_b into every query and output)
+                keys = np.matmul(Ct, w_k.transpose(0, 2, 1))                  # [B, nh, S, nope]
+                values = np.matmul(Ct, w_v_t)                                  # [B, nh, S, v]
+                scores = np.matmul(q_nope, keys.transpose(0, 1, 3, 2))
+            else:
+                q_lat = np.matmul(q_nope, w_k)                                 # [B, nh, T, r]
+                scores = np.matmul(q_lat, Ct.transpose(0, 1, 3, 2))
+            scores += np.matmul(q_rot, Kt.transpose(0, 1, 3, 2))
             scores *= self.softmax_scale                                       # [B, nh, T, S]
             causal = np.arange(S)[None, :] > (start + np.arange(T))[:, None]
             scores[..., causal] = -np.inf
             scores -= scores.max(axis=-1, keepdims=True)
             probs = np.exp(scores)
             probs /= probs.sum(axis=-1, keepdims=True)
-            o_lat = np.matmul(probs, Ct)                                       # [B, nh, T, r]
-        if packed:
-            o = self.values(o_lat[0, :, 0, :])[None, :, None, :]
-        else:
-            o = np.matmul(o_lat, w_v_t)                                        # [B, nh, T, v]
+            if self._expand_keys(T, S):
+                o = np.matmul(probs, values)                                   # [B, nh, T, v]
+            else:
+                o = np.matmul(np.matmul(probs, Ct), w_v_t)                     # [B, nh, T, r] -> v
         return linear(o.transpose(0, 2, 1, 3).reshape(B * T, nh * cfg.v_head_dim), self.o)
 
 

@@ -92,3 +92,19 @@ def test_sequences_side_by_side_equal_one_at_a_time(tiny_kst):
     out = sample_sequences(m, [1], set(), 50, 16, 8, seed=3, lanes=4)
     assert sum(map(len, out)) == 50 and all(len(s) <= 16 and s[0] == 1 for s in out)
     assert out == sample_sequences(m, [1], set(), 50, 16, 8, seed=3, lanes=4)     # reproducible
+
+
+@pytest.mark.parametrize("expand", [True, False])
+def test_prefill_attention_matches_transformers_either_way(expand, tmp_path, monkeypatch):
+    """Several new tokens: kv_b applied to the cached latents (keys and values per head) or folded into
+    the queries and outputs, whichever the model picks by multiply-adds; both forced here."""
+    from kimistream.runtime.model import Attention
+    monkeypatch.setattr(Attention, "_expand_keys", lambda self, T, S: expand)
+    ckpt = tmp_path / "ckpt"
+    refmodels.make_checkpoint(ckpt, seed=11, **CONFIGS["yarn"])
+    out = tmp_path / "m.kst"
+    convert_checkpoint(ckpt, out, PrecisionPlan.from_preset("f32"))
+    ids = _prompt(40, 320, seed=4)
+    ref = refmodels.reference_logits(ckpt, ids)
+    got = Model(ModelWeights(out), 64).prefill(ids, 16, all_logits=True)
+    assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
