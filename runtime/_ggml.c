@@ -48,6 +48,7 @@ static inline float sgn(uint8_t signs, int j) { return (signs >> j) & 1 ? -1.0f 
 
 static const int8_t KV_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 #define IQ1_DELTA 0.125f
+static const float IQ1_DELTAS[2] = {IQ1_DELTA, -IQ1_DELTA};   /* by the sign bit: a load, not a branch */
 
 /* codebooks, from the gguf package: entries x levels */
 static float *grid_iq2xxs, *grid_iq2xs, *grid_iq2s, *grid_iq3xxs, *grid_iq3s, *grid_iq1s;
@@ -331,7 +332,7 @@ CLONES static void deq_iq1_s(const uint8_t *b, float *y) {
     for (int ib = 0; ib < 8; ib++) {
         uint16_t qh = u16(qhp + 2 * ib);
         float dl = d * (float)(2 * ((qh >> 12) & 7) + 1);
-        float delta = (qh & 0x8000) ? -IQ1_DELTA : IQ1_DELTA;
+        float delta = IQ1_DELTAS[qh >> 15];
         for (int l = 0; l < 4; l++) {
             const float *g = grid_iq1s + 8 * (qs[4 * ib + l] | (((qh >> (3 * l)) & 7) << 8));
             for (int j = 0; j < 8; j++) y[32 * ib + 8 * l + j] = dl * (g[j] + delta);
@@ -349,7 +350,7 @@ CLONES static void deq_iq1_m(const uint8_t *b, float *y) {
         int half = i / 2;                           /* 16 weights share a 3-bit scale */
         float dl = d * (float)(2 * ((sc[half / 4] >> (3 * (half % 4))) & 7) + 1);
         int nib = (qh[i / 2] >> (4 * (i % 2))) & 15;
-        float delta = (nib & 8) ? -IQ1_DELTA : IQ1_DELTA;
+        float delta = IQ1_DELTAS[nib >> 3];
         const float *g = grid_iq1s + 8 * (qs[i] | ((nib & 7) << 8));
         for (int j = 0; j < 8; j++) y[8 * i + j] = dl * (g[j] + delta);
     }
@@ -628,7 +629,7 @@ INL void iq1_s_body(const uint8_t *b, float *y, __m256 *acc, int dot) {
     for (int ib = 0; ib < 8; ib++) {
         uint16_t qh = u16(b + 34 + 2 * ib);
         __m256 dl = _mm256_set1_ps(d * (float)(2 * ((qh >> 12) & 7) + 1));
-        __m256 delta = _mm256_set1_ps((qh & 0x8000) ? -IQ1_DELTA : IQ1_DELTA);
+        __m256 delta = _mm256_set1_ps(IQ1_DELTAS[qh >> 15]);
         #pragma GCC unroll 32      /* constant accumulator indices: they stay in registers */
         for (int l = 0; l < 4; l++) {
             const float *g = grid_iq1s + 8 * (b[2 + 4 * ib + l] | (((qh >> (3 * l)) & 7) << 8));
@@ -646,7 +647,7 @@ INL void iq1_m_body(const uint8_t *b, float *y, __m256 *acc, int dot) {
     for (int k = 0; k < 16; k++) {                  /* 16 weights share a 3-bit scale; 8 a delta's sign */
         __m256 dl = _mm256_set1_ps(d * (float)(2 * ((sc[k / 4] >> (3 * (k % 4))) & 7) + 1));
         int n0 = qh[k] & 15, n1 = qh[k] >> 4;
-        __m256 d0 = _mm256_set1_ps((n0 & 8) ? -IQ1_DELTA : IQ1_DELTA), d1 = _mm256_set1_ps((n1 & 8) ? -IQ1_DELTA : IQ1_DELTA);
+        __m256 d0 = _mm256_set1_ps(IQ1_DELTAS[n0 >> 3]), d1 = _mm256_set1_ps(IQ1_DELTAS[n1 >> 3]);
         put(y + 16 * k, _mm256_mul_ps(dl, _mm256_add_ps(G8(grid_iq1s + 8 * (qs[2 * k] | ((n0 & 7) << 8))), d0)), acc, dot);
         put(y + 16 * k + 8, _mm256_mul_ps(dl, _mm256_add_ps(G8(grid_iq1s + 8 * (qs[2 * k + 1] | ((n1 & 7) << 8))), d1)),
             acc + 1, dot);
