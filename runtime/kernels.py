@@ -261,6 +261,54 @@ class Linear:
         return y[0] if squeeze else y
 
 
+class Stacked:
+    """[x @ W_1.T, x @ W_2.T, ...] for weights of one column count that lie in one buffer, in one
+    kernel call below BLAS_MIN_TOKENS tokens: two small products sharing an input (MLA's q_a and
+    kv_a, each under PARALLEL_MIN_WEIGHTS and so on one thread alone) share out over the threads as
+    one. `parts`: (codec, raw, shape) with raw a view into `base`."""
+
+    def __init__(self, base: np.ndarray, parts):
+        cols = int(parts[0][2][1])
+        b0 = base.ctypes.data
+        geoms, jobs, self.splits, out0 = [], [], [], 0
+        for gi, (codec, raw, shape) in enumerate(parts):
+            rows = int(shape[0])
+            off = raw.ctypes.data - b0
+            if int(shape[1]) != cols or not 0 <= off <= base.size - raw.nbytes:
+                raise ValueError("Stacked: weights of one column count inside the buffer")
+            _, g, _ = _prepare(codec, raw, (rows, cols))
+            geoms.append(g)
+            jobs.append(_jobs([off], gi, 0, rows, [0], [out0], cols))
+            self.splits.append((out0, out0 + rows))
+            out0 += rows
+        self.base, self.cols, self.rows = base, cols, out0
+        self.geoms, self.jobs = np.stack(geoms), np.concatenate(jobs)
+        self.what = "+".join(p[0] for p in parts)
+
+    def __call__(self, x: np.ndarray) -> list[np.ndarray]:
+        """x [T, cols] float32 (T < BLAS_MIN_TOKENS) -> one [T, rows_i] per weight."""
+        x2 = np.ascontiguousarray(x, np.float32)
+        T = x2.shape[0]
+        y = np.empty((T, self.rows), np.float32)
+        _run(self.base, self.geoms, x2, self.jobs, y, self.rows * self.cols * T, self.what, T, self.rows)
+        return [y[:, a:b] for a, b in self.splits]
+
+
+def stacked(parts) -> Stacked | None:
+    """A Stacked over (codec, raw, shape) parts when they allow one (block codecs with kernels, one
+    column count, views of one buffer such as the weight file's mapping); None otherwise."""
+    def owner(raw):          # the object whose buffer a view was made from (np.frombuffer of an mmap)
+        b = raw.base if isinstance(raw, np.ndarray) else None
+        return b.obj if isinstance(b, memoryview) else b
+    first = owner(parts[0][1])
+    if first is None or not all(owner(r) is first and c in QUANT_CODECS for c, r, _ in parts):
+        return None
+    try:
+        return Stacked(np.frombuffer(first, np.uint8), parts)
+    except (ValueError, TypeError, CodecError):
+        return None
+
+
 def linear(x: np.ndarray, codec: str, raw, shape: tuple) -> np.ndarray:
     """y = x @ W.T for x [T, in] (or [in]) float32 and W [out, in] held in `raw` with `codec`."""
     return Linear(codec, raw, shape)(x)

@@ -143,6 +143,9 @@ class Attention:
         self.cfg, self.index = cfg, index
         self.kv_a, self.kv_ln, self.kv_b, self.k_b, self.v_b, self.o = kv_a, kv_ln, kv_b, k_b, v_b, o
         self.q, self.q_a, self.q_ln, self.q_b = q, q_a, q_ln, q_b
+        # q_a and kv_a read the same input: one kernel call for both when their codecs allow it
+        self.qkv_a = (kernels.stacked([(w.codec, w.raw, w.shape) for w in (q_a, kv_a)])
+                      if q_a is not None else None)
         # kv_b per head as strided views of the mapping when stored as f32; otherwise it stays packed
         # (a resident float32 copy of every layer's would take 2 GB for Kimi K2)
         self.w_k = self.w_v_t = None
@@ -210,7 +213,9 @@ class Attention:
 
     def compress(self, h: np.ndarray):
         """The normalised KV latent (kv_b's input) and the key's rotary part, before rotation."""
-        ckv = linear(h, self.kv_a)
+        return self.split_latent(linear(h, self.kv_a))
+
+    def split_latent(self, ckv: np.ndarray):
         r = self.cfg.kv_lora_rank
         return rms_norm(ckv[:, :r], self.kv_ln, self.cfg.rms_norm_eps), ckv[:, r:]
 
@@ -219,9 +224,15 @@ class Attention:
         cfg, B = self.cfg, cache.batch
         T = h.shape[0] // B
         nh, nope = cfg.num_attention_heads, cfg.qk_nope_head_dim
-        q = self.query(h).reshape(B * T, nh, cfg.qk_head_dim)
+        if self.qkv_a is not None and B * T < kernels.BLAS_MIN_TOKENS:
+            qa, ckv = self.qkv_a(h)
+            q = linear(rms_norm(qa, self.q_ln, cfg.rms_norm_eps), self.q_b)
+            latent, k_rot = self.split_latent(ckv)
+        else:
+            q = self.query(h)
+            latent, k_rot = self.compress(h)
+        q = q.reshape(B * T, nh, cfg.qk_head_dim)
         q_nope, q_rot = q[..., :nope], q[..., nope:]
-        latent, k_rot = self.compress(h)
         cos, sin = rope.tables(start, T, B)
         q_rot = apply_rope(q_rot, cos, sin, rope.interleave)
         k_rot = apply_rope(k_rot, cos, sin, rope.interleave)

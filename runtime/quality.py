@@ -302,6 +302,8 @@ def observing(model: Model, observer):
             if getattr(attn, attr) is not None:
                 wrap(attn, attr, _Observed(getattr(attn, attr), observer))
 
+        wrap(attn, "qkv_a", None)           # q_a and kv_a as two products, so both are observed
+
         def compress(h, attn=attn, inner=attn.compress):
             latent, k_rot = inner(h)
             if attn.kv_b is not None:       # (a GGUF's kept k_b / v_b halves take other inputs; not calibrated)

@@ -410,3 +410,30 @@ def test_rms_norm_equals_numpy_bit_for_bit(n):
         var = np.add.reduce(x * x, axis=-1, keepdims=True) / np.float32(n)
         want = w * (x / np.sqrt(var + 1e-6))
         np.testing.assert_array_equal(kernels.rms_norm(x, w, 1e-6).view(np.int32), want.view(np.int32))
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_stacked_weights_equal_their_own_products(T):
+    """Two weights sharing an input and a buffer (MLA's q_a and kv_a in the file's mapping) in one
+    call: each output equals that weight's own product bit for bit; weights it cannot take together
+    (another column count, another buffer, a float codec) give None."""
+    rng = np.random.default_rng(3)
+    a = encode(get_codec("q4"), (rng.standard_normal((96, 256)) * 0.02).astype(np.float32))
+    b = encode(get_codec("q6"), (rng.standard_normal((72, 256)) * 0.02).astype(np.float32))
+    c = encode(get_codec("q4"), (rng.standard_normal((40, 128)) * 0.02).astype(np.float32))
+    buf = bytearray(a.nbytes + 64 + b.nbytes + c.nbytes)       # one mapping, tensors at their offsets
+    for off, arr in ((0, a), (a.nbytes + 64, b), (a.nbytes + 64 + b.nbytes, c)):
+        buf[off:off + arr.nbytes] = arr.tobytes()
+    view = memoryview(buf)
+    ra = np.frombuffer(view, np.uint8, a.nbytes, 0)
+    rb = np.frombuffer(view, np.uint8, b.nbytes, a.nbytes + 64)
+    rc = np.frombuffer(view, np.uint8, c.nbytes, a.nbytes + 64 + b.nbytes)
+    x = rng.standard_normal((T, 256)).astype(np.float32)
+    st = kernels.stacked([("q4", ra, (96, 256)), ("q6", rb, (72, 256))])
+    ya, yb = st(x)
+    assert np.array_equal(ya, kernels.linear(x, "q4", ra, (96, 256)))
+    assert np.array_equal(yb, kernels.linear(x, "q6", rb, (72, 256)))
+    assert kernels.stacked([("q4", ra, (96, 256)), ("q4", rc, (40, 128))]) is None
+    assert kernels.stacked([("q4", ra, (96, 256)), ("q6", b, (72, 256))]) is None
+    f = np.frombuffer(view, np.uint8, 256 * 4, 0)
+    assert kernels.stacked([("q4", ra, (96, 256)), ("f32", f, (1, 256))]) is None
