@@ -2125,6 +2125,48 @@ done:
     return ret;
 }
 
+PyDoc_STRVAR(rope_doc,
+"rope(x, cos, sin, interleave, T, m, out): rotate the last axis of x (float32 [T, m, d]) by cos/sin\n"
+"(float32 [T, d/2]): pairs (x[2i], x[2i+1]) when interleave, else (x[i], x[i+d/2]); out [T, m, d]\n"
+"holds the first members' results, then the second members' (x1 c - x2 s, x2 c + x1 s): the numpy\n"
+"form's bits (the same float32 operations).");
+
+static PyObject *py_rope(PyObject *self, PyObject *args) {
+    PyObject *o[4];
+    int interleave;
+    Py_ssize_t T, m;
+    if (!PyArg_ParseTuple(args, "OOOpnnO", &o[0], &o[1], &o[2], &interleave, &T, &m, &o[3])) return NULL;
+    buf_t b[4];
+    memset(b, 0, sizeof b);
+    PyObject *ret = NULL;
+    if (get_buf(o[0], &b[0], 0, 4, "x") || get_buf(o[1], &b[1], 0, 4, "cos") || get_buf(o[2], &b[2], 0, 4, "sin") ||
+        get_buf(o[3], &b[3], 1, 4, "out"))
+        goto done;
+    int64_t n = b[0].b.len / 4, d = T > 0 && m > 0 ? n / (T * m) : 0, h = d / 2;
+    if (d < 2 || d % 2 || n != T * m * d || b[1].b.len != 4 * T * h || b[2].b.len != b[1].b.len ||
+        b[3].b.len != b[0].b.len) {
+        PyErr_SetString(PyExc_ValueError, "rope: x and out [T, m, d], cos and sin [T, d/2]");
+        goto done;
+    }
+    const float *x = b[0].b.buf, *c = b[1].b.buf, *sn = b[2].b.buf;
+    float *y = b[3].b.buf;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t j = 0; j < m; j++) {
+            const float *xr = x + (t * m + j) * d, *ct = c + t * h, *st = sn + t * h;
+            float *yr = y + (t * m + j) * d;
+            for (int64_t i = 0; i < h; i++) {
+                float x1 = interleave ? xr[2 * i] : xr[i], x2 = interleave ? xr[2 * i + 1] : xr[i + h];
+                float a = x1 * ct[i], bb = x2 * st[i], e = x2 * ct[i], f = x1 * st[i];
+                yr[i] = a - bb;
+                yr[i + h] = e + f;
+            }
+        }
+    ret = Py_NewRef(Py_None);
+done:
+    release(b, 4);
+    return ret;
+}
+
 PyDoc_STRVAR(route_doc,
 "route(scores, bias, n_group, topk_group, norm, scale, idx, weights)\n\n"
 "DeepSeek-V3 top-k routing of T tokens over E experts: scores (float32 [T, E], the router's sigmoids)\n"
@@ -2206,6 +2248,7 @@ static PyMethodDef methods[] = {
     {"moe", py_moe, METH_VARARGS, moe_doc},
     {"attend", py_attend, METH_VARARGS, attend_doc},
     {"route", py_route, METH_VARARGS, route_doc},
+    {"rope", py_rope, METH_VARARGS, rope_doc},
     {"rms_norm", py_rms_norm, METH_VARARGS, rms_norm_doc},
     {"dequantize", py_dequantize, METH_VARARGS, dequantize_doc},
     {"read_sum", py_read_sum, METH_VARARGS, "read_sum(buffer, threads): the buffer's uint64 words summed (reads it all)"},

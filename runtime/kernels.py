@@ -396,6 +396,17 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return out
 
 
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleave: bool) -> np.ndarray:
+    """RoPE over the last axis of x [T, ..., d] (cos/sin [T, d/2]), pairs interleaved or split in
+    halves; the result holds the pairs' first members then their second. The same bits as the numpy
+    form (x1 c - x2 s, x2 c + x1 s) in one call."""
+    T = x.shape[0]
+    out = np.empty(x.shape, np.float32)
+    _qdot.rope(np.ascontiguousarray(x, np.float32), np.ascontiguousarray(cos, np.float32),
+               np.ascontiguousarray(sin, np.float32), interleave, T, x.size // (T * x.shape[-1]) if T else 1, out)
+    return out
+
+
 def route(scores: np.ndarray, bias: np.ndarray, k: int, n_group: int = 1, topk_group: int = 1,
           norm: bool = True, scale: float = 1.0):
     """DeepSeek-V3 (noaux_tc) top-k over scores [T, E] (the router's sigmoids) plus the correction bias,

@@ -77,15 +77,9 @@ def rope_tables(rope: RopeConfig, dim: int):
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleave: bool) -> np.ndarray:
     """Rotate the last axis. cos/sin: [T, d/2] broadcast over the middle axes of x [T, ..., d].
-    Output pairs come out as [first halves, second halves] in both layouts (as in the reference)."""
-    if interleave:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-    else:
-        h = x.shape[-1] // 2
-        x1, x2 = x[..., :h], x[..., h:]
-    shape = (cos.shape[0],) + (1,) * (x.ndim - 2) + (cos.shape[1],)
-    c, s = cos.reshape(shape), sin.reshape(shape)
-    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    Output pairs come out as [first halves, second halves] in both layouts (as in the reference):
+    x1 cos - x2 sin, then x2 cos + x1 sin (one C call, kernels.rope)."""
+    return kernels.rope(x, cos, sin, interleave)
 
 
 # What the Python side of running one expert on its own costs (three linear calls, ~90 us), in bytes
@@ -316,7 +310,7 @@ class MoE:
     def forward(self, h: np.ndarray, x: np.ndarray) -> np.ndarray:
         """h: the normalised input [T, hidden]; x: the residual stream, for guessing the next layer."""
         idx, weights = self.route(h)
-        used = np.unique(idx)
+        used = np.sort(idx[0]) if idx.shape[0] == 1 else np.unique(idx)      # one token's are distinct
         self.experts.routed(self.index, used)
         if self.next is not None and self.experts.wants_guesses:
             # the next MoE layer's router applied to the current residual stream guesses its experts

@@ -437,3 +437,20 @@ def test_stacked_weights_equal_their_own_products(T):
     assert kernels.stacked([("q4", ra, (96, 256)), ("q6", b, (72, 256))]) is None
     f = np.frombuffer(view, np.uint8, 256 * 4, 0)
     assert kernels.stacked([("q4", ra, (96, 256)), ("f32", f, (1, 256))]) is None
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("shape", [(1, 4, 16), (5, 2, 64), (3, 8)])
+def test_rope_equals_the_numpy_form_bit_for_bit(shape, interleave):
+    rng = np.random.default_rng(len(shape) + interleave)
+    x = rng.standard_normal(shape).astype(np.float32)
+    T, d = shape[0], shape[-1]
+    ang = rng.uniform(0, 6, (T, d // 2))
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleave else (x[..., :d // 2], x[..., d // 2:])
+    b = (T,) + (1,) * (x.ndim - 2) + (d // 2,)
+    want = np.concatenate([x1 * cos.reshape(b) - x2 * sin.reshape(b), x2 * cos.reshape(b) + x1 * sin.reshape(b)], -1)
+    got = kernels.rope(x, cos, sin, interleave)
+    assert got.shape == x.shape and np.array_equal(got, want)
+    view = np.concatenate([x, x], -1)[..., :d]                 # a strided view, as q's rotary part is
+    assert np.array_equal(kernels.rope(view, cos, sin, interleave), want)
