@@ -317,7 +317,7 @@ class MoE:
             nxt = self.next
             guess, _ = nxt.mlp.route(rms_norm(x, nxt.ln2, self.cfg.rms_norm_eps))
             self.experts.guess(nxt.index, np.unique(guess))
-        out = np.zeros_like(h)
+        out = np.zeros(h.shape, np.float32)
         experts = self.experts.together(self.index, used)
         if experts is not None and self._fusing_pays(idx, experts):
             shared = self._shared_in_buffer(experts)
