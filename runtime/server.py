@@ -9,6 +9,7 @@ import asyncio
 import hmac
 import json
 import queue
+import signal
 import threading
 import time
 import uuid
@@ -547,10 +548,24 @@ def serve(engine: Engine, cfg: ServerConfig, host: str, port: int, log) -> int:
     sock.listen(128)
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
+    server = uvicorn.Server(_config(app))
+    # Ctrl-C from here on stops the server through uvicorn's own exit flag. Left to Python's default
+    # handler, an interrupt arriving before uvicorn takes the signal over can be raised inside a
+    # garbage collector's callback, where Python drops it, and the server would keep running.
+    interrupted = []
+
+    def stop(signum, frame):
+        interrupted.append(signum)
+        server.should_exit = True
+    previous = signal.signal(signal.SIGINT, stop) if threading.current_thread() is threading.main_thread() else None
     log(f"serving {cfg.model_id} at http://{shown}:{bound}/v1 (OpenAI API; /health, /metrics); Ctrl-C stops")
     try:
-        uvicorn.Server(_config(app)).run(sockets=[sock])
+        server.run(sockets=[sock])      # uvicorn hands an interrupt it caught back to `stop` as it exits
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
         app.state.scheduler.stop()
+    if interrupted:
+        raise KeyboardInterrupt
     log("server stopped")
     return 0

@@ -460,3 +460,15 @@ def test_server_keeps_the_memory_budget(env):
         assert m["kimi_peak_rss_bytes"] <= budget
     finally:
         s.stop()
+
+
+def test_ctrl_c_as_the_server_starts_stops_it(env):
+    """An interrupt the moment the server says where it listens (before its HTTP loop has taken the
+    signal over) stops it with the one-line message and exit 130; it used to be lost at times, in a
+    garbage collector's callback, and the server kept running."""
+    for _ in range(4):
+        s = Server(env)
+        s.proc.send_signal(signal.SIGINT)
+        assert s.proc.wait(timeout=60) == 130
+        time.sleep(0.2)                       # the log thread reads what is left
+        assert "kimi-run: interrupted\n" in s.log, s.log[-3:]
