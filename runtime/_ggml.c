@@ -3,8 +3,10 @@
    the block layout of llama.cpp's ggml-common.h and computes every weight with the same float32
    operations, in the same order, as the `gguf` package's numpy dequantizer (tests/test_ggml_kernels.py
    holds them to it bit for bit). The IQ types' codebooks are not typed in here: the runtime hands in
-   the `gguf` package's own grids (ggml_set_grid). A product decodes one block (32 or 256 weights) into
-   a small buffer in L1 and multiplies it by every input, so no row is ever materialised. */
+   the `gguf` package's own grids (ggml_set_grid). For one input, a product runs the same decoder
+   bodies with each group of eight weights multiplied straight into two accumulators (nothing is
+   stored); for several, it decodes one block (32 or 256 weights) into a small buffer in L1 and
+   multiplies it by every input. No row is ever materialised. */
 #include "_ggml.h"
 
 #include <math.h>
@@ -71,12 +73,11 @@ int ggml_set_grid(int type, const float *grid, int64_t n) {
     int64_t want;
     float **slot = grid_slot(type, &want);
     if (!slot || n != want) return -1;
+    if (*slot) return 0;   /* set once: a codebook never changes, and a kernel may be reading it */
     float *copy = malloc(sizeof(float) * n);
     if (!copy) return -1;
     memcpy(copy, grid, sizeof(float) * n);
-    float *old = *slot;
-    *slot = copy;          /* grids never change once set; an old copy may still be read, so it is kept */
-    (void)old;
+    *slot = copy;
     return 0;
 }
 

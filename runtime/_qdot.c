@@ -1889,8 +1889,7 @@ static PyObject *py_ggml_rows(PyObject *self, PyObject *args) {
     task_t t = {.job = ggml_rows_job, .raw = b[0].b.buf, .xf = b[1].b.buf, .out = b[2].b.buf, .n = type,
                 .stride = rb, .nspan = nblk, .cols = cols, .ntok = ntok, .ostride = per, .njobs_rows = rows,
                 .head_rows = head_rows, .njobs = (rows + per - 1) / per, .scratch_floats = ntok + 8 + 256};
-    if (ntok && rows && run_unlocked(&t, threads) >= 0) ret = Py_NewRef(Py_None);
-    else if (!ntok || !rows) ret = Py_NewRef(Py_None);
+    if (!ntok || !rows || run_unlocked(&t, threads) >= 0) ret = Py_NewRef(Py_None);
 done:
     release(b, 3);
     return ret;
