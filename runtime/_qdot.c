@@ -986,6 +986,19 @@ static void ggml_deq_job(task_t *t, int64_t j, float *scratch) {
         ggml_decode((int)t->n, t->raw + i * t->stride, t->nspan, t->out + i * t->cols);
 }
 
+/* llama.cpp blocks in a MoE call: job rows [job[2], job[3]) of the tensor at raw + job[0], whose
+   (type, row bytes, blocks per row) are t->geoms[3 * job[1] ..], times input row job[4] of xf (t->cols
+   wide), into out[job[5] + row - job[2]] */
+static void ggml_moe_job(task_t *t, int64_t j, float *scratch) {
+    const int64_t *job = t->jobs + JOB_LEN * j, *ty = t->geoms + 3 * job[1];
+    const float *x = t->xf + job[4] * t->cols;
+    for (int64_t r = job[2]; r < job[3]; r++) {
+        float acc = 0.0f;
+        ggml_row_dot((int)ty[0], t->raw + job[0] + r * ty[1], ty[2], x, t->cols, 1, &acc, scratch);
+        t->out[job[5] + r - job[2]] = acc;
+    }
+}
+
 #define SUM_BYTES (1 << 20)
 /* a read job: the sum of one MiB of the buffer as uint64 words (the memory read bandwidth probe) */
 #if HAVE_X86
@@ -1662,15 +1675,51 @@ static const int64_t *tensor_geometry(const buf_t *raw, const buf_t *geom, const
 
 #define MOE_JOB_WEIGHTS (1 << 15)   /* weights per job (at least 8 rows), as kernels.JOB_WEIGHTS */
 
+static inline int64_t moe_rows_per_job(int64_t cols) {
+    return MOE_JOB_WEIGHTS / cols > 8 ? MOE_JOB_WEIGHTS / cols : 8;
+}
+
 /* jobs over rows 0 .. rows-1 of one tensor, cut in blocks of at least 8 rows and about MOE_JOB_WEIGHTS
    weights; returns the number written at jb */
 static int64_t moe_jobs(int64_t *jb, int64_t off, int64_t gi, int64_t rows, int64_t cols, int64_t xi, int64_t out0) {
-    int64_t per = MOE_JOB_WEIGHTS / cols > 8 ? MOE_JOB_WEIGHTS / cols : 8, n = 0;
+    int64_t per = moe_rows_per_job(cols), n = 0;
     for (int64_t r = 0; r < rows; r += per, n++) {
         int64_t *j = jb + JOB_LEN * n;
         j[0] = off; j[1] = gi; j[2] = r; j[3] = r + per < rows ? r + per : rows; j[4] = xi; j[5] = out0 + r;
     }
     return n;
+}
+
+/* a MoE call's buffers: jobs for either pass, gate and up outputs then the activations, down outputs;
+   -1 with MemoryError set */
+static int moe_buffers(int64_t n, int64_t hidden, int64_t inter, int64_t **jobs, float **h, float **y) {
+    int64_t per1 = moe_rows_per_job(hidden), per2 = moe_rows_per_job(inter);
+    int64_t nb1 = (inter + per1 - 1) / per1, nb2 = (hidden + per2 - 1) / per2;
+    *jobs = malloc(sizeof(int64_t) * JOB_LEN * (2 * n * nb1 > n * nb2 ? 2 * n * nb1 : n * nb2));
+    *h = malloc(sizeof(float) * 3 * n * inter);
+    *y = malloc(sizeof(float) * n * hidden);
+    if (!*jobs || !*h || !*y) { PyErr_NoMemory(); return -1; }
+    return 0;
+}
+
+/* every pair's SwiGLU from its gate and up outputs (h [n][2][inter]), into h + 2 n inter */
+static float *swiglu_pairs(float *h, int64_t n, int64_t inter) {
+    float *act = h + 2 * n * inter;
+    for (int64_t i = 0; i < n; i++) {
+        const float *g = h + 2 * i * inter, *u = g + inter;
+        float *a = act + i * inter;
+        for (int64_t r = 0; r < inter; r++) a[r] = g[r] / (1.0f + expf(-g[r])) * u[r];
+    }
+    return act;
+}
+
+/* out[tok[i]] += wts[i] * y[i], pair by pair (pairs of one token add up in order) */
+static void moe_sum(float *out, const float *y, const float *wts, const int64_t *tok, int64_t n, int64_t hidden) {
+    for (int64_t i = 0; i < n; i++) {
+        float w = wts[i], *o = out + tok[i] * hidden;
+        const float *yi = y + i * hidden;
+        for (int64_t c = 0; c < hidden; c++) o[c] += w * yi[c];
+    }
 }
 
 PyDoc_STRVAR(moe_doc,
@@ -1731,13 +1780,7 @@ static PyObject *py_moe(PyObject *self, PyObject *args) {
         }
     }
     if (!n) { ret = PyLong_FromLong(0); goto done; }
-    int64_t per1 = MOE_JOB_WEIGHTS / hidden > 8 ? MOE_JOB_WEIGHTS / hidden : 8;
-    int64_t per2 = MOE_JOB_WEIGHTS / inter > 8 ? MOE_JOB_WEIGHTS / inter : 8;
-    int64_t nb1 = (inter + per1 - 1) / per1, nb2 = (hidden + per2 - 1) / per2;
-    jobs = malloc(sizeof(int64_t) * JOB_LEN * (2 * n * nb1 > n * nb2 ? 2 * n * nb1 : n * nb2));
-    h = malloc(sizeof(float) * 3 * n * inter);         /* gate and up outputs, then the activations */
-    y = malloc(sizeof(float) * n * hidden);
-    if (!jobs || !h || !y) { PyErr_NoMemory(); goto done; }
+    if (moe_buffers(n, hidden, inter, &jobs, &h, &y)) goto done;
     /* gate and up rows of every pair */
     int64_t nj = 0;
     for (int64_t i = 0; i < n; i++)
@@ -1746,15 +1789,10 @@ static PyObject *py_moe(PyObject *self, PyObject *args) {
     if (quantize_rows(x, T, hidden, &xq, &xsc, &xs)) goto done;
     task_t t1 = {.job = rows_job, .raw = b[0].b.buf, .geoms = geoms, .xf = x, .xsc = xsc, .xs = xs, .xq = xq,
                  .xp = xq + T * hidden, .cols = hidden, .nspan = hidden / 32, .jobs = jobs, .njobs = nj, .out = h,
-                 .ntok = 1, .scratch_floats = rows_scratch(per1, 1, hidden / 32)};
+                 .ntok = 1, .scratch_floats = rows_scratch(moe_rows_per_job(hidden), 1, hidden / 32)};
     int bad = run_unlocked(&t1, threads);
     if (bad < 0) goto done;
-    float *act = h + 2 * n * inter;
-    for (int64_t i = 0; i < n; i++) {
-        const float *g = h + 2 * i * inter, *u = g + inter;
-        float *a = act + i * inter;
-        for (int64_t r = 0; r < inter; r++) a[r] = g[r] / (1.0f + expf(-g[r])) * u[r];
-    }
+    float *act = swiglu_pairs(h, n, inter);
     /* down rows of every pair */
     nj = 0;
     for (int64_t i = 0; i < n; i++)
@@ -1762,18 +1800,89 @@ static PyObject *py_moe(PyObject *self, PyObject *args) {
     if (quantize_rows(act, n, inter, &aq, &asc, &as)) goto done;
     task_t t2 = {.job = rows_job, .raw = b[0].b.buf, .geoms = geoms, .xf = act, .xsc = asc, .xs = as, .xq = aq,
                  .xp = aq + n * inter, .cols = inter, .nspan = inter / 32, .jobs = jobs, .njobs = nj, .out = y,
-                 .ntok = 1, .scratch_floats = rows_scratch(per2, 1, inter / 32)};
+                 .ntok = 1, .scratch_floats = rows_scratch(moe_rows_per_job(inter), 1, inter / 32)};
     int bad2 = run_unlocked(&t2, threads);
     if (bad2 < 0) goto done;
-    for (int64_t i = 0; i < n; i++) {
-        float w = wts[i], *o = out + tok[i] * hidden;
-        const float *yi = y + i * hidden;
-        for (int64_t c = 0; c < hidden; c++) o[c] += w * yi[c];
-    }
+    moe_sum(out, y, wts, tok, n, hidden);
     ret = PyLong_FromLong(bad || bad2);
 done:
     free(jobs); free(h); free(y); free(xq); free(xsc); free(xs); free(aq); free(asc); free(as);
     release(b, 8);
+    return ret;
+}
+
+PyDoc_STRVAR(ggml_moe_doc,
+"ggml_moe(base, types, offs, tok, wts, x, out, hidden, inter, threads)\n\n"
+"moe() for llama.cpp blocks: out[tok[i]] += wts[i] * down_i(silu(gate_i x[tok[i]]) * up_i x[tok[i]]),\n"
+"gate and up of GGML type types[0] [inter, hidden], down of types[1] [hidden, inter], at byte offsets\n"
+"offs[i] (int64 [n, 3]) in base; x and out float32 [T, hidden]. Every pair's gate and up rows run in\n"
+"one pass over the threads, every down row in a second.");
+
+static PyObject *py_ggml_moe(PyObject *self, PyObject *args) {
+    PyObject *o[7];
+    Py_ssize_t hidden, inter;
+    int threads;
+    if (!PyArg_ParseTuple(args, "OOOOOOOnni", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &hidden, &inter,
+                          &threads))
+        return NULL;
+    buf_t b[7];
+    memset(b, 0, sizeof b);
+    PyObject *ret = NULL;
+    int64_t *jobs = NULL;
+    float *h = NULL, *y = NULL;
+    if (get_buf(o[0], &b[0], 0, 1, "base") || get_buf(o[1], &b[1], 0, 8, "types") || get_buf(o[2], &b[2], 0, 24, "offs") ||
+        get_buf(o[3], &b[3], 0, 8, "tok") || get_buf(o[4], &b[4], 0, 4, "wts") || get_buf(o[5], &b[5], 0, 4, "x") ||
+        get_buf(o[6], &b[6], 1, 4, "out"))
+        goto done;
+    const int64_t *types = b[1].b.buf, *offs = b[2].b.buf, *tok = b[3].b.buf;
+    const float *wts = b[4].b.buf, *x = b[5].b.buf;
+    float *out = b[6].b.buf;
+    int64_t n = b[2].b.len / 24, nraw = b[0].b.len;
+    int64_t wg, bg, wd, bd;
+    if (b[1].b.len != 16 || !ggml_block_size((int)types[0], &wg, &bg) || !ggml_block_size((int)types[1], &wd, &bd)) {
+        PyErr_SetString(PyExc_ValueError, "ggml_moe: two GGML types with kernels (and codebooks loaded)");
+        goto done;
+    }
+    if (hidden <= 0 || inter <= 0 || hidden % wg || inter % wd) {
+        PyErr_SetString(PyExc_ValueError, "ggml_moe: rows are not whole blocks");
+        goto done;
+    }
+    int64_t T = b[5].b.len / (4 * hidden);
+    if (b[5].b.len != 4 * T * hidden || b[6].b.len != b[5].b.len || b[3].b.len != 8 * n || b[4].b.len != 4 * n) {
+        PyErr_SetString(PyExc_ValueError, "ggml_moe: x and out [T, hidden]; tok and wts one entry per pair");
+        goto done;
+    }
+    /* (type, row bytes, blocks per row) of gate/up, then of down */
+    int64_t ty[6] = {types[0], hidden / wg * bg, hidden / wg, types[1], inter / wd * bd, inter / wd};
+    int64_t gu_bytes = inter * ty[1], d_bytes = hidden * ty[4];
+    for (int64_t i = 0; i < n; i++) {
+        if (tok[i] < 0 || tok[i] >= T || offs[3 * i] < 0 || offs[3 * i] > nraw - gu_bytes || offs[3 * i + 1] < 0 ||
+            offs[3 * i + 1] > nraw - gu_bytes || offs[3 * i + 2] < 0 || offs[3 * i + 2] > nraw - d_bytes) {
+            PyErr_SetString(PyExc_ValueError, "ggml_moe: a pair's token or tensors lie outside their buffers");
+            goto done;
+        }
+    }
+    if (!n) { ret = Py_NewRef(Py_None); goto done; }
+    if (moe_buffers(n, hidden, inter, &jobs, &h, &y)) goto done;
+    int64_t nj = 0;
+    for (int64_t i = 0; i < n; i++)
+        for (int w = 0; w < 2; w++)
+            nj += moe_jobs(jobs + JOB_LEN * nj, offs[3 * i + w], 0, inter, hidden, tok[i], (2 * i + w) * inter);
+    task_t t1 = {.job = ggml_moe_job, .raw = b[0].b.buf, .geoms = ty, .xf = x, .cols = hidden, .jobs = jobs,
+                 .njobs = nj, .out = h, .scratch_floats = 256 + 16};
+    if (run_unlocked(&t1, threads) < 0) goto done;
+    float *act = swiglu_pairs(h, n, inter);
+    nj = 0;
+    for (int64_t i = 0; i < n; i++)
+        nj += moe_jobs(jobs + JOB_LEN * nj, offs[3 * i + 2], 1, hidden, inter, i, i * hidden);
+    task_t t2 = {.job = ggml_moe_job, .raw = b[0].b.buf, .geoms = ty, .xf = act, .cols = inter, .jobs = jobs,
+                 .njobs = nj, .out = y, .scratch_floats = 256 + 16};
+    if (run_unlocked(&t2, threads) < 0) goto done;
+    moe_sum(out, y, wts, tok, n, hidden);
+    ret = Py_NewRef(Py_None);
+done:
+    free(jobs); free(h); free(y);
+    release(b, 7);
     return ret;
 }
 
@@ -2241,6 +2350,7 @@ static PyMethodDef methods[] = {
     {"rows", py_rows, METH_VARARGS, rows_doc},
     {"ggml_rows", py_ggml_rows, METH_VARARGS, ggml_rows_doc},
     {"ggml_dequantize", py_ggml_dequantize, METH_VARARGS, ggml_dequantize_doc},
+    {"ggml_moe", py_ggml_moe, METH_VARARGS, ggml_moe_doc},
     {"ggml_grid", py_ggml_grid, METH_VARARGS, "ggml_grid(type, grid): an IQ type's codebook (float32), from the gguf package"},
     {"ggml_info", py_ggml_info, METH_VARARGS, "ggml_info(type) -> (ready, weights per block, bytes per block, needs a codebook)"},
     {"heads_t", py_heads_t, METH_VARARGS, heads_t_doc},

@@ -369,6 +369,32 @@ def moe_decode(base: np.ndarray, offsets: np.ndarray, gate_up: tuple, down: tupl
         raise CodecError(f"{gate_up[0]}: corrupt data: outlier columns out of range or not increasing")
 
 
+def ggml_moe_decode(base: np.ndarray, offsets: np.ndarray, gate_up: tuple, down: tuple, x: np.ndarray,
+                    weights: np.ndarray, out: np.ndarray) -> None:
+    """moe_decode for routed experts held in llama.cpp's blocks (codecs gguf-<type>): one C call, two
+    passes over the threads, no Python per expert. Same arguments, without a shared expert."""
+    (cgu, sgu), (cd, sd) = gate_up, down
+    inter, hidden = int(sgu[0]), int(sgu[1])
+    if tuple(int(v) for v in sd) != (hidden, inter):
+        raise ValueError("ggml_moe_decode: gate/up [inter, hidden], down [hidden, inter]")
+    x2 = np.ascontiguousarray(np.reshape(x, (-1, hidden)), np.float32)
+    T = x2.shape[0]
+    w = np.ascontiguousarray(weights, np.float32).reshape(-1)
+    offs = np.ascontiguousarray(offsets, np.int64).reshape(-1, 3)
+    k = offs.shape[0] // max(T, 1)
+    tok = _moe_pairs(T, k, False)[1]
+    out2 = out.reshape(T, -1)
+    if not out2.flags.c_contiguous or out2.dtype != np.float32 or w.size != offs.shape[0]:
+        raise ValueError("ggml_moe_decode: out contiguous float32, one weight per expert")
+    types = np.array([ggml_type(cgu), ggml_type(cd)], np.int64)
+    work = offs.shape[0] * 3 * inter * hidden
+    try:
+        _qdot.ggml_moe(base, types, offs, tok, w, x2, out2, hidden, inter,
+                       _threads if work >= PARALLEL_MIN_WEIGHTS else 1)
+    except ValueError as e:
+        raise (CodecError(str(e)) if "outside" in str(e) else e) from None
+
+
 @functools.lru_cache(maxsize=256)
 def _moe_pairs(T: int, k: int, shared: bool):
     """moe's pick and tok arrays: k routed pairs per token (geometry pair 0), then with `shared` one

@@ -20,6 +20,7 @@ import numpy as np
 
 from kimistream.formats import blas
 from kimistream.formats.config import ModelConfig, RopeConfig
+from kimistream.formats.ggufcodecs import is_gguf_codec
 from kimistream.formats.layout import split_kv_b_names
 
 from . import kernels
@@ -374,7 +375,8 @@ class MoE:
         gate, up, down = next(iter(experts.values()))
         spec_gu, spec_d = (gate.codec, gate.shape), (down.codec, down.shape)
         base = self.experts.buffer
-        if base is None or not (has_fused_kernel(gate.codec) and has_fused_kernel(down.codec)):
+        ggml = is_gguf_codec(gate.codec) and is_gguf_codec(down.codec) and shared is None
+        if base is None or not (ggml or has_fused_kernel(gate.codec) and has_fused_kernel(down.codec)):
             return False
         where = {}
         for e, (g, u, d) in experts.items():
@@ -383,7 +385,10 @@ class MoE:
                 return False
             where[e] = (g.offset, u.offset, d.offset)
         offs = np.array([[where[int(e)] for e in row] for row in idx], np.int64)     # [T, k, 3]
-        kernels.moe_decode(base, offs, spec_gu, spec_d, h, weights, out, shared)
+        if ggml:
+            kernels.ggml_moe_decode(base, offs, spec_gu, spec_d, h, weights, out)
+        else:
+            kernels.moe_decode(base, offs, spec_gu, spec_d, h, weights, out, shared)
         return True
 
 

@@ -104,3 +104,36 @@ def test_head_products_use_each_heads_input(qtype):
         got = kernels.heads(codec_name(qtype), raw, (nh * per, cols), x, per, first, n)
         want = np.einsum("hrc,hc->hr", w[:, first:first + n], x.astype(np.float64))
         assert got.shape == (nh, n) and np.abs(got - want).max() <= tol
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_experts_in_one_call_equal_their_products(T):
+    """kernels.ggml_moe_decode (routed experts in llama.cpp's blocks, one C call) against each expert's
+    three products and SwiGLU in numpy."""
+    hidden, inter, E, k = 256, 512, 4, 2
+    gu = [random_blocks("IQ2_XXS", inter, hidden, seed=10 + i) for i in range(2 * E)]
+    dn = [random_blocks("Q4_K", hidden, inter, seed=30 + i) for i in range(E)]
+    parts, offs = [], []
+    for e in range(E):
+        o = sum(p.nbytes for p in parts)
+        parts += [gu[2 * e], gu[2 * e + 1], dn[e]]
+        offs.append((o, o + gu[2 * e].nbytes, o + 2 * gu[2 * e].nbytes))
+    base = np.concatenate([p.reshape(-1) for p in parts])
+    rng = np.random.default_rng(T)
+    x = rng.standard_normal((T, hidden)).astype(np.float32)
+    idx = np.stack([rng.choice(E, k, replace=False) for _ in range(T)])
+    wts = rng.uniform(0.1, 1, (T, k)).astype(np.float32)
+    out = np.zeros((T, hidden), np.float32)
+    kernels.ggml_moe_decode(base, np.array([[offs[e] for e in row] for row in idx]), ("gguf-iq2_xxs", (inter, hidden)),
+                            ("gguf-q4_k", (hidden, inter)), x, wts, out)
+    want = np.zeros((T, hidden))
+    for t in range(T):
+        for j, e in enumerate(idx[t]):
+            g = kernels.linear(x[t], "gguf-iq2_xxs", gu[2 * e], (inter, hidden)).astype(np.float64)
+            u = kernels.linear(x[t], "gguf-iq2_xxs", gu[2 * e + 1], (inter, hidden)).astype(np.float64)
+            a = (g / (1 + np.exp(-g)) * u).astype(np.float32)
+            want[t] += wts[t, j] * kernels.linear(a, "gguf-q4_k", dn[e], (hidden, inter))
+    assert np.abs(out - want).max() <= 1e-5 * np.abs(want).max()
+    with pytest.raises(CodecError, match="outside"):
+        kernels.ggml_moe_decode(base[:1000], np.array([[offs[e] for e in row] for row in idx]),
+                                ("gguf-iq2_xxs", (inter, hidden)), ("gguf-q4_k", (hidden, inter)), x, wts, out)
