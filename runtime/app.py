@@ -97,8 +97,9 @@ def _warm_up(codecs=()) -> None:
     import tokenizers  # noqa: F401
     a = np.ones((8, 8), np.float32)
     a @ a
+    from kimistream.formats.ggufcodecs import is_gguf_codec
     from .weights import has_fused_kernel
-    for codec in sorted(c for c in set(codecs) if has_fused_kernel(c)):
+    for codec in sorted(c for c in set(codecs) if has_fused_kernel(c) or is_gguf_codec(c)):
         from . import kernels
         kernels.warm_up(codec)
 

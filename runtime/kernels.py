@@ -163,8 +163,15 @@ def dequantize(codec: str, raw, shape) -> np.ndarray:
 
 def warm_up(codec: str) -> None:
     """Run every kernel `codec` can use once, on small all-zero weights: the code is paged in and the
-    thread pool started before the first real call (and before the planner measures this process)."""
+    thread pool started before the first real call (and before the planner measures this process;
+    for llama.cpp's blocks that includes the gguf package and the type's codebook)."""
     c = get_codec(codec)
+    if is_gguf_codec(codec):
+        shape = (8, c.block)
+        zeros = np.zeros(c.nbytes(shape), np.uint8)
+        linear(np.zeros(shape[1], np.float32), codec, zeros, shape)
+        dequantize(codec, zeros, shape)
+        return
     gu, dn = (64, 256), (256, 64)
     zeros = np.zeros(2 * c.nbytes(gu) + c.nbytes(dn), np.uint8)
     x = np.zeros(256, np.float32)
