@@ -328,13 +328,14 @@ def _dequantized_matmul(x2, raw, g, rows, cols, y, codec):
         _check_outliers(codec, raw, g)
     step = max(MIN_BLOCK_ROWS, BLOCK_BYTES // (4 * cols) // 8 * 8)
     buf = np.empty((min(step, rows), cols), np.float32)
+    if g is None:                      # llama.cpp blocks: the type and a row's bytes
+        gt, rb = ggml_type(codec), get_codec(codec).nbytes((1, cols))
     for r0 in range(0, rows, step):
         blk = buf[:min(step, rows - r0)]
         # on this thread: BLAS's threads spin between products, and a parallel region next to
         # them waits for a core (measured: 3.8 ms per 64-row block instead of 0.1)
-        if g is None:                  # llama.cpp blocks
-            rb = get_codec(codec).nbytes((1, cols))
-            _qdot.ggml_dequantize(raw[r0 * rb:(r0 + blk.shape[0]) * rb], ggml_type(codec), cols, blk, 1)
+        if g is None:
+            _qdot.ggml_dequantize(raw[r0 * rb:(r0 + blk.shape[0]) * rb], gt, cols, blk, 1)
         else:
             _qdot.dequantize(raw, g, r0, blk, 1)
         np.matmul(x2, blk.T, out=y[:, r0:r0 + blk.shape[0]])

@@ -255,7 +255,8 @@ class Attention:
         else:
             w_k, w_v_t = self.absorbed()
             Ct, Kt = C[:, None, :S], K[:, None, :S]
-            if self._expand_keys(T, S):
+            expand = self._expand_keys(T, S)
+            if expand:
                 # many new tokens: the keys' and values' head parts for every position, then attention
                 # as written (fewer multiply-adds than folding kv_b into every query and output)
                 keys = np.matmul(Ct, w_k.transpose(0, 2, 1))                  # [B, nh, S, nope]
@@ -271,7 +272,7 @@ class Attention:
             scores -= scores.max(axis=-1, keepdims=True)
             probs = np.exp(scores)
             probs /= probs.sum(axis=-1, keepdims=True)
-            if self._expand_keys(T, S):
+            if expand:
                 o = np.matmul(probs, values)                                   # [B, nh, T, v]
             else:
                 o = np.matmul(np.matmul(probs, Ct), w_v_t)                     # [B, nh, T, r] -> v

@@ -56,15 +56,19 @@ def test_logits_and_greedy_match_transformers(name, tmp_path):
     assert ours == refmodels.reference_greedy(ckpt, ids[:16], 32)
 
 
-def test_bf16_checkpoint_converts_exactly(tmp_path):
-    """A bf16 source at --quant f32 holds exactly the bf16 values the reference computes with."""
+def _prefill_against_reference(tmp_path, ids, batch, **checkpoint):
+    """(transformers' logits, ours from an f32 conversion, prefilled in chunks of `batch`) of a random
+    checkpoint made with `checkpoint` (refmodels.make_checkpoint's arguments)."""
     ckpt = tmp_path / "ckpt"
-    refmodels.make_checkpoint(ckpt, seed=3, dtype="bfloat16")
+    refmodels.make_checkpoint(ckpt, **checkpoint)
     out = tmp_path / "m.kst"
     convert_checkpoint(ckpt, out, PrecisionPlan.from_preset("f32"))
-    ids = _prompt(20, 320, seed=9)
-    ref = refmodels.reference_logits(ckpt, ids)
-    got = Model(ModelWeights(out), 64).prefill(ids, 8, all_logits=True)
+    return refmodels.reference_logits(ckpt, ids), Model(ModelWeights(out), 64).prefill(ids, batch, all_logits=True)
+
+
+def test_bf16_checkpoint_converts_exactly(tmp_path):
+    """A bf16 source at --quant f32 holds exactly the bf16 values the reference computes with."""
+    ref, got = _prefill_against_reference(tmp_path, _prompt(20, 320, seed=9), 8, seed=3, dtype="bfloat16")
     assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
 
 
@@ -100,11 +104,5 @@ def test_prefill_attention_matches_transformers_either_way(expand, tmp_path, mon
     the queries and outputs, whichever the model picks by multiply-adds; both forced here."""
     from kimistream.runtime.model import Attention
     monkeypatch.setattr(Attention, "_expand_keys", lambda self, T, S: expand)
-    ckpt = tmp_path / "ckpt"
-    refmodels.make_checkpoint(ckpt, seed=11, **CONFIGS["yarn"])
-    out = tmp_path / "m.kst"
-    convert_checkpoint(ckpt, out, PrecisionPlan.from_preset("f32"))
-    ids = _prompt(40, 320, seed=4)
-    ref = refmodels.reference_logits(ckpt, ids)
-    got = Model(ModelWeights(out), 64).prefill(ids, 16, all_logits=True)
+    ref, got = _prefill_against_reference(tmp_path, _prompt(40, 320, seed=4), 16, seed=11, **CONFIGS["yarn"])
     assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
