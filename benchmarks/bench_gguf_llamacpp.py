@@ -20,10 +20,11 @@ For each bundled model (models/NAME, a trained DeepseekV3):
    whose top-1 token agrees;
 5. the control: the same quantized GGUF with every quantized tensor replaced by its F32 values
    (the gguf package's dequantizer), run by llama.cpp, against the same kimi-stream file. If the
-   transcoding and our decoders are exact this KL is at float32 rounding, and what remains in step
-   4 is llama.cpp's own arithmetic on quantized weights (it rounds the activations to 8 bits, Q8_K,
-   before its integer dot products; kimi-stream multiplies float32 activations by the exactly
-   decoded weights).
+   transcoding and our decoders are exact this KL is at float32 rounding. kimi-stream runs the
+   control with `--gguf-inputs f32` (kernels.set_gguf_inputs("f32"): float32 activations times the
+   exactly decoded weights, which is what llama.cpp computes on F32 weights) and step 4 with the
+   default, llama.cpp's own rounding of the activations to 8 bits (Q8_K / Q8_0 / Q8_1) before each
+   product by a block type; with it, step 4 should approach the control.
 
 Speed (--speed-gguf FILE, e.g. the Q2_K file bench_llamacpp.py makes, model-Q2_K.gguf in its work
 directory): that GGUF transcoded, then `llama-bench` on the GGUF and `kimi-run` on the transcoded
@@ -166,9 +167,13 @@ class LlamaLogits:
         return out
 
 
-def kimi_logits(path: Path, windows: list[list[int]]) -> list[np.ndarray]:
+def kimi_logits(path: Path, windows: list[list[int]], inputs: str = "llama.cpp") -> list[np.ndarray]:
+    """kimi-stream's logits of each window, products by llama.cpp's blocks taking `inputs` (kimi-run
+    --gguf-inputs)."""
+    from kimistream.runtime import kernels
     from kimistream.runtime.model import Model
     from kimistream.runtime.weights import ModelWeights
+    kernels.set_gguf_inputs(inputs)
     w = ModelWeights(path)
     w.load_resident()
     m = Model(w, len(windows[0]) + 1)
@@ -259,7 +264,7 @@ def main(argv=None) -> int:
             if qtype != "F32":
                 deq = d / f"{qtype}-dequantized.gguf"
                 dequantized_copy(q, deq)
-                row["vs_dequantized_in_llamacpp"] = compare(logits_of(deq, wins), ours)
+                row["vs_dequantized_in_llamacpp"] = compare(logits_of(deq, wins), kimi_logits(kst, wins, "f32"))
                 row["llamacpp_quant_vs_dequantized"] = compare(logits_of(deq, wins), ref)
             row["seconds"] = round(time.perf_counter() - t0, 1)
             log(json.dumps({k: row[k] for k in row if k != "census"}))
@@ -278,8 +283,8 @@ def main(argv=None) -> int:
     if a.json:
         print(json.dumps(result, indent=2))
         return 0
-    print("\n| model | type | GGUF bytes | KL(llama.cpp ‖ ours) mean | max | top-1 | KL(llama.cpp on dequantized F32 ‖ ours) "
-          "mean | top-1 | KL(llama.cpp dequantized ‖ llama.cpp quantized) mean |")
+    print("\n| model | type | GGUF bytes | KL(llama.cpp ‖ ours) mean | max | top-1 | KL(llama.cpp on dequantized F32 ‖ ours, "
+          "--gguf-inputs f32) mean | top-1 | KL(llama.cpp dequantized ‖ llama.cpp quantized) mean |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         v, c = r["vs_llamacpp"], r.get("vs_dequantized_in_llamacpp")

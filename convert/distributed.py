@@ -101,22 +101,43 @@ class RayEncoder:
 
         while len(pending) < window and submit():
             pass
-        while pending:
-            (ref,), _ = ray.wait(list(pending), num_returns=1)
-            name = pending.pop(ref)
-            try:
-                encoded, held = ray.get(ref)
-            except ray.exceptions.RayTaskError as e:
-                cause = e.cause if isinstance(getattr(e, "cause", None), Exception) else None
-                if isinstance(cause, ConversionError):
-                    raise ConversionError(str(cause)) from None
-                raise ConversionError(f"tensor {name}: the Ray task failed: "
-                                      f"{cause!r}" if cause else f"tensor {name}: the Ray task failed") from None
-            except ray.exceptions.RayError as e:
-                raise ConversionError(f"tensor {name}: the Ray task failed {RETRIES + 1} times "
-                                      f"({type(e).__name__})") from None
-            submit()
-            yield name, encoded, held
+        try:
+            while pending:
+                (ref,), _ = ray.wait(list(pending), num_returns=1)
+                name = pending.pop(ref)
+                encoded, held = self._result(ref, name)
+                submit()
+                yield name, encoded, held
+        finally:
+            if pending:         # an error, or the caller stopped early
+                self._drain(pending)
+
+    def _drain(self, pending: dict) -> None:
+        """Cancel what is still in flight and let it settle, so that no task fails while Ray shuts down
+        (Ray's core then prints its own error lines past ours)."""
+        ray = self.ray
+        for ref in pending:
+            ray.cancel(ref, force=False)
+        try:
+            ray.wait(list(pending), num_returns=len(pending), timeout=5)
+        except Exception:       # a cancelled task's error is what we asked for
+            pass
+        pending.clear()
+
+    def _result(self, ref, name: str):
+        """(encoded, held) of a finished task; its failure as one ConversionError."""
+        ray = self.ray
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayTaskError as e:
+            cause = e.cause if isinstance(getattr(e, "cause", None), Exception) else None
+            if isinstance(cause, ConversionError):
+                raise ConversionError(str(cause)) from None
+            raise ConversionError(f"tensor {name}: the Ray task failed: "
+                                  f"{cause!r}" if cause else f"tensor {name}: the Ray task failed") from None
+        except ray.exceptions.RayError as e:
+            raise ConversionError(f"tensor {name}: the Ray task failed {RETRIES + 1} times "
+                                  f"({type(e).__name__})") from None
 
     def close(self) -> None:
         if self.started:

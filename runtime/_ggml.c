@@ -804,6 +804,90 @@ void ggml_decode(int type, const uint8_t *src, int64_t nblocks, float *out) {
     for (int64_t i = 0; i < nblocks; i++) f(src + i * nb, out + i * w);
 }
 
+/* ---------------------------------------------------------------- llama.cpp's rounding of an input */
+
+/* llama.cpp multiplies a weight of a block type by its input rounded to 8 bits first (the type's
+   "vec_dot_type"): Q8_K (per 256 values, a float scale) for the k-, i- and ternary types, Q8_0 (per
+   32, a binary16 scale) for Q4_0, Q5_0, Q8_0 and IQ4_NL, Q8_1 (Q8_0's values, plus a sum) for Q4_1 and
+   Q5_1. Values per scale, or 0 for a type this file does not know. */
+int ggml_input_block(int type) {
+    switch (type) {
+    case GT_Q4_0: case GT_Q4_1: case GT_Q5_0: case GT_Q5_1: case GT_Q8_0: case GT_IQ4_NL:
+        return 32;
+    case GT_Q2_K: case GT_Q3_K: case GT_Q4_K: case GT_Q5_K: case GT_Q6_K: case GT_IQ2_XXS: case GT_IQ2_XS:
+    case GT_IQ3_XXS: case GT_IQ1_S: case GT_IQ3_S: case GT_IQ2_S: case GT_IQ4_XS: case GT_IQ1_M: case GT_TQ1_0:
+    case GT_TQ2_0:
+        return 256;
+    default:
+        return 0;
+    }
+}
+
+/* binary16 nearest to f (ties to even), as F16C converts */
+static uint16_t to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0));
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);            /* rounds past 65504 */
+    if (ax < 0x38800000u) {                                              /* subnormal in binary16 */
+        float a;
+        memcpy(&a, &ax, 4);
+        return (uint16_t)(sign | (uint32_t)nearbyintf(a * 16777216.0f));
+    }
+    uint32_t e = ax - 0x38000000u;
+    return (uint16_t)(sign | ((e + 0x0fffu + ((e >> 13) & 1)) >> 13));
+}
+
+/* y = x rounded as llama.cpp rounds the input of a `type` weight (ggml_input_block(type) divides n):
+   y[i] = scale * q[i], q the int8 it multiplies with. Q8_K: q = rint(-127 x / m), m the value of
+   largest magnitude, clipped at 127, scale = 1 / (-127 / m). Q8_0/Q8_1: q = rint(x * 127 / amax),
+   scale = amax / 127 stored as binary16. Returns 0 for a type without such rounding (y untouched).
+   Q8_1 (Q4_1, Q5_1 weights) also carries the block's sum s, rounded on its own, which llama.cpp
+   multiplies by the weight block's offset: with `fix` (n / 32 floats) each block's s - sum(y) goes
+   there, for ggml_row_dot to add times the offset. */
+int ggml_input_fix(int type) { return type == GT_Q4_1 || type == GT_Q5_1; }
+
+int ggml_round_input(int type, const float *x, float *y, int64_t n, float *fix) {
+    int blk = ggml_input_block(type);
+    if (!blk) return 0;
+    if (!ggml_input_fix(type)) fix = NULL;
+    for (int64_t b = 0; b < n; b += blk, x += blk, y += blk) {
+        float amax = 0.0f, max = 0.0f;
+        for (int j = 0; j < blk; j++) {
+            float a = fabsf(x[j]);
+            if (a > amax) { amax = a; max = x[j]; }
+        }
+        if (amax == 0.0f) {
+            for (int j = 0; j < blk; j++) y[j] = 0.0f;
+            if (fix) *fix++ = 0.0f;
+            continue;
+        }
+        if (blk == 256) {
+            float iscale = -127.0f / max, d = 1.0f / iscale;
+            for (int j = 0; j < blk; j++) {
+                float q = nearbyintf(iscale * x[j]);
+                y[j] = d * (q > 127.0f ? 127.0f : q);
+            }
+        } else {
+            uint16_t h = to_f16(amax / 127.0f);
+            uint8_t hb[2] = {(uint8_t)h, (uint8_t)(h >> 8)};
+            float d = f16(hb), id = 127.0f / amax, sum = 0.0f;
+            for (int j = 0; j < blk; j++) {
+                float q = nearbyintf(x[j] * id);
+                y[j] = d * q;
+                sum += q;
+            }
+            if (fix) {              /* Q8_1's sum, s = binary16(scale * sum) with the scale unrounded */
+                uint16_t sh = to_f16(amax / 127.0f * sum);
+                uint8_t sb[2] = {(uint8_t)sh, (uint8_t)(sh >> 8)};
+                *fix++ = f16(sb) - d * sum;
+            }
+        }
+    }
+    return 1;
+}
+
 /* ------------------------------------------------------------------------------------------ products */
 
 static float dot_generic(const float *a, const float *b, int64_t n) {
@@ -835,11 +919,22 @@ __attribute__((target("avx2,fma"))) static void dots_avx2(const float *w, int64_
 }
 #endif
 
+/* acc[t] += sum over blocks of the block's offset (Q4_1/Q5_1: binary16 at byte 2) times fix[t][block] */
+static void offset_fix(const uint8_t *src, int64_t nblocks, int64_t nb, const float *fix, int64_t ntok, float *acc) {
+    for (int64_t t = 0; t < ntok; t++) {
+        const float *f = fix + t * nblocks;
+        float s = 0.0f;
+        for (int64_t i = 0; i < nblocks; i++) s += f16(src + i * nb + 2) * f[i];
+        acc[t] += s;
+    }
+}
+
 void ggml_row_dot(int type, const uint8_t *src, int64_t nblocks, const float *x, int64_t xstride, int64_t ntok,
-                  float *acc, float *buf) {
+                  float *acc, float *buf, const float *fix) {
     int64_t w, nb;
     deq_fn f = decoder(type);
     if (!f || !ggml_block_size(type, &w, &nb)) return;
+    if (fix && ggml_input_fix(type)) offset_fix(src, nblocks, nb, fix, ntok, acc);
 #if GGML_X86
     if (ntok == 1 && row_dot_fused(type, src, nblocks, w, nb, x, acc)) return;
 #endif

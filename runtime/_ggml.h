@@ -21,8 +21,17 @@ int ggml_set_grid(int type, const float *grid, int64_t n);
 /* the `nblocks` blocks at `src` decoded to float32, as the gguf package's dequantizer computes them */
 void ggml_decode(int type, const uint8_t *src, int64_t nblocks, float *out);
 /* for each of `ntok` inputs x[t * xstride ..], acc[t] += (the row of `nblocks` blocks at src) . x;
-   `buf` holds one block's weights (256 floats) */
+   `buf` holds one block's weights (256 floats); `fix` (NULL: none) nblocks corrections per input
+   from ggml_round_input */
 void ggml_row_dot(int type, const uint8_t *src, int64_t nblocks, const float *x, int64_t xstride, int64_t ntok,
-                  float *acc, float *buf);
+                  float *acc, float *buf, const float *fix);
+
+/* values per scale of the 8-bit input llama.cpp multiplies a `type` weight by (0: none) */
+int ggml_input_block(int type);
+/* whether llama.cpp's input for `type` carries a block sum of its own (Q8_1: Q4_1 and Q5_1 weights) */
+int ggml_input_fix(int type);
+/* y = x (n values) rounded as llama.cpp rounds the input of a `type` weight; 0 if it does not. For
+   ggml_input_fix types, `fix` (if not NULL) receives n / 32 corrections for ggml_row_dot */
+int ggml_round_input(int type, const float *x, float *y, int64_t n, float *fix);
 
 #endif

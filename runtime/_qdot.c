@@ -834,6 +834,7 @@ struct task {
     int64_t ntok, ostride;                                /* rows jobs: tokens per job, output stride */
     int64_t njobs_rows;                                   /* ggml jobs: rows of the tensor */
     int64_t head_rows;                                    /* ggml heads: rows per input (0: every row, every input) */
+    const float *fix;                                     /* ggml: Q8_1 sum corrections per input (or NULL) */
     int64_t scratch_floats;                               /* per thread */
     const int64_t *jobs;
     int64_t njobs;
@@ -974,8 +975,9 @@ static void ggml_rows_job(task_t *t, int64_t j, float *scratch) {
     float *acc = scratch, *buf = scratch + t->ntok + 8;
     for (int64_t r = lo; r < hi; r++) {
         for (int64_t k = 0; k < t->ntok; k++) acc[k] = 0.0f;
-        const float *x = t->head_rows ? t->xf + (r / t->head_rows) * t->cols : t->xf;
-        ggml_row_dot((int)t->n, t->raw + r * t->stride, t->nspan, x, t->cols, t->ntok, acc, buf);
+        int64_t in = t->head_rows ? r / t->head_rows : 0;
+        ggml_row_dot((int)t->n, t->raw + r * t->stride, t->nspan, t->xf + in * t->cols, t->cols, t->ntok, acc, buf,
+                     t->fix ? t->fix + in * t->nspan : NULL);
         for (int64_t k = 0; k < t->ntok; k++) t->out[k * t->njobs_rows + r] = acc[k];
     }
 }
@@ -994,7 +996,8 @@ static void ggml_moe_job(task_t *t, int64_t j, float *scratch) {
     const float *x = t->xf + job[4] * t->cols;
     for (int64_t r = job[2]; r < job[3]; r++) {
         float acc = 0.0f;
-        ggml_row_dot((int)ty[0], t->raw + job[0] + r * ty[1], ty[2], x, t->cols, 1, &acc, scratch);
+        ggml_row_dot((int)ty[0], t->raw + job[0] + r * ty[1], ty[2], x, t->cols, 1, &acc, scratch,
+                     t->fix ? t->fix + job[4] * ty[2] : NULL);
         t->out[job[5] + r - job[2]] = acc;
     }
 }
@@ -1812,24 +1815,25 @@ done:
 }
 
 PyDoc_STRVAR(ggml_moe_doc,
-"ggml_moe(base, types, offs, tok, wts, x, out, hidden, inter, threads)\n\n"
+"ggml_moe(base, types, offs, tok, wts, x, out, hidden, inter, threads, llama_inputs=0)\n\n"
 "moe() for llama.cpp blocks: out[tok[i]] += wts[i] * down_i(silu(gate_i x[tok[i]]) * up_i x[tok[i]]),\n"
 "gate and up of GGML type types[0] [inter, hidden], down of types[1] [hidden, inter], at byte offsets\n"
 "offs[i] (int64 [n, 3]) in base; x and out float32 [T, hidden]. Every pair's gate and up rows run in\n"
-"one pass over the threads, every down row in a second.");
+"one pass over the threads, every down row in a second. With llama_inputs, each product's input is\n"
+"first rounded as llama.cpp rounds it (ggml_round).");
 
 static PyObject *py_ggml_moe(PyObject *self, PyObject *args) {
     PyObject *o[7];
     Py_ssize_t hidden, inter;
-    int threads;
-    if (!PyArg_ParseTuple(args, "OOOOOOOnni", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &hidden, &inter,
-                          &threads))
+    int threads, llama_inputs = 0;
+    if (!PyArg_ParseTuple(args, "OOOOOOOnni|p", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &hidden, &inter,
+                          &threads, &llama_inputs))
         return NULL;
     buf_t b[7];
     memset(b, 0, sizeof b);
     PyObject *ret = NULL;
     int64_t *jobs = NULL;
-    float *h = NULL, *y = NULL;
+    float *h = NULL, *y = NULL, *xr = NULL, *fx = NULL, *fa = NULL;
     if (get_buf(o[0], &b[0], 0, 1, "base") || get_buf(o[1], &b[1], 0, 8, "types") || get_buf(o[2], &b[2], 0, 24, "offs") ||
         get_buf(o[3], &b[3], 0, 8, "tok") || get_buf(o[4], &b[4], 0, 4, "wts") || get_buf(o[5], &b[5], 0, 4, "x") ||
         get_buf(o[6], &b[6], 1, 4, "out"))
@@ -1864,24 +1868,36 @@ static PyObject *py_ggml_moe(PyObject *self, PyObject *args) {
     }
     if (!n) { ret = Py_NewRef(Py_None); goto done; }
     if (moe_buffers(n, hidden, inter, &jobs, &h, &y)) goto done;
+    if (llama_inputs && ggml_input_block((int)types[0])) {
+        xr = malloc(b[5].b.len);
+        fx = ggml_input_fix((int)types[0]) ? malloc(sizeof(float) * (T * hidden / 32 + 1)) : NULL;
+        if (!xr || (ggml_input_fix((int)types[0]) && !fx)) { PyErr_NoMemory(); goto done; }
+        ggml_round_input((int)types[0], x, xr, T * hidden, fx);
+        x = xr;
+    }
+    if (llama_inputs && ggml_input_fix((int)types[1]) && !(fa = malloc(sizeof(float) * (n * inter / 32 + 1)))) {
+        PyErr_NoMemory();
+        goto done;
+    }
     int64_t nj = 0;
     for (int64_t i = 0; i < n; i++)
         for (int w = 0; w < 2; w++)
             nj += moe_jobs(jobs + JOB_LEN * nj, offs[3 * i + w], 0, inter, hidden, tok[i], (2 * i + w) * inter);
     task_t t1 = {.job = ggml_moe_job, .raw = b[0].b.buf, .geoms = ty, .xf = x, .cols = hidden, .jobs = jobs,
-                 .njobs = nj, .out = h, .scratch_floats = 256 + 16};
+                 .njobs = nj, .out = h, .scratch_floats = 256 + 16, .fix = fx};
     if (run_unlocked(&t1, threads) < 0) goto done;
     float *act = swiglu_pairs(h, n, inter);
+    if (llama_inputs) ggml_round_input((int)types[1], act, act, n * inter, fa);
     nj = 0;
     for (int64_t i = 0; i < n; i++)
         nj += moe_jobs(jobs + JOB_LEN * nj, offs[3 * i + 2], 1, hidden, inter, i, i * hidden);
     task_t t2 = {.job = ggml_moe_job, .raw = b[0].b.buf, .geoms = ty, .xf = act, .cols = inter, .jobs = jobs,
-                 .njobs = nj, .out = y, .scratch_floats = 256 + 16};
+                 .njobs = nj, .out = y, .scratch_floats = 256 + 16, .fix = fa};
     if (run_unlocked(&t2, threads) < 0) goto done;
     moe_sum(out, y, wts, tok, n, hidden);
     ret = Py_NewRef(Py_None);
 done:
-    free(jobs); free(h); free(y);
+    free(jobs); free(h); free(y); free(xr); free(fx); free(fa);
     release(b, 7);
     return ret;
 }
@@ -1966,20 +1982,22 @@ static int64_t ggml_row_bytes(int type, int64_t rows, int64_t cols, Py_ssize_t h
 }
 
 PyDoc_STRVAR(ggml_rows_doc,
-"ggml_rows(raw, type, rows, cols, xf, out, threads, head_rows=0): out [T, rows] = xf [T, cols] @ W.T for\n"
-"the GGML tensor W [rows, cols] of llama.cpp blocks of `type` in raw (float32 buffers); with head_rows,\n"
-"xf holds one input per head of head_rows rows and out [rows] is each row times its head's input");
+"ggml_rows(raw, type, rows, cols, xf, out, threads, head_rows=0, fix=None): out [T, rows] = xf [T, cols] @\n"
+"W.T for the GGML tensor W [rows, cols] of llama.cpp blocks of `type` in raw (float32 buffers); with\n"
+"head_rows, xf holds one input per head of head_rows rows and out [rows] is each row times its head's\n"
+"input; fix: ggml_round's corrections for xf (Q4_1, Q5_1)");
 
 static PyObject *py_ggml_rows(PyObject *self, PyObject *args) {
-    PyObject *o[3];
+    PyObject *o[4] = {NULL, NULL, NULL, Py_None};
     int type, threads;
     Py_ssize_t rows, cols, head_rows = 0;
-    if (!PyArg_ParseTuple(args, "OinnOOi|n", &o[0], &type, &rows, &cols, &o[1], &o[2], &threads, &head_rows))
+    if (!PyArg_ParseTuple(args, "OinnOOi|nO", &o[0], &type, &rows, &cols, &o[1], &o[2], &threads, &head_rows, &o[3]))
         return NULL;
-    buf_t b[3];
+    buf_t b[4];
     memset(b, 0, sizeof b);
     PyObject *ret = NULL;
-    if (get_buf(o[0], &b[0], 0, 1, "raw") || get_buf(o[1], &b[1], 0, 4, "xf") || get_buf(o[2], &b[2], 1, 4, "out"))
+    if (get_buf(o[0], &b[0], 0, 1, "raw") || get_buf(o[1], &b[1], 0, 4, "xf") || get_buf(o[2], &b[2], 1, 4, "out") ||
+        (o[3] != Py_None && get_buf(o[3], &b[3], 0, 4, "fix")))
         goto done;
     int64_t nblk, rb = ggml_row_bytes(type, rows, cols, b[0].b.len, &nblk);
     if (rb < 0) goto done;
@@ -1994,11 +2012,47 @@ static PyObject *py_ggml_rows(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "ggml_rows: xf must be [T, cols] and out [T, rows]");
         goto done;
     }
+    if (o[3] != Py_None && (!ggml_input_fix(type) || b[3].b.len * 32 != b[1].b.len)) {
+        PyErr_SetString(PyExc_ValueError, "ggml_rows: fix is for Q4_1/Q5_1 weights, one value per 32 of xf");
+        goto done;
+    }
     int64_t per = GGML_JOB_WEIGHTS / cols > 8 ? GGML_JOB_WEIGHTS / cols : 8;
     task_t t = {.job = ggml_rows_job, .raw = b[0].b.buf, .xf = b[1].b.buf, .out = b[2].b.buf, .n = type,
                 .stride = rb, .nspan = nblk, .cols = cols, .ntok = ntok, .ostride = per, .njobs_rows = rows,
-                .head_rows = head_rows, .njobs = (rows + per - 1) / per, .scratch_floats = ntok + 8 + 256};
+                .head_rows = head_rows, .njobs = (rows + per - 1) / per, .scratch_floats = ntok + 8 + 256,
+                .fix = o[3] != Py_None ? b[3].b.buf : NULL};
     if (!ntok || !rows || run_unlocked(&t, threads) >= 0) ret = Py_NewRef(Py_None);
+done:
+    release(b, 4);
+    return ret;
+}
+
+PyDoc_STRVAR(ggml_round_doc,
+"ggml_round(type, cols, x, out, fix=None) -> bool\n\n"
+"out = x (float32, rows of cols values) rounded as llama.cpp rounds the input of a weight of GGML type\n"
+"`type` (to Q8_K, Q8_0 or Q8_1 values); False, out untouched, for a type it does not round for. For\n"
+"Q4_1 and Q5_1 weights, fix (float32, one per 32 values) receives the corrections ggml_rows takes.");
+
+static PyObject *py_ggml_round(PyObject *self, PyObject *args) {
+    PyObject *o[3] = {NULL, NULL, Py_None};
+    int type;
+    Py_ssize_t cols;
+    if (!PyArg_ParseTuple(args, "inOO|O", &type, &cols, &o[0], &o[1], &o[2])) return NULL;
+    buf_t b[3];
+    memset(b, 0, sizeof b);
+    PyObject *ret = NULL;
+    if (get_buf(o[0], &b[0], 0, 4, "x") || get_buf(o[1], &b[1], 1, 4, "out") ||
+        (o[2] != Py_None && get_buf(o[2], &b[2], 1, 4, "fix")))
+        goto done;
+    int blk = ggml_input_block(type);
+    if (b[0].b.len != b[1].b.len || cols <= 0 || b[0].b.len % (4 * cols) || (blk && cols % blk) ||
+        (o[2] != Py_None && b[2].b.len * 32 != b[0].b.len)) {
+        PyErr_SetString(PyExc_ValueError, "ggml_round: x and out of one size, rows of cols values, whole blocks, "
+                                          "fix one value per 32");
+        goto done;
+    }
+    ret = PyBool_FromLong(ggml_round_input(type, b[0].b.buf, b[1].b.buf, b[0].b.len / 4,
+                                           o[2] != Py_None ? b[2].b.buf : NULL));
 done:
     release(b, 3);
     return ret;
@@ -2198,8 +2252,9 @@ static float numpy_sum(const float *x, int64_t n) {
 
 PyDoc_STRVAR(rms_norm_doc,
 "rms_norm(x, w, eps, out)\n\n"
-"out[t] = w * (x[t] / sqrt(mean(x[t]^2) + eps)) for x, out float32 [T, n] and w float32 [n], in float32\n"
-"with numpy's summation order (the same bits as model.rms_norm's numpy form).");
+"out[t] = (x[t] * s) * w with s = 1 / sqrt(mean(x[t]^2) + eps), for x, out float32 [T, n] and w float32\n"
+"[n]: squares in float32 summed in order in double, the mean rounded to float32 (llama.cpp's rule, so a\n"
+"GGUF file's norms carry its bits).");
 
 static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
     PyObject *o[3];
@@ -2208,7 +2263,6 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
     buf_t b[3];
     memset(b, 0, sizeof b);
     PyObject *ret = NULL;
-    float *sq = NULL;
     if (get_buf(o[0], &b[0], 0, 4, "x") || get_buf(o[1], &b[1], 0, 4, "w") || get_buf(o[2], &b[2], 1, 4, "out"))
         goto done;
     int64_t n = b[1].b.len / 4, T = n ? b[0].b.len / 4 / n : 0;
@@ -2216,19 +2270,18 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "rms_norm: x and out [T, n], w [n]");
         goto done;
     }
-    sq = malloc(sizeof(float) * n);
-    if (!sq) { PyErr_NoMemory(); goto done; }
     const float *w = b[1].b.buf;
     for (int64_t t = 0; t < T; t++) {
         const float *x = (const float *)b[0].b.buf + t * n;
         float *y = (float *)b[2].b.buf + t * n;
-        for (int64_t i = 0; i < n; i++) sq[i] = x[i] * x[i];
-        float r = sqrtf(numpy_sum(sq, n) / (float)n + eps);
-        for (int64_t i = 0; i < n; i++) y[i] = w[i] * (x[i] / r);
+        double sum = 0.0;
+        for (int64_t i = 0; i < n; i++) sum += (double)(x[i] * x[i]);
+        const float mean = (float)(sum / (double)n);
+        const float scale = 1.0f / sqrtf(mean + eps);
+        for (int64_t i = 0; i < n; i++) y[i] = (x[i] * scale) * w[i];
     }
     ret = Py_NewRef(Py_None);
 done:
-    free(sq);
     release(b, 3);
     return ret;
 }
@@ -2350,6 +2403,7 @@ static PyMethodDef methods[] = {
     {"rows", py_rows, METH_VARARGS, rows_doc},
     {"ggml_rows", py_ggml_rows, METH_VARARGS, ggml_rows_doc},
     {"ggml_dequantize", py_ggml_dequantize, METH_VARARGS, ggml_dequantize_doc},
+    {"ggml_round", py_ggml_round, METH_VARARGS, ggml_round_doc},
     {"ggml_moe", py_ggml_moe, METH_VARARGS, ggml_moe_doc},
     {"ggml_grid", py_ggml_grid, METH_VARARGS, "ggml_grid(type, grid): an IQ type's codebook (float32), from the gguf package"},
     {"ggml_info", py_ggml_info, METH_VARARGS, "ggml_info(type) -> (ready, weights per block, bytes per block, needs a codebook)"},

@@ -17,6 +17,7 @@ from kimistream.formats.interrupts import say
 from kimistream.formats.weightfile import WeightFile, WeightFileError, check_model
 
 from . import budget as B
+from . import kernels
 from .bundled import BundledModelError, default_weights
 from .engine import TextStream
 from .generate import GenerationStats, generate
@@ -71,6 +72,7 @@ def untrained_chat_markers(tok: Tokenizer, weights: ModelWeights) -> list[str]:
 
 def run(args) -> int:
     log = (lambda m: None) if args.quiet else _log
+    kernels.set_gguf_inputs(args.gguf_inputs)
     try:
         if args.plot_trace:
             if not args.output:

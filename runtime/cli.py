@@ -25,6 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
+    p.add_argument("--gguf-inputs", choices=("llama.cpp", "f32"), default="llama.cpp",
+                   help="weights kept in llama.cpp's blocks (a GGUF converted with --quant keep) multiply their "
+                        "input rounded to 8 bits as llama.cpp does, so the file gives llama.cpp's logits "
+                        "(llama.cpp, the default), or the float32 input as it is (f32: the weights' exact product)")
     p.add_argument("--max-context", type=int, default=None,
                    help="KV cache length in tokens (default: min(4096, the model's maximum), shortened when "
                         "that does not fit --memory-budget)")

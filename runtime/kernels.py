@@ -12,7 +12,9 @@ time (BLOCK_BYTES, bit for bit as the reference decoder) and BLAS multiplies.
 `dequantize` equals the numpy reference decoder bit for bit (no fastmath there); tests hold it to it.
 llama.cpp's block types kept from a GGUF file (codecs `gguf-<type>`) have their own C decoders
 (runtime/_ggml.c, equal bit for bit to the gguf package's dequantizer): a product decodes one block at
-a time into L1 and multiplies it in float32 by every token.
+a time into L1 and multiplies it in float32 by every token. By default the input of such a product is
+first rounded as llama.cpp rounds it (8 bits per 256 or 32 values, see `set_gguf_inputs`), so a GGUF
+file gives llama.cpp's logits; "f32" multiplies the float32 input as it is.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ SPIN_US = 1000            # decode: the pool's idle workers spin this long for t
 XQ_MAX = 32767            # activations are quantised to -XQ_MAX .. XQ_MAX per 32 values
 XQ_DTYPE = np.int16
 _threads = int(os.environ.get("KIMI_STREAM_THREADS") or len(os.sched_getaffinity(0)))   # kimi-run --threads
+GGUF_INPUTS = ("llama.cpp", "f32")
+_llama_inputs = True      # kimi-run --gguf-inputs: llama.cpp's 8-bit rounding of GGUF products' inputs
 
 # indices into the int64 geometry vector handed to the kernels
 (G_ROWS, G_COLS, G_NSUB, G_NBLK, G_K, G_PARROW, G_SUBROW, G_CODEROW, G_OFFPAR, G_OFFOCOL, G_OFFOVAL, G_OFFSUB,
@@ -137,6 +141,60 @@ def set_spin(decoding: bool) -> None:
     """Decode steps call the kernels back to back: idle pool workers spin for the next call. With
     several tokens BLAS runs between the kernel calls and wants every core: workers sleep at once."""
     _qdot.set_spin_us(SPIN_US if decoding else 0)
+
+
+def set_gguf_inputs(mode: str) -> None:
+    """How a product by llama.cpp's blocks treats its input: "llama.cpp" rounds it first to the 8-bit
+    values llama.cpp multiplies such a weight by (Q8_K per 256 values for the k-, i- and ternary types,
+    Q8_0/Q8_1 per 32 for the legacy ones), so the logits are llama.cpp's; "f32" keeps it as it is
+    (the weights' exact product, which llama.cpp does not compute)."""
+    global _llama_inputs
+    if mode not in GGUF_INPUTS:
+        raise ValueError(f"GGUF inputs: {mode!r} is not one of {', '.join(GGUF_INPUTS)}")
+    _llama_inputs = mode == "llama.cpp"
+
+
+def rounds_gguf_inputs(*codecs: str) -> bool:
+    """Whether products by weights of these codecs round their inputs as llama.cpp does."""
+    return _llama_inputs and any(is_gguf_codec(c) for c in codecs)
+
+
+def gguf_input(codec: str, x: np.ndarray):
+    """(x', fix): x [..., cols] as a product by a `codec` weight takes it, rounded row by row as
+    llama.cpp rounds it for a GGUF block type (see set_gguf_inputs), else unchanged; fix [..., cols/32]
+    for Q4_1/Q5_1 weights (llama.cpp's input carries a block sum rounded on its own: the product adds
+    fix times each weight block's offset), else None."""
+    if not (_llama_inputs and is_gguf_codec(codec)) or not np.size(x):
+        return x, None
+    t = ggml_type(codec)
+    x = np.ascontiguousarray(x, np.float32)
+    out = np.empty_like(x)
+    fix = np.empty(x.shape[:-1] + (x.shape[-1] // 32,), np.float32) if t in _OFFSET_TYPES else None
+    if not _qdot.ggml_round(t, int(x.shape[-1]), x, out, fix):
+        return x, None
+    return out, fix
+
+
+_OFFSET_TYPES = {3: 20, 7: 24}     # Q4_1, Q5_1: bytes per 32-weight block (binary16 scale, offset, ...)
+
+
+def _gguf_offsets(codec: str, raw, rows: int, cols: int) -> np.ndarray:
+    """[rows, cols/32]: each block's offset of a Q4_1/Q5_1 weight (binary16 at byte 2), as float32."""
+    bs, nb = _OFFSET_TYPES[ggml_type(codec)], cols // 32
+    blocks = _ggml_raw(codec, raw, (rows, cols))[:rows * nb * bs].reshape(rows, nb, bs)
+    return np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[..., 0].astype(np.float32)
+
+
+def gguf_heads_matmul(codec: str, raw, shape, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """np.matmul(x, w) for x [..., nh, T, cols] and w [nh, cols, n], the float32 form of a weight held
+    as `codec` [nh * n, cols] (MLA's halves, several tokens): x taken as llama.cpp takes it."""
+    xr, fix = gguf_input(codec, x)
+    y = np.matmul(xr, w)
+    if fix is not None:
+        nh = w.shape[0]
+        mins = _gguf_offsets(codec, raw, int(shape[0]), int(shape[1])).reshape(nh, -1, fix.shape[-1])
+        y += np.matmul(fix, mins.transpose(0, 2, 1))
+    return y
 
 
 def set_threads(n: int) -> None:
@@ -254,11 +312,14 @@ class Linear:
         T = x2.shape[0]
         y = np.empty((T, rows), np.float32)
         if rows and T and self.ggml is not None:
+            x2, fix = gguf_input(self.codec, x2)
             if T < BLAS_MIN_TOKENS:     # each block decoded once into L1 and multiplied by every token
                 threads = _threads if rows * cols * T >= PARALLEL_MIN_WEIGHTS else 1
-                _qdot.ggml_rows(self.raw, self.ggml, rows, cols, x2, y, threads)
+                _qdot.ggml_rows(self.raw, self.ggml, rows, cols, x2, y, threads, 0, fix)
             else:
                 _dequantized_matmul(x2, self.raw, None, rows, cols, y, self.codec)
+                if fix is not None:
+                    y += fix @ _gguf_offsets(self.codec, self.raw, rows, cols).T
         elif rows and T:
             if T < BLAS_MIN_TOKENS:
                 # every token through each block of rows in one pass (the digits are taken out once)
@@ -398,7 +459,7 @@ def ggml_moe_decode(base: np.ndarray, offsets: np.ndarray, gate_up: tuple, down:
     work = offs.shape[0] * 3 * inter * hidden
     try:
         _qdot.ggml_moe(base, types, offs, tok, w, x2, out2, hidden, inter,
-                       _threads if work >= PARALLEL_MIN_WEIGHTS else 1)
+                       _threads if work >= PARALLEL_MIN_WEIGHTS else 1, _llama_inputs)
     except ValueError as e:
         raise (CodecError(str(e)) if "outside" in str(e) else e) from None
 
@@ -422,8 +483,9 @@ def _moe_geometries(specs: tuple) -> np.ndarray:
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """w * x / sqrt(mean(x**2) + eps) over the last axis, in one call; the same bits as numpy's
-    `np.add.reduce(x * x, axis=-1)` formulation (its pairwise summation order is kept)."""
+    """w * x / sqrt(mean(x**2) + eps) over the last axis, in one call, rounded as llama.cpp rounds it
+    (float32 squares summed in double, the mean rounded to float32, then (x * scale) * w), so a GGUF
+    file's hidden states carry llama.cpp's bits and not only its values."""
     x = np.ascontiguousarray(x, np.float32)
     out = np.empty_like(x)
     _qdot.rms_norm(x, np.ascontiguousarray(w, np.float32), eps, out)
@@ -489,18 +551,24 @@ def heads(codec: str, raw, shape, x: np.ndarray, stride: int, first: int, n: int
     x = np.ascontiguousarray(x, dtype=np.float32)
     nh = x.shape[0]
     if is_gguf_codec(codec):
-        raw, cols = _ggml_raw(codec, raw, shape), int(shape[1])
-        rb = get_codec(codec).nbytes((1, cols))
-        if first or stride != n:          # one call per head, on its rows
-            return np.concatenate([heads(codec, raw[(h * stride + first) * rb:(h * stride + first + n) * rb], (n, cols),
-                                         x[h:h + 1], n, 0, n) for h in range(nh)])
-        out = np.empty(nh * n, np.float32)
-        rows = nh * n
-        _qdot.ggml_rows(raw[:rows * rb], ggml_type(codec), rows, cols, x, out,
-                        _threads if rows * cols >= PARALLEL_MIN_WEIGHTS else 1, n)
-        return out.reshape(nh, n)
+        return _ggml_heads(codec, raw, shape, *gguf_input(codec, x), stride, first, n)
     _, g, raw = _prepare(codec, raw, shape)
     out = np.empty(nh * n, np.float32)
     jobs = _head_jobs(nh, stride, first, n, x.shape[1])
     _run(raw, g[None, :], x, jobs, out, nh * n * x.shape[1], codec)
+    return out.reshape(nh, n)
+
+
+def _ggml_heads(codec: str, raw, shape, x: np.ndarray, fix, stride: int, first: int, n: int) -> np.ndarray:
+    """heads() for llama.cpp's blocks, x (and fix) already as the product takes it (gguf_input)."""
+    nh, raw, cols = x.shape[0], _ggml_raw(codec, raw, shape), int(shape[1])
+    rb = get_codec(codec).nbytes((1, cols))
+    if first or stride != n:          # one call per head, on its rows
+        return np.concatenate([_ggml_heads(codec, raw[(h * stride + first) * rb:(h * stride + first + n) * rb],
+                                           (n, cols), x[h:h + 1], None if fix is None else fix[h:h + 1], n, 0, n)
+                               for h in range(nh)])
+    out = np.empty(nh * n, np.float32)
+    rows = nh * n
+    _qdot.ggml_rows(raw[:rows * rb], ggml_type(codec), rows, cols, x, out,
+                    _threads if rows * cols >= PARALLEL_MIN_WEIGHTS else 1, n, fix)
     return out.reshape(nh, n)

@@ -255,7 +255,10 @@ class Attention:
         else:
             w_k, w_v_t = self.absorbed()
             Ct, Kt = C[:, None, :S], K[:, None, :S]
-            expand = self._expand_keys(T, S)
+            # llama.cpp's halves take 8-bit inputs (kernels.gguf_input): q_nope and the latent output,
+            # as its graph multiplies them, so those files keep the absorbed form
+            rounded = self.k_b is not None and kernels.rounds_gguf_inputs(self.k_b.codec, self.v_b.codec)
+            expand = not rounded and self._expand_keys(T, S)
             if expand:
                 # many new tokens: the keys' and values' head parts for every position, then attention
                 # as written (fewer multiply-adds than folding kv_b into every query and output)
@@ -263,7 +266,8 @@ class Attention:
                 values = np.matmul(Ct, w_v_t)                                  # [B, nh, S, v]
                 scores = np.matmul(q_nope, keys.transpose(0, 1, 3, 2))
             else:
-                q_lat = np.matmul(q_nope, w_k)                                 # [B, nh, T, r]
+                q_lat = (kernels.gguf_heads_matmul(self.k_b.codec, self.k_b.raw, self.k_b.shape, q_nope, w_k)
+                         if rounded else np.matmul(q_nope, w_k))               # [B, nh, T, r]
                 scores = np.matmul(q_lat, Ct.transpose(0, 1, 3, 2))
             scores += np.matmul(q_rot, Kt.transpose(0, 1, 3, 2))
             scores *= self.softmax_scale                                       # [B, nh, T, S]
@@ -275,7 +279,9 @@ class Attention:
             if expand:
                 o = np.matmul(probs, values)                                   # [B, nh, T, v]
             else:
-                o = np.matmul(np.matmul(probs, Ct), w_v_t)                     # [B, nh, T, r] -> v
+                o_lat = np.matmul(probs, Ct)                                   # [B, nh, T, r]
+                o = (kernels.gguf_heads_matmul(self.v_b.codec, self.v_b.raw, self.v_b.shape, o_lat, w_v_t)
+                     if rounded else np.matmul(o_lat, w_v_t))
         return linear(o.transpose(0, 2, 1, 3).reshape(B * T, nh * cfg.v_head_dim), self.o)
 
 

@@ -209,16 +209,26 @@ def test_quant_keep_holds_llama_cpp_blocks_unchanged(qtype, tmp_path):
             assert np.array_equal(get_codec(t.codec).decode(wf.raw(name), t.shape), m.read(name)), name
     if qtype != "Q4_0":
         return
-    kept, f32 = _kept_and_f32_logits(g, tmp_path)
+    kept, f32 = _kept_and_f32_logits(g, tmp_path, "--gguf-inputs", "f32")
     # the same values: what differs is the order of float32 sums (C products against BLAS)
     assert np.abs(kept - f32).max() <= 1e-5 * np.abs(f32).max()
+    # by default the kept blocks take their inputs rounded to 8 bits as llama.cpp does: other logits
+    # (llama.cpp's, held to its rounding rule in test_ggml_kernels.py), still close to the values'
+    default = tmp_path / "default.npy"
+    proc = _run("kimistream.runtime.cli", "--weights", tmp_path / "keep.kst", "--prompt", "import os",
+                "--max-tokens", 2, "--dump-logits", default, "--kv-dtype", "f32", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    rounded = np.load(default)
+    assert 1e-4 * np.abs(f32).max() < np.abs(rounded - f32).max() < 0.05 * np.abs(f32).max()
 
 
-def _kept_and_f32_logits(gguf_path: Path, tmp_path: Path):
-    """The prompt logits of tmp_path/keep.kst and of the GGUF converted to f32 (both with an f32 KV cache)."""
+def _kept_and_f32_logits(gguf_path: Path, tmp_path: Path, *run_args):
+    """The prompt logits of tmp_path/keep.kst (kimi-run given run_args) and of the GGUF converted to
+    f32 (both with an f32 KV cache)."""
     runs = [("kimistream.convert.cli", gguf_path, "-o", tmp_path / "f32.kst", "--quant", "f32", "--quiet")]
     runs += [("kimistream.runtime.cli", "--weights", tmp_path / f"{f}.kst", "--prompt", "import os", "--max-tokens", 2,
-              "--dump-logits", tmp_path / f"{f}.npy", "--kv-dtype", "f32", "--quiet") for f in ("keep", "f32")]
+              "--dump-logits", tmp_path / f"{f}.npy", "--kv-dtype", "f32", "--quiet", *(run_args if f == "keep" else ()))
+             for f in ("keep", "f32")]
     for args in runs:
         proc = _run(*args)
         assert proc.returncode == 0, proc.stderr

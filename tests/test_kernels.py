@@ -402,14 +402,24 @@ def test_route_refuses_bad_shapes():
 
 
 @pytest.mark.parametrize("n", [7, 64, 129, 576, 1024, 7168, 333])
-def test_rms_norm_equals_numpy_bit_for_bit(n):
+def test_rms_norm_rounds_as_llama_cpp(n):
+    # ggml's rule: float32 squares, summed in order in double, mean to float32, 1/sqrtf, (x*s)*w
     rng = np.random.default_rng(n)
     for T in (1, 3):
         x = (rng.standard_normal((T, n)) * 7).astype(np.float32)
         w = rng.standard_normal(n).astype(np.float32)
-        var = np.add.reduce(x * x, axis=-1, keepdims=True) / np.float32(n)
-        want = w * (x / np.sqrt(var + 1e-6))
-        np.testing.assert_array_equal(kernels.rms_norm(x, w, 1e-6).view(np.int32), want.view(np.int32))
+        want = np.empty_like(x)
+        for t in range(T):
+            total = 0.0
+            for v in (x[t] * x[t]).tolist():
+                total += v
+            mean = np.float32(total / n)
+            scale = np.float32(1.0) / np.sqrt(mean + np.float32(1e-6))
+            want[t] = (x[t] * scale) * w
+        got = kernels.rms_norm(x, w, 1e-6)
+        np.testing.assert_array_equal(got.view(np.int32), want.view(np.int32))
+        plain = w * (x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6))
+        np.testing.assert_allclose(got, plain, rtol=2e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("T", [1, 3])
