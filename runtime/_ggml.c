@@ -888,6 +888,177 @@ int ggml_round_input(int type, const float *x, float *y, int64_t n, float *fix) 
     return 1;
 }
 
+/* ------------------------------------------------------------------- integer products on Q8_K codes */
+
+/* The k-quants most files hold (Q2_K experts, Q3_K down projections, Q6_K output) times an input of
+   Q8_K codes: per 16 weights, bytes of codes times bytes of input summed in 16 and 32 bits
+   (vpmaddubsw, vpmaddwd), the block's sub-scales applied as integers, and two float multiplies per
+   256 weights. The weights' codes are taken unsigned; their offset (Q2_K's minima, Q3_K's 4, Q6_K's
+   32) comes off through the input's sums per 16. */
+
+void ggml_quantize_q8k(const float *x, int64_t n, ggml_q8k_t *y) {
+    for (int64_t b = 0; b < n; b += 256, x += 256, y++) {
+        float amax = 0.0f, max = 0.0f;
+        for (int j = 0; j < 256; j++) {
+            float a = fabsf(x[j]);
+            if (a > amax) { amax = a; max = x[j]; }
+        }
+        if (amax == 0.0f) {
+            memset(y, 0, sizeof *y);
+            continue;
+        }
+        float iscale = -127.0f / max;
+        y->d = 1.0f / iscale;
+        for (int g = 0; g < 16; g++) {
+            int s = 0;
+            for (int j = 16 * g; j < 16 * g + 16; j++) {
+                float q = nearbyintf(iscale * x[j]);
+                y->qs[j] = (int8_t)(q > 127.0f ? 127 : (int)q);
+                s += y->qs[j];
+            }
+            y->bsums[g] = (int16_t)s;
+        }
+    }
+}
+
+#if GGML_X86
+INL int hsum_i32(__m256i v) {
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+    return _mm_cvtsi128_si32(h);
+}
+
+/* sum over the 16 groups of scale[g] * bsums[g], scales as 16 int16 */
+INL int scaled_bsums(__m256i scales16, const ggml_q8k_t *y) {
+    return hsum_i32(_mm256_madd_epi16(scales16, _mm256_loadu_si256((const __m256i *)y->bsums)));
+}
+
+/* byte shuffles taking int16 scales 2s (into the low 128 bits) and 2s + 1 (high) of a 128-bit lane */
+static const uint8_t PAIR_MASK[4][32] = {
+#define P2(a) a, a + 1
+#define R8(a) P2(a), P2(a), P2(a), P2(a), P2(a), P2(a), P2(a), P2(a)
+    {R8(0), R8(2)}, {R8(4), R8(6)}, {R8(8), R8(10)}, {R8(12), R8(14)},
+#undef R8
+#undef P2
+};
+
+/* the 32 products of codes q (unsigned bytes) by input bytes x, summed per 16 and scaled: sc16h holds
+   eight int16 scales in both lanes, and pair s takes scales 2s (first 16) and 2s + 1 (last 16) */
+INL __m256i dot32(__m256i q, const int8_t *x, __m256i sc16h, int s) {
+    __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)x));
+    return _mm256_madd_epi16(p, _mm256_shuffle_epi8(sc16h, LD32(PAIR_MASK[s])));
+}
+
+/* lane h of sixteen int16 scales, in both lanes */
+INL __m256i half_scales(__m256i sc16, int h) {
+    return _mm256_broadcastsi128_si256(h ? _mm256_extracti128_si256(sc16, 1) : _mm256_castsi256_si128(sc16));
+}
+
+INL float q2_k_q8k(const uint8_t *b, const ggml_q8k_t *y) {
+    __m128i s8 = _mm_loadu_si128((const __m128i *)b);
+    __m256i mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s8, 4), _mm_set1_epi8(15)));
+    __m256i scales = _mm256_cvtepu8_epi16(_mm_and_si128(s8, _mm_set1_epi8(15)));
+    const __m256i m3 = _mm256_set1_epi8(3);
+    __m256i acc = _mm256_setzero_si256();
+    for (int h = 0; h < 2; h++) {
+        __m256i v = LD32(b + 16 + 32 * h), sh = half_scales(scales, h);
+        for (int s = 0; s < 4; s++)
+            acc = _mm256_add_epi32(acc, dot32(_mm256_and_si256(_mm256_srli_epi16(v, 2 * s), m3),
+                                              y->qs + 128 * h + 32 * s, sh, s));
+    }
+    return y->d * f16(b + 80) * (float)hsum_i32(acc) - y->d * f16(b + 82) * (float)scaled_bsums(mins, y);
+}
+
+INL float q3_k_q8k(const uint8_t *b, const ggml_q8k_t *y) {
+    const uint8_t *ss = b + 96;
+    int16_t sc[16];
+    for (int g = 0; g < 16; g++) {
+        int lo = g < 8 ? ss[g] & 15 : ss[g - 8] >> 4;
+        int hi = (ss[8 + g % 4] >> (2 * (g / 4))) & 3;
+        sc[g] = (int16_t)((lo | (hi << 4)) - 32);
+    }
+    const __m256i m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1), scales = _mm256_loadu_si256((const __m256i *)sc);
+    __m256i hm = LD32(b), acc = _mm256_setzero_si256();
+    for (int h = 0; h < 2; h++) {
+        __m256i v = LD32(b + 32 + 32 * h), sh = half_scales(scales, h);
+        for (int s = 0; s < 4; s++) {
+            /* code + 4 when the high bit is set: 0 .. 7, the weight's value plus 4 */
+            __m256i ql = _mm256_and_si256(_mm256_srli_epi16(v, 2 * s), m3);
+            __m256i hb = _mm256_and_si256(_mm256_srli_epi16(hm, 4 * h + s), one);
+            acc = _mm256_add_epi32(acc, dot32(_mm256_or_si256(ql, _mm256_slli_epi16(hb, 2)),
+                                              y->qs + 128 * h + 32 * s, sh, s));
+        }
+    }
+    int off = 4 * scaled_bsums(scales, y);
+    return y->d * f16(b + 108) * (float)(hsum_i32(acc) - off);
+}
+
+INL float q6_k_q8k(const uint8_t *b, const ggml_q8k_t *y) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
+    const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+    __m256i acc = _mm256_setzero_si256();
+    for (int h = 0; h < 2; h++) {
+        __m256i l0 = LD32(ql + 64 * h), l1 = LD32(ql + 64 * h + 32), hh = LD32(qh + 32 * h), sh = half_scales(scales, h);
+        /* codes 0 .. 63 (the weight plus 32) of values 128 h + 32 k + (0 .. 31), k = 0 .. 3 */
+        __m256i q[4] = {
+            _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(hh, m3), 4)),
+            _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 2), m3), 4)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 4), m3), 4)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 6), m3), 4)),
+        };
+        for (int k = 0; k < 4; k++)
+            acc = _mm256_add_epi32(acc, dot32(q[k], y->qs + 128 * h + 32 * k, sh, k));
+    }
+    int off = 32 * scaled_bsums(scales, y);
+    return y->d * f16(b + 208) * (float)(hsum_i32(acc) - off);
+}
+
+/* one row of blocks times each input, the block product inlined */
+#define Q8K_ROW(name, bytes) \
+    AVX2 static void name##_row(const uint8_t *src, int64_t nblocks, const ggml_q8k_t *y, int64_t ntok, float *acc) { \
+        for (int64_t t = 0; t < ntok; t++) { \
+            const ggml_q8k_t *yt = y + t * nblocks; \
+            float s = 0.0f; \
+            for (int64_t i = 0; i < nblocks; i++) { \
+                __builtin_prefetch(src + (i + 4) * (bytes)); \
+                s += name##_q8k(src + i * (bytes), yt + i); \
+            } \
+            acc[t] += s; \
+        } \
+    }
+Q8K_ROW(q2_k, 84)
+Q8K_ROW(q3_k, 110)
+Q8K_ROW(q6_k, 210)
+#endif
+
+typedef void (*q8k_row_fn)(const uint8_t *, int64_t, const ggml_q8k_t *, int64_t, float *);
+
+static q8k_row_fn q8k_row(int type) {
+#if GGML_X86
+    if (ggml_avx2) {
+        switch (type) {
+        case GT_Q2_K: return q2_k_row;
+        case GT_Q3_K: return q3_k_row;
+        case GT_Q6_K: return q6_k_row;
+        default: break;
+        }
+    }
+#endif
+    (void)type;
+    return NULL;
+}
+
+int ggml_int_type(int type) { return q8k_row(type) != NULL; }
+
+void ggml_row_dot_q8k(int type, const uint8_t *src, int64_t nblocks, const ggml_q8k_t *y, int64_t ntok, float *acc) {
+    q8k_row_fn f = q8k_row(type);
+    if (f) f(src, nblocks, y, ntok, acc);
+}
+
 /* ------------------------------------------------------------------------------------------ products */
 
 static float dot_generic(const float *a, const float *b, int64_t n) {

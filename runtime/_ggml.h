@@ -34,4 +34,20 @@ int ggml_input_fix(int type);
    ggml_input_fix types, `fix` (if not NULL) receives n / 32 corrections for ggml_row_dot */
 int ggml_round_input(int type, const float *x, float *y, int64_t n, float *fix);
 
+/* An input rounded to Q8_K (llama.cpp's layout in spirit: 256 int8 codes, their scale, and the sums of
+   each 16 codes), for the integer products below */
+typedef struct {
+    float d;
+    int16_t bsums[16];
+    int8_t qs[256];
+} ggml_q8k_t;
+
+/* whether `type` has an integer product with Q8_K inputs here (needs AVX2) */
+int ggml_int_type(int type);
+/* x (n values, a multiple of 256) rounded as ggml_round_input rounds it for a Q8_K type, as codes */
+void ggml_quantize_q8k(const float *x, int64_t n, ggml_q8k_t *y);
+/* acc[t] += (the row of `nblocks` blocks at src) . y_t for the ntok inputs y_t = y + t * nblocks, in
+   integers per block as llama.cpp computes it; ggml_int_type(type) must hold */
+void ggml_row_dot_q8k(int type, const uint8_t *src, int64_t nblocks, const ggml_q8k_t *y, int64_t ntok, float *acc);
+
 #endif

@@ -835,6 +835,7 @@ struct task {
     int64_t njobs_rows;                                   /* ggml jobs: rows of the tensor */
     int64_t head_rows;                                    /* ggml heads: rows per input (0: every row, every input) */
     const float *fix;                                     /* ggml: Q8_1 sum corrections per input (or NULL) */
+    const ggml_q8k_t *q8;                                 /* ggml: inputs as Q8_K codes, for integer products */
     int64_t scratch_floats;                               /* per thread */
     const int64_t *jobs;
     int64_t njobs;
@@ -976,8 +977,11 @@ static void ggml_rows_job(task_t *t, int64_t j, float *scratch) {
     for (int64_t r = lo; r < hi; r++) {
         for (int64_t k = 0; k < t->ntok; k++) acc[k] = 0.0f;
         int64_t in = t->head_rows ? r / t->head_rows : 0;
-        ggml_row_dot((int)t->n, t->raw + r * t->stride, t->nspan, t->xf + in * t->cols, t->cols, t->ntok, acc, buf,
-                     t->fix ? t->fix + in * t->nspan : NULL);
+        if (t->q8)
+            ggml_row_dot_q8k((int)t->n, t->raw + r * t->stride, t->nspan, t->q8 + in * t->nspan, t->ntok, acc);
+        else
+            ggml_row_dot((int)t->n, t->raw + r * t->stride, t->nspan, t->xf + in * t->cols, t->cols, t->ntok, acc, buf,
+                         t->fix ? t->fix + in * t->nspan : NULL);
         for (int64_t k = 0; k < t->ntok; k++) t->out[k * t->njobs_rows + r] = acc[k];
     }
 }
@@ -996,8 +1000,11 @@ static void ggml_moe_job(task_t *t, int64_t j, float *scratch) {
     const float *x = t->xf + job[4] * t->cols;
     for (int64_t r = job[2]; r < job[3]; r++) {
         float acc = 0.0f;
-        ggml_row_dot((int)ty[0], t->raw + job[0] + r * ty[1], ty[2], x, t->cols, 1, &acc, scratch,
-                     t->fix ? t->fix + job[4] * ty[2] : NULL);
+        if (t->q8)
+            ggml_row_dot_q8k((int)ty[0], t->raw + job[0] + r * ty[1], ty[2], t->q8 + job[4] * ty[2], 1, &acc);
+        else
+            ggml_row_dot((int)ty[0], t->raw + job[0] + r * ty[1], ty[2], x, t->cols, 1, &acc, scratch,
+                         t->fix ? t->fix + job[4] * ty[2] : NULL);
         t->out[job[5] + r - job[2]] = acc;
     }
 }
@@ -1834,6 +1841,7 @@ static PyObject *py_ggml_moe(PyObject *self, PyObject *args) {
     PyObject *ret = NULL;
     int64_t *jobs = NULL;
     float *h = NULL, *y = NULL, *xr = NULL, *fx = NULL, *fa = NULL;
+    ggml_q8k_t *qx = NULL, *qa = NULL;
     if (get_buf(o[0], &b[0], 0, 1, "base") || get_buf(o[1], &b[1], 0, 8, "types") || get_buf(o[2], &b[2], 0, 24, "offs") ||
         get_buf(o[3], &b[3], 0, 8, "tok") || get_buf(o[4], &b[4], 0, 4, "wts") || get_buf(o[5], &b[5], 0, 4, "x") ||
         get_buf(o[6], &b[6], 1, 4, "out"))
@@ -1868,7 +1876,11 @@ static PyObject *py_ggml_moe(PyObject *self, PyObject *args) {
     }
     if (!n) { ret = Py_NewRef(Py_None); goto done; }
     if (moe_buffers(n, hidden, inter, &jobs, &h, &y)) goto done;
-    if (llama_inputs && ggml_input_block((int)types[0])) {
+    int int_x = llama_inputs && ggml_int_type((int)types[0]), int_a = llama_inputs && ggml_int_type((int)types[1]);
+    if (int_x) {            /* integer products: the input as Q8_K codes */
+        if (!(qx = malloc(sizeof *qx * (T * hidden / 256 + 1)))) { PyErr_NoMemory(); goto done; }
+        ggml_quantize_q8k(x, T * hidden, qx);
+    } else if (llama_inputs && ggml_input_block((int)types[0])) {
         xr = malloc(b[5].b.len);
         fx = ggml_input_fix((int)types[0]) ? malloc(sizeof(float) * (T * hidden / 32 + 1)) : NULL;
         if (!xr || (ggml_input_fix((int)types[0]) && !fx)) { PyErr_NoMemory(); goto done; }
@@ -1884,20 +1896,25 @@ static PyObject *py_ggml_moe(PyObject *self, PyObject *args) {
         for (int w = 0; w < 2; w++)
             nj += moe_jobs(jobs + JOB_LEN * nj, offs[3 * i + w], 0, inter, hidden, tok[i], (2 * i + w) * inter);
     task_t t1 = {.job = ggml_moe_job, .raw = b[0].b.buf, .geoms = ty, .xf = x, .cols = hidden, .jobs = jobs,
-                 .njobs = nj, .out = h, .scratch_floats = 256 + 16, .fix = fx};
+                 .njobs = nj, .out = h, .scratch_floats = 256 + 16, .fix = fx, .q8 = qx};
     if (run_unlocked(&t1, threads) < 0) goto done;
     float *act = swiglu_pairs(h, n, inter);
-    if (llama_inputs) ggml_round_input((int)types[1], act, act, n * inter, fa);
+    if (int_a) {
+        if (!(qa = malloc(sizeof *qa * (n * inter / 256 + 1)))) { PyErr_NoMemory(); goto done; }
+        ggml_quantize_q8k(act, n * inter, qa);
+    } else if (llama_inputs) {
+        ggml_round_input((int)types[1], act, act, n * inter, fa);
+    }
     nj = 0;
     for (int64_t i = 0; i < n; i++)
         nj += moe_jobs(jobs + JOB_LEN * nj, offs[3 * i + 2], 1, hidden, inter, i, i * hidden);
     task_t t2 = {.job = ggml_moe_job, .raw = b[0].b.buf, .geoms = ty, .xf = act, .cols = inter, .jobs = jobs,
-                 .njobs = nj, .out = y, .scratch_floats = 256 + 16, .fix = fa};
+                 .njobs = nj, .out = y, .scratch_floats = 256 + 16, .fix = fa, .q8 = qa};
     if (run_unlocked(&t2, threads) < 0) goto done;
     moe_sum(out, y, wts, tok, n, hidden);
     ret = Py_NewRef(Py_None);
 done:
-    free(jobs); free(h); free(y); free(xr); free(fx); free(fa);
+    free(jobs); free(h); free(y); free(xr); free(fx); free(fa); free(qx); free(qa);
     release(b, 7);
     return ret;
 }
@@ -1982,22 +1999,25 @@ static int64_t ggml_row_bytes(int type, int64_t rows, int64_t cols, Py_ssize_t h
 }
 
 PyDoc_STRVAR(ggml_rows_doc,
-"ggml_rows(raw, type, rows, cols, xf, out, threads, head_rows=0, fix=None): out [T, rows] = xf [T, cols] @\n"
-"W.T for the GGML tensor W [rows, cols] of llama.cpp blocks of `type` in raw (float32 buffers); with\n"
+"ggml_rows(raw, type, rows, cols, xf, out, threads, head_rows=0, llama_inputs=0): out [T, rows] = xf [T, cols]\n"
+"@ W.T for the GGML tensor W [rows, cols] of llama.cpp blocks of `type` in raw (float32 buffers); with\n"
 "head_rows, xf holds one input per head of head_rows rows and out [rows] is each row times its head's\n"
-"input; fix: ggml_round's corrections for xf (Q4_1, Q5_1)");
+"input. With llama_inputs, xf is first rounded as llama.cpp rounds it (ggml_round; as integer codes\n"
+"and integer products for the types that have them).");
 
 static PyObject *py_ggml_rows(PyObject *self, PyObject *args) {
-    PyObject *o[4] = {NULL, NULL, NULL, Py_None};
-    int type, threads;
+    PyObject *o[3];
+    int type, threads, llama_inputs = 0;
     Py_ssize_t rows, cols, head_rows = 0;
-    if (!PyArg_ParseTuple(args, "OinnOOi|nO", &o[0], &type, &rows, &cols, &o[1], &o[2], &threads, &head_rows, &o[3]))
+    if (!PyArg_ParseTuple(args, "OinnOOi|np", &o[0], &type, &rows, &cols, &o[1], &o[2], &threads, &head_rows,
+                          &llama_inputs))
         return NULL;
-    buf_t b[4];
+    buf_t b[3];
     memset(b, 0, sizeof b);
     PyObject *ret = NULL;
-    if (get_buf(o[0], &b[0], 0, 1, "raw") || get_buf(o[1], &b[1], 0, 4, "xf") || get_buf(o[2], &b[2], 1, 4, "out") ||
-        (o[3] != Py_None && get_buf(o[3], &b[3], 0, 4, "fix")))
+    float *xr = NULL, *fix = NULL;
+    ggml_q8k_t *q8 = NULL;
+    if (get_buf(o[0], &b[0], 0, 1, "raw") || get_buf(o[1], &b[1], 0, 4, "xf") || get_buf(o[2], &b[2], 1, 4, "out"))
         goto done;
     int64_t nblk, rb = ggml_row_bytes(type, rows, cols, b[0].b.len, &nblk);
     if (rb < 0) goto done;
@@ -2012,18 +2032,27 @@ static PyObject *py_ggml_rows(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "ggml_rows: xf must be [T, cols] and out [T, rows]");
         goto done;
     }
-    if (o[3] != Py_None && (!ggml_input_fix(type) || b[3].b.len * 32 != b[1].b.len)) {
-        PyErr_SetString(PyExc_ValueError, "ggml_rows: fix is for Q4_1/Q5_1 weights, one value per 32 of xf");
-        goto done;
+    const float *x = b[1].b.buf;
+    int64_t nx = b[1].b.len / 4;                          /* input values, every input */
+    if (llama_inputs && ggml_int_type(type)) {
+        if (!(q8 = malloc(sizeof *q8 * (nx / 256 + 1)))) { PyErr_NoMemory(); goto done; }
+        ggml_quantize_q8k(x, nx, q8);
+    } else if (llama_inputs && ggml_input_block(type)) {
+        xr = malloc(sizeof(float) * (nx + 1));
+        fix = ggml_input_fix(type) ? malloc(sizeof(float) * (nx / 32 + 1)) : NULL;
+        if (!xr || (ggml_input_fix(type) && !fix)) { PyErr_NoMemory(); goto done; }
+        ggml_round_input(type, x, xr, nx, fix);
+        x = xr;
     }
     int64_t per = GGML_JOB_WEIGHTS / cols > 8 ? GGML_JOB_WEIGHTS / cols : 8;
-    task_t t = {.job = ggml_rows_job, .raw = b[0].b.buf, .xf = b[1].b.buf, .out = b[2].b.buf, .n = type,
+    task_t t = {.job = ggml_rows_job, .raw = b[0].b.buf, .xf = x, .out = b[2].b.buf, .n = type,
                 .stride = rb, .nspan = nblk, .cols = cols, .ntok = ntok, .ostride = per, .njobs_rows = rows,
                 .head_rows = head_rows, .njobs = (rows + per - 1) / per, .scratch_floats = ntok + 8 + 256,
-                .fix = o[3] != Py_None ? b[3].b.buf : NULL};
+                .fix = fix, .q8 = q8};
     if (!ntok || !rows || run_unlocked(&t, threads) >= 0) ret = Py_NewRef(Py_None);
 done:
-    release(b, 4);
+    free(xr); free(fix); free(q8);
+    release(b, 3);
     return ret;
 }
 

@@ -312,11 +312,11 @@ class Linear:
         T = x2.shape[0]
         y = np.empty((T, rows), np.float32)
         if rows and T and self.ggml is not None:
-            x2, fix = gguf_input(self.codec, x2)
             if T < BLAS_MIN_TOKENS:     # each block decoded once into L1 and multiplied by every token
                 threads = _threads if rows * cols * T >= PARALLEL_MIN_WEIGHTS else 1
-                _qdot.ggml_rows(self.raw, self.ggml, rows, cols, x2, y, threads, 0, fix)
+                _qdot.ggml_rows(self.raw, self.ggml, rows, cols, x2, y, threads, 0, _llama_inputs)
             else:
+                x2, fix = gguf_input(self.codec, x2)
                 _dequantized_matmul(x2, self.raw, None, rows, cols, y, self.codec)
                 if fix is not None:
                     y += fix @ _gguf_offsets(self.codec, self.raw, rows, cols).T
@@ -551,7 +551,7 @@ def heads(codec: str, raw, shape, x: np.ndarray, stride: int, first: int, n: int
     x = np.ascontiguousarray(x, dtype=np.float32)
     nh = x.shape[0]
     if is_gguf_codec(codec):
-        return _ggml_heads(codec, raw, shape, *gguf_input(codec, x), stride, first, n)
+        return _ggml_heads(codec, raw, shape, x, stride, first, n)
     _, g, raw = _prepare(codec, raw, shape)
     out = np.empty(nh * n, np.float32)
     jobs = _head_jobs(nh, stride, first, n, x.shape[1])
@@ -559,16 +559,15 @@ def heads(codec: str, raw, shape, x: np.ndarray, stride: int, first: int, n: int
     return out.reshape(nh, n)
 
 
-def _ggml_heads(codec: str, raw, shape, x: np.ndarray, fix, stride: int, first: int, n: int) -> np.ndarray:
-    """heads() for llama.cpp's blocks, x (and fix) already as the product takes it (gguf_input)."""
+def _ggml_heads(codec: str, raw, shape, x: np.ndarray, stride: int, first: int, n: int) -> np.ndarray:
+    """heads() for llama.cpp's blocks."""
     nh, raw, cols = x.shape[0], _ggml_raw(codec, raw, shape), int(shape[1])
     rb = get_codec(codec).nbytes((1, cols))
     if first or stride != n:          # one call per head, on its rows
         return np.concatenate([_ggml_heads(codec, raw[(h * stride + first) * rb:(h * stride + first + n) * rb],
-                                           (n, cols), x[h:h + 1], None if fix is None else fix[h:h + 1], n, 0, n)
-                               for h in range(nh)])
+                                           (n, cols), x[h:h + 1], n, 0, n) for h in range(nh)])
     out = np.empty(nh * n, np.float32)
     rows = nh * n
     _qdot.ggml_rows(raw[:rows * rb], ggml_type(codec), rows, cols, x, out,
-                    _threads if rows * cols >= PARALLEL_MIN_WEIGHTS else 1, n, fix)
+                    _threads if rows * cols >= PARALLEL_MIN_WEIGHTS else 1, n, _llama_inputs)
     return out.reshape(nh, n)

@@ -188,7 +188,7 @@ def test_bad_buffers_are_refused():
 
 
 @pytest.mark.parametrize("mode", ["f32", "llama.cpp"])
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_1", "IQ4_NL", "Q4_K"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_1", "IQ4_NL", "Q4_K", "Q6_K"])
 def test_head_products_use_each_heads_input(qtype, mode):
     """kernels.heads on llama.cpp blocks (MLA's k_b / v_b halves): rows h*stride+first .. +n-1 times
     x[h], for whole heads (one C call) and for part of each head's rows; and the several-token form
@@ -220,7 +220,7 @@ def test_head_products_use_each_heads_input(qtype, mode):
 
 @pytest.mark.parametrize("mode", ["f32", "llama.cpp"])
 @pytest.mark.parametrize("T", [1, 3])
-@pytest.mark.parametrize("types", [("IQ2_XXS", "Q4_K"), ("Q5_1", "Q4_1")])
+@pytest.mark.parametrize("types", [("IQ2_XXS", "Q4_K"), ("Q5_1", "Q4_1"), ("Q2_K", "Q3_K"), ("Q3_K", "Q6_K")])
 def test_experts_in_one_call_equal_their_products(T, types, mode):
     """kernels.ggml_moe_decode (routed experts in llama.cpp's blocks, one C call) against each expert's
     three products (kernels.linear, held to the reference above) and SwiGLU in numpy; each product's
