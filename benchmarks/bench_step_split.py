@@ -3,7 +3,7 @@ decode time split by part of the model (routed experts, attention, lm_head and o
 routing, the rest = Python and numpy glue), from Python's profiler over the decode steps.
 
     python benchmarks/bench_step_split.py WEIGHTS.kst [--steps 32] [--prompt-tokens 256]
-                                          [--prefill-batch 256] [--threads 2]
+                                          [--prefill-batch 256] [--threads 2] [--gguf-inputs llama.cpp|f32]
 """
 
 from __future__ import annotations
@@ -22,13 +22,17 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--prefill-batch", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--gguf-inputs", default="llama.cpp", choices=("llama.cpp", "f32"),
+                    help="as kimi-run's flag: how products by llama.cpp's blocks take their input")
     args = ap.parse_args()
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "KIMI_STREAM_THREADS"):
         os.environ[var] = str(args.threads)
     import numpy as np
+    from kimistream.runtime import kernels
     from kimistream.runtime.model import Attention, Model, MoE
     from kimistream.runtime.weights import ModelWeights
 
+    kernels.set_gguf_inputs(args.gguf_inputs)
     w = ModelWeights(args.weights)
     w.load_resident()
     m = Model(w, args.prompt_tokens + 2 * args.steps + 16)

@@ -48,12 +48,24 @@ static inline uint32_t u32(const uint8_t *p) { return (uint32_t)p[0] | ((uint32_
 static inline uint8_t ksign(uint32_t k) { return (uint8_t)(k | ((__builtin_popcount(k) & 1) << 7)); }
 static inline float sgn(uint8_t signs, int j) { return (signs >> j) & 1 ? -1.0f : 1.0f; }
 
+/* eight bytes of +1 / -1 for each 7 sign bits (the eighth sign is their parity), for vpsignb */
+static uint64_t SIGNS_I8[128];
+
+static void init_signs_i8(void) {
+    for (uint32_t k = 0; k < 128; k++) {
+        uint8_t s = ksign(k), v[8];
+        for (int j = 0; j < 8; j++) v[j] = (s >> j) & 1 ? 0xFF : 0x01;
+        memcpy(&SIGNS_I8[k], v, 8);
+    }
+}
+
 static const int8_t KV_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 #define IQ1_DELTA 0.125f
 static const float IQ1_DELTAS[2] = {IQ1_DELTA, -IQ1_DELTA};   /* by the sign bit: a load, not a branch */
 
 /* codebooks, from the gguf package: entries x levels */
 static float *grid_iq2xxs, *grid_iq2xs, *grid_iq2s, *grid_iq3xxs, *grid_iq3s, *grid_iq1s;
+static uint8_t *igrid_iq2xxs, *igrid_iq1s;      /* two of them as bytes (ggml_set_grid) */
 
 static float **grid_slot(int type, int64_t *n) {
     switch (type) {
@@ -77,6 +89,14 @@ int ggml_set_grid(int type, const float *grid, int64_t n) {
     float *copy = malloc(sizeof(float) * n);
     if (!copy) return -1;
     memcpy(copy, grid, sizeof(float) * n);
+    if (type == GT_IQ2_XXS || type == GT_IQ1_S || type == GT_IQ1_M) {
+        /* the same codebook as bytes, for the integer products (IQ1's levels -1, 0, 1 stored plus one) */
+        uint8_t *bytes = malloc((size_t)n);
+        if (!bytes) { free(copy); return -1; }
+        for (int64_t i = 0; i < n; i++) bytes[i] = (uint8_t)(int)(grid[i] + (type == GT_IQ2_XXS ? 0.0f : 1.0f));
+        if (type == GT_IQ2_XXS) igrid_iq2xxs = bytes;
+        else igrid_iq1s = bytes;
+    }
     *slot = copy;
     return 0;
 }
@@ -686,6 +706,7 @@ VARIANTS(iq1_m)
 #endif
 
 void ggml_init(void) {
+    init_signs_i8();
 #if GGML_X86
     init_signs();
 #endif
@@ -1017,6 +1038,52 @@ INL float q6_k_q8k(const uint8_t *b, const ggml_q8k_t *y) {
     return y->d * f16(b + 208) * (float)(hsum_i32(acc) - off);
 }
 
+INL __m256i signs32(uint32_t aux) {
+    return _mm256_set_epi64x((long long)SIGNS_I8[(aux >> 21) & 127], (long long)SIGNS_I8[(aux >> 14) & 127],
+                             (long long)SIGNS_I8[(aux >> 7) & 127], (long long)SIGNS_I8[aux & 127]);
+}
+
+INL __m256i grid32(const uint8_t *grid, int i0, int i1, int i2, int i3) {
+    uint64_t g[4];
+    memcpy(&g[0], grid + 8 * i0, 8); memcpy(&g[1], grid + 8 * i1, 8);
+    memcpy(&g[2], grid + 8 * i2, 8); memcpy(&g[3], grid + 8 * i3, 8);
+    return _mm256_set_epi64x((long long)g[3], (long long)g[2], (long long)g[1], (long long)g[0]);
+}
+
+/* the 32 products of unsigned codes q by input bytes x, times `scale`, as eight int32 partial sums */
+INL __m256i sum32(__m256i q, __m256i x, int scale) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16((short)scale));
+}
+
+/* IQ2_XXS: per 32 weights four codebook rows (8, 25 or 43) with their signs put on the input */
+INL float iq2_xxs_q8k(const uint8_t *b, const ggml_q8k_t *y) {
+    __m256i acc = _mm256_setzero_si256();
+    for (int ib = 0; ib < 8; ib++) {
+        const uint8_t *q = b + 2 + 8 * ib;
+        uint32_t aux = u32(q + 4);
+        __m256i x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(y->qs + 32 * ib)), signs32(aux));
+        acc = _mm256_add_epi32(acc, sum32(grid32(igrid_iq2xxs, q[0], q[1], q[2], q[3]), x, (int)(2 * (aux >> 28) + 1)));
+    }
+    return y->d * f16(b) * 0.125f * (float)hsum_i32(acc);
+}
+
+/* IQ1_S: per 32 weights (2 s + 1) (codebook levels + delta); levels are stored plus one, the one and
+   the delta (1/8) come off through the input's sums */
+INL float iq1_s_q8k(const uint8_t *b, const ggml_q8k_t *y) {
+    __m256i acc = _mm256_setzero_si256();
+    int rest = 0;
+    for (int ib = 0; ib < 8; ib++) {
+        uint32_t qh = u16(b + 34 + 2 * ib);
+        const uint8_t *qs = b + 2 + 4 * ib;
+        __m256i g = grid32(igrid_iq1s, qs[0] | ((qh & 7) << 8), qs[1] | (((qh >> 3) & 7) << 8),
+                           qs[2] | (((qh >> 6) & 7) << 8), qs[3] | (((qh >> 9) & 7) << 8));
+        int sc = (int)(2 * ((qh >> 12) & 7) + 1), bs = y->bsums[2 * ib] + y->bsums[2 * ib + 1];
+        acc = _mm256_add_epi32(acc, sum32(g, _mm256_loadu_si256((const __m256i *)(y->qs + 32 * ib)), 8 * sc));
+        rest += sc * ((qh & 0x8000 ? -bs : bs) - 8 * bs);
+    }
+    return y->d * f16(b) * 0.125f * (float)(hsum_i32(acc) + rest);
+}
+
 /* one row of blocks times each input, the block product inlined */
 #define Q8K_ROW(name, bytes) \
     AVX2 static void name##_row(const uint8_t *src, int64_t nblocks, const ggml_q8k_t *y, int64_t ntok, float *acc) { \
@@ -1033,6 +1100,8 @@ INL float q6_k_q8k(const uint8_t *b, const ggml_q8k_t *y) {
 Q8K_ROW(q2_k, 84)
 Q8K_ROW(q3_k, 110)
 Q8K_ROW(q6_k, 210)
+Q8K_ROW(iq2_xxs, 66)
+Q8K_ROW(iq1_s, 50)
 #endif
 
 typedef void (*q8k_row_fn)(const uint8_t *, int64_t, const ggml_q8k_t *, int64_t, float *);
@@ -1044,6 +1113,8 @@ static q8k_row_fn q8k_row(int type) {
         case GT_Q2_K: return q2_k_row;
         case GT_Q3_K: return q3_k_row;
         case GT_Q6_K: return q6_k_row;
+        case GT_IQ2_XXS: return igrid_iq2xxs ? iq2_xxs_row : NULL;
+        case GT_IQ1_S: return igrid_iq1s ? iq1_s_row : NULL;
         default: break;
         }
     }

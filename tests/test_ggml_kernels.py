@@ -220,7 +220,7 @@ def test_head_products_use_each_heads_input(qtype, mode):
 
 @pytest.mark.parametrize("mode", ["f32", "llama.cpp"])
 @pytest.mark.parametrize("T", [1, 3])
-@pytest.mark.parametrize("types", [("IQ2_XXS", "Q4_K"), ("Q5_1", "Q4_1"), ("Q2_K", "Q3_K"), ("Q3_K", "Q6_K")])
+@pytest.mark.parametrize("types", [("IQ2_XXS", "Q4_K"), ("Q5_1", "Q4_1"), ("Q2_K", "Q3_K"), ("Q3_K", "Q6_K"), ("IQ1_S", "IQ2_XXS")])
 def test_experts_in_one_call_equal_their_products(T, types, mode):
     """kernels.ggml_moe_decode (routed experts in llama.cpp's blocks, one C call) against each expert's
     three products (kernels.linear, held to the reference above) and SwiGLU in numpy; each product's
