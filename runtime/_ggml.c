@@ -1055,6 +1055,25 @@ INL __m256i sum32(__m256i q, __m256i x, int scale) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16((short)scale));
 }
 
+/* Q4_K / Q5_K: per 32 weights a 6-bit scale and a 6-bit minimum; the minima through the input's sums */
+INL float q45_k_q8k(const uint8_t *b, const ggml_q8k_t *y, int five) {
+    const uint8_t *qs = b + (five ? 48 : 16);
+    const __m256i m15 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+    __m256i qh = five ? LD32(b + 16) : _mm256_setzero_si256(), acc = _mm256_setzero_si256();
+    int mins = 0;
+    for (int j = 0; j < 8; j++) {
+        int sc, m;
+        k4_scale_min(b + 4, j, &sc, &m);
+        __m256i q = _mm256_and_si256(_mm256_srli_epi16(LD32(qs + 32 * (j / 2)), 4 * (j % 2)), m15);
+        if (five) q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, j), one), 4));
+        acc = _mm256_add_epi32(acc, sum32(q, _mm256_loadu_si256((const __m256i *)(y->qs + 32 * j)), sc));
+        mins += m * (y->bsums[2 * j] + y->bsums[2 * j + 1]);
+    }
+    return y->d * f16(b) * (float)hsum_i32(acc) - y->d * f16(b + 2) * (float)mins;
+}
+INL float q4_k_q8k(const uint8_t *b, const ggml_q8k_t *y) { return q45_k_q8k(b, y, 0); }
+INL float q5_k_q8k(const uint8_t *b, const ggml_q8k_t *y) { return q45_k_q8k(b, y, 1); }
+
 /* IQ2_XXS: per 32 weights four codebook rows (8, 25 or 43) with their signs put on the input */
 INL float iq2_xxs_q8k(const uint8_t *b, const ggml_q8k_t *y) {
     __m256i acc = _mm256_setzero_si256();
@@ -1099,6 +1118,8 @@ INL float iq1_s_q8k(const uint8_t *b, const ggml_q8k_t *y) {
     }
 Q8K_ROW(q2_k, 84)
 Q8K_ROW(q3_k, 110)
+Q8K_ROW(q4_k, 144)
+Q8K_ROW(q5_k, 176)
 Q8K_ROW(q6_k, 210)
 Q8K_ROW(iq2_xxs, 66)
 Q8K_ROW(iq1_s, 50)
@@ -1112,6 +1133,8 @@ static q8k_row_fn q8k_row(int type) {
         switch (type) {
         case GT_Q2_K: return q2_k_row;
         case GT_Q3_K: return q3_k_row;
+        case GT_Q4_K: return q4_k_row;
+        case GT_Q5_K: return q5_k_row;
         case GT_Q6_K: return q6_k_row;
         case GT_IQ2_XXS: return igrid_iq2xxs ? iq2_xxs_row : NULL;
         case GT_IQ1_S: return igrid_iq1s ? iq1_s_row : NULL;
