@@ -65,7 +65,7 @@ static const float IQ1_DELTAS[2] = {IQ1_DELTA, -IQ1_DELTA};   /* by the sign bit
 
 /* codebooks, from the gguf package: entries x levels */
 static float *grid_iq2xxs, *grid_iq2xs, *grid_iq2s, *grid_iq3xxs, *grid_iq3s, *grid_iq1s;
-static uint8_t *igrid_iq2xxs, *igrid_iq1s;      /* two of them as bytes (ggml_set_grid) */
+static uint8_t *igrid_iq2xxs, *igrid_iq2xs, *igrid_iq3xxs, *igrid_iq1s;   /* as bytes (ggml_set_grid) */
 
 static float **grid_slot(int type, int64_t *n) {
     switch (type) {
@@ -89,13 +89,15 @@ int ggml_set_grid(int type, const float *grid, int64_t n) {
     float *copy = malloc(sizeof(float) * n);
     if (!copy) return -1;
     memcpy(copy, grid, sizeof(float) * n);
-    if (type == GT_IQ2_XXS || type == GT_IQ1_S || type == GT_IQ1_M) {
+    uint8_t **bslot = type == GT_IQ2_XXS ? &igrid_iq2xxs : type == GT_IQ2_XS ? &igrid_iq2xs :
+                      type == GT_IQ3_XXS ? &igrid_iq3xxs : type == GT_IQ1_S || type == GT_IQ1_M ? &igrid_iq1s : NULL;
+    if (bslot) {
         /* the same codebook as bytes, for the integer products (IQ1's levels -1, 0, 1 stored plus one) */
         uint8_t *bytes = malloc((size_t)n);
         if (!bytes) { free(copy); return -1; }
-        for (int64_t i = 0; i < n; i++) bytes[i] = (uint8_t)(int)(grid[i] + (type == GT_IQ2_XXS ? 0.0f : 1.0f));
-        if (type == GT_IQ2_XXS) igrid_iq2xxs = bytes;
-        else igrid_iq1s = bytes;
+        float plus = bslot == &igrid_iq1s ? 1.0f : 0.0f;
+        for (int64_t i = 0; i < n; i++) bytes[i] = (uint8_t)(int)(grid[i] + plus);
+        *bslot = bytes;
     }
     *slot = copy;
     return 0;
@@ -1086,6 +1088,39 @@ INL float iq2_xxs_q8k(const uint8_t *b, const ggml_q8k_t *y) {
     return y->d * f16(b) * 0.125f * (float)hsum_i32(acc);
 }
 
+/* IQ2_XS: per 16 weights two codebook rows (9-bit indices, 7 sign bits each) and a 4-bit scale */
+INL float iq2_xs_q8k(const uint8_t *b, const ggml_q8k_t *y) {
+    __m256i acc = _mm256_setzero_si256();
+    for (int ib = 0; ib < 8; ib++) {
+        const uint8_t *q = b + 2 + 8 * ib;
+        uint16_t e[4] = {u16(q), u16(q + 2), u16(q + 4), u16(q + 6)};
+        uint32_t signs = (e[0] >> 9) | ((uint32_t)(e[1] >> 9) << 7) | ((uint32_t)(e[2] >> 9) << 14) |
+                         ((uint32_t)(e[3] >> 9) << 21);
+        __m256i x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(y->qs + 32 * ib)), signs32(signs));
+        __m256i p = _mm256_maddubs_epi16(grid32(igrid_iq2xs, e[0] & 511, e[1] & 511, e[2] & 511, e[3] & 511), x);
+        int s0 = 2 * (b[66 + ib] & 15) + 1, s1 = 2 * (b[66 + ib] >> 4) + 1;
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set_m128i(_mm_set1_epi16((short)s1),
+                                                                          _mm_set1_epi16((short)s0))));
+    }
+    return y->d * f16(b) * 0.125f * (float)hsum_i32(acc);
+}
+
+/* IQ3_XXS: per 32 weights eight 4-byte codebook rows, signs as IQ2_XXS's */
+INL float iq3_xxs_q8k(const uint8_t *b, const ggml_q8k_t *y) {
+    const uint8_t *qs = b + 2, *ss = b + 66;
+    __m256i acc = _mm256_setzero_si256();
+    for (int ib = 0; ib < 8; ib++) {
+        const uint8_t *q = qs + 8 * ib;
+        uint32_t aux = u32(ss + 4 * ib), g[8];
+        for (int l = 0; l < 8; l++) memcpy(&g[l], igrid_iq3xxs + 4 * q[l], 4);
+        __m256i grid = _mm256_setr_epi32((int)g[0], (int)g[1], (int)g[2], (int)g[3], (int)g[4], (int)g[5], (int)g[6],
+                                         (int)g[7]);
+        __m256i x = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(y->qs + 32 * ib)), signs32(aux));
+        acc = _mm256_add_epi32(acc, sum32(grid, x, (int)(2 * (aux >> 28) + 1)));
+    }
+    return y->d * f16(b) * 0.25f * (float)hsum_i32(acc);
+}
+
 /* IQ1_S: per 32 weights (2 s + 1) (codebook levels + delta); levels are stored plus one, the one and
    the delta (1/8) come off through the input's sums */
 INL float iq1_s_q8k(const uint8_t *b, const ggml_q8k_t *y) {
@@ -1123,6 +1158,8 @@ Q8K_ROW(q5_k, 176)
 Q8K_ROW(q6_k, 210)
 Q8K_ROW(iq2_xxs, 66)
 Q8K_ROW(iq1_s, 50)
+Q8K_ROW(iq2_xs, 74)
+Q8K_ROW(iq3_xxs, 98)
 #endif
 
 typedef void (*q8k_row_fn)(const uint8_t *, int64_t, const ggml_q8k_t *, int64_t, float *);
@@ -1138,6 +1175,8 @@ static q8k_row_fn q8k_row(int type) {
         case GT_Q6_K: return q6_k_row;
         case GT_IQ2_XXS: return igrid_iq2xxs ? iq2_xxs_row : NULL;
         case GT_IQ1_S: return igrid_iq1s ? iq1_s_row : NULL;
+        case GT_IQ2_XS: return igrid_iq2xs ? iq2_xs_row : NULL;
+        case GT_IQ3_XXS: return igrid_iq3xxs ? iq3_xxs_row : NULL;
         default: break;
         }
     }
