@@ -913,11 +913,11 @@ int ggml_round_input(int type, const float *x, float *y, int64_t n, float *fix) 
 
 /* ------------------------------------------------------------------- integer products on Q8_K codes */
 
-/* The k-quants most files hold (Q2_K experts, Q3_K down projections, Q6_K output) times an input of
-   Q8_K codes: per 16 weights, bytes of codes times bytes of input summed in 16 and 32 bits
-   (vpmaddubsw, vpmaddwd), the block's sub-scales applied as integers, and two float multiplies per
-   256 weights. The weights' codes are taken unsigned; their offset (Q2_K's minima, Q3_K's 4, Q6_K's
-   32) comes off through the input's sums per 16. */
+/* The k-quants (Q2_K ... Q6_K) and the codebook types IQ1_S, IQ2_XXS, IQ2_XS and IQ3_XXS times an
+   input of Q8_K codes: per 32 weights, bytes of codes times bytes of input summed in 16 and 32 bits
+   (vpmaddubsw, vpmaddwd), the block's sub-scales applied as integers, and one or two float multiplies
+   per 256 weights. The weights' codes are taken unsigned; their offsets (minima, Q3_K's 4, Q6_K's 32,
+   IQ1_S's one and delta) come off through the input's sums per 16, and signs go onto the input codes. */
 
 void ggml_quantize_q8k(const float *x, int64_t n, ggml_q8k_t *y) {
     for (int64_t b = 0; b < n; b += 256, x += 256, y++) {
