@@ -42,12 +42,13 @@ typedef struct {
     int8_t qs[256];
 } ggml_q8k_t;
 
-/* whether `type` has an integer product with Q8_K inputs here (needs AVX2) */
-int ggml_int_type(int type);
+/* up to how many inputs at a time `type`'s integer product with Q8_K inputs is the faster one (0: it
+   has none here; it needs AVX2) */
+int ggml_int_inputs(int type);
 /* x (n values, a multiple of 256) rounded as ggml_round_input rounds it for a Q8_K type, as codes */
 void ggml_quantize_q8k(const float *x, int64_t n, ggml_q8k_t *y);
 /* acc[t] += (the row of `nblocks` blocks at src) . y_t for the ntok inputs y_t = y + t * nblocks, in
-   integers per block as llama.cpp computes it; ggml_int_type(type) must hold */
+   integers per block as llama.cpp computes it; ggml_int_inputs(type) must be > 0 */
 void ggml_row_dot_q8k(int type, const uint8_t *src, int64_t nblocks, const ggml_q8k_t *y, int64_t ntok, float *acc);
 
 #endif

@@ -1876,7 +1876,8 @@ static PyObject *py_ggml_moe(PyObject *self, PyObject *args) {
     }
     if (!n) { ret = Py_NewRef(Py_None); goto done; }
     if (moe_buffers(n, hidden, inter, &jobs, &h, &y)) goto done;
-    int int_x = llama_inputs && ggml_int_type((int)types[0]), int_a = llama_inputs && ggml_int_type((int)types[1]);
+    /* every job here multiplies one input */
+    int int_x = llama_inputs && ggml_int_inputs((int)types[0]), int_a = llama_inputs && ggml_int_inputs((int)types[1]);
     if (int_x) {            /* integer products: the input as Q8_K codes */
         if (!(qx = malloc(sizeof *qx * (T * hidden / 256 + 1)))) { PyErr_NoMemory(); goto done; }
         ggml_quantize_q8k(x, T * hidden, qx);
@@ -2034,7 +2035,7 @@ static PyObject *py_ggml_rows(PyObject *self, PyObject *args) {
     }
     const float *x = b[1].b.buf;
     int64_t nx = b[1].b.len / 4;                          /* input values, every input */
-    if (llama_inputs && ggml_int_type(type)) {
+    if (llama_inputs && ntok <= ggml_int_inputs(type)) {
         if (!(q8 = malloc(sizeof *q8 * (nx / 256 + 1)))) { PyErr_NoMemory(); goto done; }
         ggml_quantize_q8k(x, nx, q8);
     } else if (llama_inputs && ggml_input_block(type)) {
