@@ -879,38 +879,35 @@ int ggml_input_fix(int type) { return type == GT_Q4_1 || type == GT_Q5_1; }
 int ggml_round_input(int type, const float *x, float *y, int64_t n, float *fix) {
     int blk = ggml_input_block(type);
     if (!blk) return 0;
+    if (blk == 256) {           /* Q8_K: the codes ggml_quantize_q8k gives, times their scale */
+        ggml_q8k_t q;
+        for (int64_t b = 0; b < n; b += 256, x += 256, y += 256) {
+            ggml_quantize_q8k(x, 256, &q);
+            for (int j = 0; j < 256; j++) y[j] = q.d * (float)q.qs[j];
+        }
+        return 1;
+    }
     if (!ggml_input_fix(type)) fix = NULL;
     for (int64_t b = 0; b < n; b += blk, x += blk, y += blk) {
-        float amax = 0.0f, max = 0.0f;
-        for (int j = 0; j < blk; j++) {
-            float a = fabsf(x[j]);
-            if (a > amax) { amax = a; max = x[j]; }
-        }
+        float amax = 0.0f;
+        for (int j = 0; j < blk; j++) amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
         if (amax == 0.0f) {
             for (int j = 0; j < blk; j++) y[j] = 0.0f;
             if (fix) *fix++ = 0.0f;
             continue;
         }
-        if (blk == 256) {
-            float iscale = -127.0f / max, d = 1.0f / iscale;
-            for (int j = 0; j < blk; j++) {
-                float q = round_even(iscale * x[j]);
-                y[j] = d * (q > 127.0f ? 127.0f : q);
-            }
-        } else {
-            uint16_t h = to_f16(amax / 127.0f);
-            uint8_t hb[2] = {(uint8_t)h, (uint8_t)(h >> 8)};
-            float d = f16(hb), id = 127.0f / amax, sum = 0.0f;
-            for (int j = 0; j < blk; j++) {
-                float q = round_even(x[j] * id);
-                y[j] = d * q;
-                sum += q;
-            }
-            if (fix) {              /* Q8_1's sum, s = binary16(scale * sum) with the scale unrounded */
-                uint16_t sh = to_f16(amax / 127.0f * sum);
-                uint8_t sb[2] = {(uint8_t)sh, (uint8_t)(sh >> 8)};
-                *fix++ = f16(sb) - d * sum;
-            }
+        uint16_t h = to_f16(amax / 127.0f);
+        uint8_t hb[2] = {(uint8_t)h, (uint8_t)(h >> 8)};
+        float d = f16(hb), id = 127.0f / amax, sum = 0.0f;
+        for (int j = 0; j < blk; j++) {
+            float q = round_even(x[j] * id);
+            y[j] = d * q;
+            sum += q;
+        }
+        if (fix) {              /* Q8_1's sum, s = binary16(scale * sum) with the scale unrounded */
+            uint16_t sh = to_f16(amax / 127.0f * sum);
+            uint8_t sb[2] = {(uint8_t)sh, (uint8_t)(sh >> 8)};
+            *fix++ = f16(sb) - d * sum;
         }
     }
     return 1;

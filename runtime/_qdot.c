@@ -1821,6 +1821,27 @@ done:
     return ret;
 }
 
+/* n input values x of a product by a `type` weight, as it takes them: Q8_K codes in *q8 (use_int), or
+   rounded as llama.cpp rounds them into *xr with Q8_1 corrections in *fix (llama), else x itself. The
+   caller frees *q8, *xr, *fix; -1 with MemoryError set */
+static int ggml_input(int type, int llama, int use_int, const float *x, int64_t n, const float **xf, float **xr,
+                      float **fix, ggml_q8k_t **q8) {
+    *xf = x;
+    if (use_int) {
+        if (!(*q8 = malloc(sizeof **q8 * (n / 256 + 1)))) goto oom;
+        ggml_quantize_q8k(x, n, *q8);
+    } else if (llama && ggml_input_block(type)) {
+        if (!(*xr = malloc(sizeof(float) * (n + 1)))) goto oom;
+        if (ggml_input_fix(type) && !(*fix = malloc(sizeof(float) * (n / 32 + 1)))) goto oom;
+        ggml_round_input(type, x, *xr, n, *fix);
+        *xf = *xr;
+    }
+    return 0;
+oom:
+    PyErr_NoMemory();
+    return -1;
+}
+
 PyDoc_STRVAR(ggml_moe_doc,
 "ggml_moe(base, types, offs, tok, wts, x, out, hidden, inter, threads, llama_inputs=0)\n\n"
 "moe() for llama.cpp blocks: out[tok[i]] += wts[i] * down_i(silu(gate_i x[tok[i]]) * up_i x[tok[i]]),\n"
@@ -1840,7 +1861,7 @@ static PyObject *py_ggml_moe(PyObject *self, PyObject *args) {
     memset(b, 0, sizeof b);
     PyObject *ret = NULL;
     int64_t *jobs = NULL;
-    float *h = NULL, *y = NULL, *xr = NULL, *fx = NULL, *fa = NULL;
+    float *h = NULL, *y = NULL, *xr = NULL, *fx = NULL, *ar = NULL, *fa = NULL;
     ggml_q8k_t *qx = NULL, *qa = NULL;
     if (get_buf(o[0], &b[0], 0, 1, "base") || get_buf(o[1], &b[1], 0, 8, "types") || get_buf(o[2], &b[2], 0, 24, "offs") ||
         get_buf(o[3], &b[3], 0, 8, "tok") || get_buf(o[4], &b[4], 0, 4, "wts") || get_buf(o[5], &b[5], 0, 4, "x") ||
@@ -1876,22 +1897,9 @@ static PyObject *py_ggml_moe(PyObject *self, PyObject *args) {
     }
     if (!n) { ret = Py_NewRef(Py_None); goto done; }
     if (moe_buffers(n, hidden, inter, &jobs, &h, &y)) goto done;
-    /* every job here multiplies one input */
+    /* every job here multiplies one input, so the integer products serve wherever a type has them */
     int int_x = llama_inputs && ggml_int_inputs((int)types[0]), int_a = llama_inputs && ggml_int_inputs((int)types[1]);
-    if (int_x) {            /* integer products: the input as Q8_K codes */
-        if (!(qx = malloc(sizeof *qx * (T * hidden / 256 + 1)))) { PyErr_NoMemory(); goto done; }
-        ggml_quantize_q8k(x, T * hidden, qx);
-    } else if (llama_inputs && ggml_input_block((int)types[0])) {
-        xr = malloc(b[5].b.len);
-        fx = ggml_input_fix((int)types[0]) ? malloc(sizeof(float) * (T * hidden / 32 + 1)) : NULL;
-        if (!xr || (ggml_input_fix((int)types[0]) && !fx)) { PyErr_NoMemory(); goto done; }
-        ggml_round_input((int)types[0], x, xr, T * hidden, fx);
-        x = xr;
-    }
-    if (llama_inputs && ggml_input_fix((int)types[1]) && !(fa = malloc(sizeof(float) * (n * inter / 32 + 1)))) {
-        PyErr_NoMemory();
-        goto done;
-    }
+    if (ggml_input((int)types[0], llama_inputs, int_x, x, T * hidden, &x, &xr, &fx, &qx)) goto done;
     int64_t nj = 0;
     for (int64_t i = 0; i < n; i++)
         for (int w = 0; w < 2; w++)
@@ -1899,13 +1907,9 @@ static PyObject *py_ggml_moe(PyObject *self, PyObject *args) {
     task_t t1 = {.job = ggml_moe_job, .raw = b[0].b.buf, .geoms = ty, .xf = x, .cols = hidden, .jobs = jobs,
                  .njobs = nj, .out = h, .scratch_floats = 256 + 16, .fix = fx, .q8 = qx};
     if (run_unlocked(&t1, threads) < 0) goto done;
-    float *act = swiglu_pairs(h, n, inter);
-    if (int_a) {
-        if (!(qa = malloc(sizeof *qa * (n * inter / 256 + 1)))) { PyErr_NoMemory(); goto done; }
-        ggml_quantize_q8k(act, n * inter, qa);
-    } else if (llama_inputs) {
-        ggml_round_input((int)types[1], act, act, n * inter, fa);
-    }
+    const float *act;
+    if (ggml_input((int)types[1], llama_inputs, int_a, swiglu_pairs(h, n, inter), n * inter, &act, &ar, &fa, &qa))
+        goto done;
     nj = 0;
     for (int64_t i = 0; i < n; i++)
         nj += moe_jobs(jobs + JOB_LEN * nj, offs[3 * i + 2], 1, hidden, inter, i, i * hidden);
@@ -1915,7 +1919,7 @@ static PyObject *py_ggml_moe(PyObject *self, PyObject *args) {
     moe_sum(out, y, wts, tok, n, hidden);
     ret = Py_NewRef(Py_None);
 done:
-    free(jobs); free(h); free(y); free(xr); free(fx); free(fa); free(qx); free(qa);
+    free(jobs); free(h); free(y); free(xr); free(fx); free(ar); free(fa); free(qx); free(qa);
     release(b, 7);
     return ret;
 }
@@ -2033,18 +2037,10 @@ static PyObject *py_ggml_rows(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "ggml_rows: xf must be [T, cols] and out [T, rows]");
         goto done;
     }
-    const float *x = b[1].b.buf;
-    int64_t nx = b[1].b.len / 4;                          /* input values, every input */
-    if (llama_inputs && ntok <= ggml_int_inputs(type)) {
-        if (!(q8 = malloc(sizeof *q8 * (nx / 256 + 1)))) { PyErr_NoMemory(); goto done; }
-        ggml_quantize_q8k(x, nx, q8);
-    } else if (llama_inputs && ggml_input_block(type)) {
-        xr = malloc(sizeof(float) * (nx + 1));
-        fix = ggml_input_fix(type) ? malloc(sizeof(float) * (nx / 32 + 1)) : NULL;
-        if (!xr || (ggml_input_fix(type) && !fix)) { PyErr_NoMemory(); goto done; }
-        ggml_round_input(type, x, xr, nx, fix);
-        x = xr;
-    }
+    const float *x;
+    if (ggml_input(type, llama_inputs, llama_inputs && ntok <= ggml_int_inputs(type), b[1].b.buf, b[1].b.len / 4, &x,
+                   &xr, &fix, &q8))
+        goto done;
     int64_t per = GGML_JOB_WEIGHTS / cols > 8 ? GGML_JOB_WEIGHTS / cols : 8;
     task_t t = {.job = ggml_rows_job, .raw = b[0].b.buf, .xf = x, .out = b[2].b.buf, .n = type,
                 .stride = rb, .nspan = nblk, .cols = cols, .ntok = ntok, .ostride = per, .njobs_rows = rows,

@@ -25,7 +25,7 @@ import os
 import numpy as np
 
 from kimistream.formats.codecs import CodecError, get_codec
-from kimistream.formats.ggufcodecs import is_gguf_codec
+from kimistream.formats.ggufcodecs import BLOCK_SIZES, is_gguf_codec
 from kimistream.formats.quants import QUANT_CODECS, BlockCodec, outlier_columns_valid
 from kimistream.runtime import _qdot
 
@@ -175,7 +175,8 @@ def gguf_input(codec: str, x: np.ndarray):
     return out, fix
 
 
-_OFFSET_TYPES = {3: 20, 7: 24}     # Q4_1, Q5_1: bytes per 32-weight block (binary16 scale, offset, ...)
+# Q4_1, Q5_1 (GGML type ids): bytes per 32-weight block (binary16 scale, binary16 offset, codes)
+_OFFSET_TYPES = {3: BLOCK_SIZES["Q4_1"][1], 7: BLOCK_SIZES["Q5_1"][1]}
 
 
 def _gguf_offsets(codec: str, raw, rows: int, cols: int) -> np.ndarray:
