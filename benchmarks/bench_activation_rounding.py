@@ -1,10 +1,12 @@
 """What the decode kernels' activation rounding costs in quality: on each bundled model and low-bit
-preset, the logits of one-token decode steps (integer kernels: activations rounded to 16-bit
-integers per 32 values) against the logits of the same positions computed with exactly dequantized
-weights (the prefill path: row blocks + BLAS, no rounding of x), over held-out text.
+preset, the logits of one-token decode steps (integer kernels) against the logits of the same
+positions computed with exactly dequantized weights (the prefill path: row blocks + BLAS, no rounding
+of x), over held-out text, for each rounding of the decode products' inputs (`kimi-run
+--activations`): int8 per 128 values for q2/q4/q6 weights (the default), or int16 per 32 values.
 
-Reported: mean KL(exact || decode path), the largest relative logit difference and top-1 agreement;
-next to them the preset's own KL against the f32 conversion, for scale. Perplexity and KL reports
+Reported per rounding: mean KL(exact || decode path), the largest relative logit difference and
+top-1 agreement; then the decode path's KL against the f32 model's logits (what a user gets), next
+to the preset's own KL against f32 (the exact prefill path), for scale. Perplexity and KL reports
 (`kimi-run --perplexity`) run the prefill path, so they are unaffected by construction.
 
     python benchmarks/bench_activation_rounding.py [--presets q2,t1,q1] [--tokens 96]
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kimistream.runtime import kernels
 from kimistream.runtime.model import Model
 from kimistream.runtime.tokenizer import Tokenizer
 from kimistream.runtime.weights import ModelWeights
@@ -39,16 +42,24 @@ def kl(p_logits, q_logits) -> float:
     return float((np.exp(p) * (p - q)).sum(-1).mean())
 
 
-def logits_both_ways(path: Path, ids: list[int]):
+def logits_both_ways(path: Path, ids: list[int], modes=("int8",)):
+    """(exact prefill logits, {mode: one-token decode logits}) at positions 8 .. len(ids) - 1."""
     w = ModelWeights(path)
     w.load_resident()
     m = Model(w, len(ids) + 1)
     exact = m.prefill(ids, len(ids), all_logits=True)        # one chunk: dequantized weights
-    m.reset()
-    m.prefill(ids[:8], 8)
-    steps = [m.forward([t])[0] for t in ids[8:]]               # one token at a time: integer kernels
+    steps = {}
+    before = kernels.activations()
+    try:
+        for mode in modes:
+            kernels.set_activations(mode)
+            m.reset()
+            m.prefill(ids[:8], 8)
+            steps[mode] = np.array([m.forward([t])[0] for t in ids[8:]])   # integer kernels
+    finally:
+        kernels.set_activations(before)
     w.close()
-    return exact[8:], np.array(steps)
+    return exact[8:], steps
 
 
 def main():
@@ -56,9 +67,10 @@ def main():
     ap.add_argument("--presets", default="q2,t1,q1")
     ap.add_argument("--tokens", type=int, default=96, help="held-out tokens per model")
     args = ap.parse_args()
-    print("| model | preset | KL(exact ‖ decode kernels) | max relative logit difference | top-1 agreement "
-          "| preset's KL against f32 (same tokens) |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    modes = kernels.ACTIVATIONS
+    print("| model | preset | activations | KL(exact ‖ decode kernels) | max relative logit difference "
+          "| top-1 agreement | decode path's KL against f32 | preset's KL against f32 (exact) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory() as tmp:
         for model, text in MODELS.items():
             src = REPO / "models" / model
@@ -70,13 +82,15 @@ def main():
                 subprocess.run(cmd, check=True, capture_output=True)
                 files[preset] = out
             ids = _ids(files["f32"], REPO / text, args.tokens)
-            ref, _ = logits_both_ways(files["f32"], ids)
+            ref, _ = logits_both_ways(files["f32"], ids, ())
             for preset in args.presets.split(","):
-                exact, steps = logits_both_ways(files[preset], ids)
-                rel = np.abs(steps - exact).max(-1) / np.abs(exact).max(-1)
-                agree = float((steps.argmax(-1) == exact.argmax(-1)).mean())
-                print(f"| {model} | {preset} (data-free) | {kl(exact, steps):.2e} | {rel.max():.2e} | {agree:.3f} "
-                      f"| {kl(ref, exact):.4f} |", flush=True)
+                exact, steps = logits_both_ways(files[preset], ids, modes)
+                for mode in modes:
+                    got = steps[mode]
+                    rel = np.abs(got - exact).max(-1) / np.abs(exact).max(-1)
+                    agree = float((got.argmax(-1) == exact.argmax(-1)).mean())
+                    print(f"| {model} | {preset} (data-free) | {mode} | {kl(exact, got):.2e} | {rel.max():.2e} "
+                          f"| {agree:.3f} | {kl(ref, got):.4f} | {kl(ref, exact):.4f} |", flush=True)
 
 
 def _ids(weights: Path, text_path: Path, n: int) -> list[int]:

@@ -5,10 +5,13 @@ GB/s counts the packed bytes of the weight (codes, scales, outliers). Every call
 copy of the weight, cycling through --working-set MiB of copies, so the bytes come from DRAM and not
 from a cache, as an expert read from the page cache would. Read bandwidth is a C loop summing the
 same working set as uint64 words (what a kernel that did no arithmetic at all could reach), on the
-same threads; the ratio column is kernel GB/s over that.
+same threads; the ratio column is kernel GB/s over that. q2, q4 and q6 are measured with each
+rounding of the input in --activations (int8 per 128 values, the default, and int16 per 32); the
+other codecs take int16.
 
     python benchmarks/bench_kernels.py [--shapes 2048x7168,7168x2048,576x7168] [--threads 1,2]
-                                       [--codecs q2,t1,...] [--working-set 512] [--seconds 1.5]
+                                       [--codecs q2,t1,...] [--activations int8,int16]
+                                       [--working-set 512] [--seconds 1.5]
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ def main():
     ap.add_argument("--shapes", default="2048x7168,7168x2048,576x7168")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--codecs", default=",".join(CODECS))
+    ap.add_argument("--activations", default="int8,int16",
+                    help="input roundings to measure q2/q4/q6 with (default int8,int16)")
     ap.add_argument("--working-set", type=int, default=512, help="MiB of weight copies cycled through")
     ap.add_argument("--seconds", type=float, default=1.5, help="time per measurement")
     args = ap.parse_args()
@@ -61,9 +66,9 @@ def main():
     print(f"kernel instruction set {kernels.isa()}, cpus {os.cpu_count()}, "
           f"load average {os.getloadavg()[0]:.2f}, working set {args.working_set} MiB, "
           f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}\n")
-    print("| codec | shape | bits/weight | " + " | ".join(
+    print("| codec | shape | bits/weight | activations | " + " | ".join(
         f"GB/s {t}T | read GB/s {t}T | ratio {t}T" for t in threads) + " |")
-    print("| --- | --- | --- | " + " | ".join("--- | --- | ---" for _ in threads) + " |")
+    print("| --- | --- | --- | --- | " + " | ".join("--- | --- | ---" for _ in threads) + " |")
     for shape in shapes:
         w = (rng.standard_t(4, size=shape) * 0.02).astype(np.float32)
         x = rng.standard_normal(shape[1]).astype(np.float32)
@@ -73,15 +78,18 @@ def main():
                 continue
             raw = encode(codec, w)
             copies = [raw.copy() for _ in range(max(1, ws // raw.nbytes))]
-            cells = []
-            for t in threads:
-                kernels.set_threads(t)
-                rd = read_gbps(buf, args.seconds / 2, t)     # next to each kernel: the machine drifts
-                k = kernel_gbps(name, shape, copies, x, args.seconds)
-                rd = (rd + read_gbps(buf, args.seconds / 2, t)) / 2
-                cells.append(f"{k:.2f} | {rd:.1f} | {k / rd:.3f}")
-            print(f"| {name} | {shape[0]}x{shape[1]} | {codec.bits_per_weight(shape):.3f} | "
-                  + " | ".join(cells) + " |", flush=True)
+            modes = args.activations.split(",") if name in kernels.X8_CODECS else ["int16"]
+            for mode in modes:
+                kernels.set_activations(mode)
+                cells = []
+                for t in threads:
+                    kernels.set_threads(t)
+                    rd = read_gbps(buf, args.seconds / 2, t)     # next to each kernel: the machine drifts
+                    k = kernel_gbps(name, shape, copies, x, args.seconds)
+                    rd = (rd + read_gbps(buf, args.seconds / 2, t)) / 2
+                    cells.append(f"{k:.2f} | {rd:.1f} | {k / rd:.3f}")
+                print(f"| {name} | {shape[0]}x{shape[1]} | {codec.bits_per_weight(shape):.3f} | {mode} | "
+                      + " | ".join(cells) + " |", flush=True)
             del copies
 
 

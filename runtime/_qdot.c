@@ -572,6 +572,11 @@ AVX2 static void multi_avx2(int kind, const uint8_t *codes, int64_t row_bytes, i
 #endif
 
 static int use_avx2;
+/* the codec kinds (bit 1 << kind) whose one-token products take int8 activations (set_x8); row_x8
+   serves q2, q4, q6 and q1 */
+#define X8_CAPABLE ((1 << K_Q2) | (1 << K_Q4) | (1 << K_Q6) | (1 << K_Q1))
+static int x8_kinds = 1 << K_Q2;
+static inline int x8_kind(int kind) { return kind >= 0 && kind < 31 && ((x8_kinds >> kind) & 1); }
 extern int ggml_avx2;
 
 /* ---------------------------------------------------------------------------------------- one row */
@@ -732,6 +737,212 @@ AVX2 static void rows_avx2(const uint8_t *t, const int64_t *g, int64_t r0, int64
 }
 #endif
 
+#if HAVE_X86
+/* -------------------------------------------------------------- q2, q4, q6 times 8-bit activations */
+/* x as int8 with one float scale per 128 values (one q2 chunk, two q4 chunks, one q6 chunk). The four
+ * spans of 128 columns are multiplied as bytes (vpmaddubsw: the unsigned digits times the signed
+ * inputs), each span's int16 pairs are scaled by its integer sub-block scale in the same step that
+ * widens them (vpmaddwd), and 128 weights end in one conversion and one fused multiply-add by
+ * d * step(x) (x8d holds quarter steps: q2's digits of spans 1 and 3 are masked in place as 4x the
+ * digit, and the other spans' scales are multiplied by 4 to match). The offsets (m * mc for q2 and
+ * q4, -32 * d * sc for q6) multiply the exact float sums per span, and each outlier replaces what the
+ * integer sum took for its column. */
+AVX2 static void quantize_x8(const float *x, int64_t cols, int8_t *q, float *qd) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t c0 = 0; c0 < cols; c0 += 128) {
+        int64_t n = cols - c0 < 128 ? cols - c0 : 128;          /* a multiple of 32 */
+        __m256 mx = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; j += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + c0 + j)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        qd[c0 / 128] = amax / 508.0f;           /* a quarter of the step: see row_x8 */
+        __m256 inv = _mm256_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+        for (int64_t j = 0; j < n; j += 32) {
+            const float *v = x + c0 + j;
+            __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v), inv));
+            __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 8), inv));
+            __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 16), inv));
+            __m256i d = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 24), inv));
+            /* packs interleave the 128-bit lanes: one permute puts the 32 bytes back in order */
+            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+            _mm256_storeu_si256((__m256i *)(q + c0 + j), _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        }
+    }
+}
+
+/* The four spans of 128 columns as bytes: q2's digits masked in place (spans 1 and 3 come out 4x, their
+   scales are not multiplied by 4 as those of spans 0 and 2 are), q4's nibbles, q6's six bits. */
+AVX2 static inline __attribute__((always_inline)) void digits128(const int kind, const uint8_t *codes, int64_t q,
+                                                               const int odd, int64_t lo_bytes, __m256i *d) {
+    const __m256i k3 = _mm256_set1_epi8(3), k12 = _mm256_set1_epi8(12), k15 = _mm256_set1_epi8(15);
+    if (kind == K_Q1) {                           /* bits 4 odd .. 4 odd + 3 of a 256-column chunk, in place */
+        __m256i v = LOAD32(codes + 32 * (q >> 1));
+        for (int k = 0; k < 4; k++) d[k] = _mm256_and_si256(v, _mm256_set1_epi8((char)(1 << (4 * odd + k))));
+    } else if (kind == K_Q2) {
+        __m256i v = LOAD32(codes + 32 * q), vs = _mm256_srli_epi16(v, 4);
+        d[0] = _mm256_and_si256(v, k3); d[1] = _mm256_and_si256(v, k12);
+        d[2] = _mm256_and_si256(vs, k3); d[3] = _mm256_and_si256(vs, k12);
+    } else if (kind == K_Q4) {
+        __m256i v0 = LOAD32(codes + 64 * q), v1 = LOAD32(codes + 64 * q + 32);
+        d[0] = _mm256_and_si256(v0, k15); d[1] = _mm256_and_si256(_mm256_srli_epi16(v0, 4), k15);
+        d[2] = _mm256_and_si256(v1, k15); d[3] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), k15);
+    } else {                                      /* q6: low nibbles | high two bits << 4 */
+        const __m256i k48 = _mm256_set1_epi8(48);
+        __m256i l0 = LOAD32(codes + 64 * q), l1 = LOAD32(codes + 64 * q + 32), h = LOAD32(codes + lo_bytes + 32 * q);
+        d[0] = _mm256_or_si256(_mm256_and_si256(l0, k15), _mm256_and_si256(_mm256_slli_epi16(h, 4), k48));
+        d[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), k15), _mm256_and_si256(_mm256_slli_epi16(h, 2), k48));
+        d[2] = _mm256_or_si256(_mm256_and_si256(l1, k15), _mm256_and_si256(h, k48));
+        d[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), k15), _mm256_and_si256(_mm256_srli_epi16(h, 2), k48));
+    }
+}
+
+/* 128 weights times their int8 inputs, each span's byte products widened and scaled by its integer
+   scale in one vpmaddwd, as 8 floats */
+AVX2 static inline __attribute__((always_inline)) __m256 block128_x8(const int kind, const uint8_t *codes, int64_t q,
+                                                                   const int odd, int64_t lo_bytes, const int8_t *xc,
+                                                                   const int32_t *sw) {
+    __m256i d[4];
+    digits128(kind, codes, q, odd, lo_bytes, d);
+    __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(d[0], LOAD32(xc)), _mm256_set1_epi32(sw[0]));
+    __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(d[1], LOAD32(xc + 32)), _mm256_set1_epi32(sw[1]));
+    __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(d[2], LOAD32(xc + 64)), _mm256_set1_epi32(sw[2]));
+    __m256i p3 = _mm256_madd_epi16(_mm256_maddubs_epi16(d[3], LOAD32(xc + 96)), _mm256_set1_epi32(sw[3]));
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3)));
+}
+
+/* what row_x8 multiplies span s's stored digit and int8 input by, cc aside: the integer scale times
+   the digit's factor in the byte (q2's spans 1 and 3, q1's bit positions) and the step's (4) */
+static inline int x8_scale(int kind, const uint8_t *so, int64_t s) {
+    switch (kind) {
+    case K_Q1: return ((so[s >> 1] >> (4 * (s & 1))) & 15) * 128;
+    case K_Q2: return (so[s] & 15) * 4;
+    case K_Q4: return so[2 * s] * 4;
+    default: return so[s] * 4;
+    }
+}
+
+/* Row r (no tail, cols a multiple of 128) of a q2, q4 or q6 tensor times x (x8, x8d: int8 per 128;
+   xs: float sums per 32). Per super-block: each span's integer scale in both int16 halves (scw), its
+   offset coefficient (bs: the weight at digit 0, times the exact float sums), and per 128 columns the
+   float factor cc = d * step(x). Scratch: scw [nfs], cc [nfs / 4], bs [nfs]. */
+AVX2 static inline __attribute__((always_inline)) float row_x8(const int kind, const uint8_t *t, const int64_t *g, int64_t r,
+                                                             const float *x, const int8_t *x8, const float *x8d,
+                                                             const float *xs, int32_t *scw, float *cc, float *bs,
+                                                             atomic_int *bad) {
+    int64_t cols = g[G_COLS], nfs = cols / 32, nq = cols / 128, k = g[G_K], lb = q6_lo_bytes(cols);
+    const uint8_t *po = t + g[G_OFFPAR] + r * g[G_PARROW], *so = t + g[G_OFFSUB] + r * g[G_SUBROW];
+    const uint8_t *codes = t + g[G_OFFCODE] + r * g[G_CODEROW];
+    const __m256i m15 = _mm256_set1_epi32(15), m255 = _mm256_set1_epi32(255);
+    /* cc = d * step(x) / (the scales' factor): x8d is a quarter step; q2's scales carry 4 (digits 4x),
+       q1's 128 (each bit in place, its scale shifted to match) and its levels are 2c - 1 */
+    const __m256 four = _mm256_set1_ps(kind == K_Q2 ? 1.0f : kind == K_Q1 ? 1.0f / 16 : 4.0f);
+    __m256 off = _mm256_setzero_ps();
+    int64_t nsb = nfs / 8;
+    for (int64_t b = 0; b < nsb; b++) {
+        __m256i sc;
+        __m256 d, B;
+        if (kind == K_Q1) {
+            uint32_t w, w4;
+            memcpy(&w, po + 4 * b, 4);
+            memcpy(&w4, so + 4 * b, 4);
+            __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)w));
+            d = _mm256_broadcastss_ps(dm);
+            __m256i v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w4), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)), m15);
+            sc = _mm256_sllv_epi32(v, _mm256_setr_epi32(7, 6, 5, 4, 3, 2, 1, 0));
+            B = _mm256_fnmadd_ps(d, _mm256_cvtepi32_ps(v), _mm256_broadcastss_ps(_mm_movehdup_ps(dm)));   /* m - A */
+        } else if (kind == K_Q6) {
+            uint16_t h;
+            memcpy(&h, po + 2 * b, 2);
+            d = _mm256_set1_ps(_cvtsh_ss(h));
+            sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(so + 8 * b)));
+            B = _mm256_mul_ps(_mm256_mul_ps(d, _mm256_set1_ps(-32.0f)), _mm256_cvtepi32_ps(sc));
+        } else {
+            uint32_t w;
+            memcpy(&w, po + 4 * b, 4);
+            __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)w));
+            d = _mm256_broadcastss_ps(dm);
+            __m256i v, mc;
+            if (kind == K_Q2) {
+                v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(so + 8 * b)));
+                sc = _mm256_sllv_epi32(_mm256_and_si256(v, m15), _mm256_setr_epi32(2, 0, 2, 0, 2, 0, 2, 0));
+                mc = _mm256_srli_epi32(v, 4);
+            } else {
+                v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(so + 16 * b)));
+                sc = _mm256_and_si256(v, m255);
+                mc = _mm256_srli_epi32(v, 8);
+            }
+            B = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)), _mm256_cvtepi32_ps(mc));
+        }
+        _mm256_storeu_si256((__m256i *)(scw + 8 * b), _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16)));
+        _mm256_storeu_ps(bs + 8 * b, B);
+        off = _mm256_fmadd_ps(B, _mm256_loadu_ps(xs + 8 * b), off);
+        _mm_storel_pi((__m64 *)(cc + 2 * b), _mm_mul_ps(_mm256_castps256_ps128(_mm256_mul_ps(d, four)),
+                                                       _mm_loadl_pi(_mm_setzero_ps(), (const __m64 *)(x8d + 2 * b))));
+    }
+    float tot = 0;
+    for (int64_t s = 8 * nsb; s < nfs; s++) {          /* a last, shorter super-block */
+        float A, B;
+        span_ab(t, g, r, s, &A, &B);
+        int sc = kind == K_Q1 ? x8_scale(kind, so, s) >> (s & 7) : x8_scale(kind, so, s) / 4;
+        if (kind == K_Q2 && !(s & 1)) sc *= 4;
+        scw[s] = sc | (sc << 16);
+        bs[s] = kind == K_Q6 ? -32.0f * A : kind == K_Q1 ? B - A : B;
+        tot += bs[s] * xs[s];
+        if ((s & 3) == 0) {
+            float d = kind == K_Q6 ? f16_at(po + 2 * nsb) : f16_at(po + 4 * nsb);
+            cc[s / 4] = d * x8d[s / 4] * (kind == K_Q2 ? 1.0f : kind == K_Q1 ? 1.0f / 16 : 4.0f);
+        }
+    }
+    __m256 acc0 = off, acc1 = _mm256_setzero_ps();          /* the offsets' sum joins the accumulators */
+    int64_t q = 0;
+    for (; q + 1 < nq; q += 2) {              /* two blocks per step: two independent accumulators */
+        acc0 = _mm256_fmadd_ps(block128_x8(kind, codes, q, 0, lb, x8 + 128 * q, scw + 4 * q), _mm256_broadcast_ss(cc + q), acc0);
+        acc1 = _mm256_fmadd_ps(block128_x8(kind, codes, q + 1, 1, lb, x8 + 128 * q + 128, scw + 4 * q + 4),
+                               _mm256_broadcast_ss(cc + q + 1), acc1);
+    }
+    if (q < nq)
+        acc0 = _mm256_fmadd_ps(block128_x8(kind, codes, q, 0, lb, x8 + 128 * q, scw + 4 * q), _mm256_broadcast_ss(cc + q), acc0);
+    tot += hsum8(_mm256_add_ps(acc0, acc1));
+    /* outliers (q2): their value times x, less what the sums above took for the column */
+    const uint8_t *oc = t + g[G_OFFOCOL] + 2 * r * k, *ov = t + g[G_OFFOVAL] + 2 * r * k;
+    int64_t prev = -1;
+    float fx[2] = {0, 0};
+    for (int64_t i = 0; i < k; i++) {
+        uint16_t cw, vw;
+        memcpy(&cw, oc + 2 * i, 2);
+        memcpy(&vw, ov + 2 * i, 2);
+        int64_t col = cw, s = col >> 5;
+        if (col >= cols || col <= prev) {
+            outliers_valid(t, g, r, bad);
+            break;
+        }
+        prev = col;
+        float used = cc[col >> 7] * (float)(x8_scale(kind, so, s) * digit_full(kind, codes, col, cols) * x8[col]) +
+                     bs[s] * x[col];
+        fx[i & 1] += _cvtsh_ss(vw) * x[col] - used;
+    }
+    return tot + fx[0] + fx[1];
+}
+
+AVX2 static void rows_x8(const uint8_t *t, const int64_t *g, int64_t r0, int64_t r1, const float *x,
+                         const int8_t *x8, const float *x8d, const float *xs, float *scratch, float *out,
+                         atomic_int *bad) {
+    int64_t nfs = g[G_COLS] / 32;
+    int32_t *scw = (int32_t *)scratch;
+    float *cc = scratch + nfs + 8, *bs = cc + nfs / 4 + 8;
+    for (int64_t r = r0; r < r1; r++) {
+        prefetch_next_row(t, g, r);
+        switch ((int)g[G_KIND]) {
+        case K_Q2: out[r - r0] = row_x8(K_Q2, t, g, r, x, x8, x8d, xs, scw, cc, bs, bad); break;
+        case K_Q4: out[r - r0] = row_x8(K_Q4, t, g, r, x, x8, x8d, xs, scw, cc, bs, bad); break;
+        case K_Q1: out[r - r0] = row_x8(K_Q1, t, g, r, x, x8, x8d, xs, scw, cc, bs, bad); break;
+        default: out[r - r0] = row_x8(K_Q6, t, g, r, x, x8, x8d, xs, scw, cc, bs, bad); break;
+        }
+    }
+}
+#endif
+
 static float row_dot(const uint8_t *t, const int64_t *g, int64_t r, const float *x, const int16_t *xq,
                      const int16_t *xp, const float *xsc, const float *xs, int32_t *isum, atomic_int *bad) {
     int64_t done = full_cols(g);
@@ -830,6 +1041,8 @@ struct task {
     const int64_t *geoms;
     const float *xf, *xsc, *xs;
     const int16_t *xq, *xp;
+    const int8_t *x8;                                     /* rows jobs: x as int8 per 128 values (or NULL) */
+    const float *x8d;                                     /* ... and their scales */
     int64_t cols, nspan, n, stride;
     int64_t ntok, ostride;                                /* rows jobs: tokens per job, output stride */
     int64_t njobs_rows;                                   /* ggml jobs: rows of the tensor */
@@ -944,6 +1157,11 @@ static void rows_job(task_t *t, int64_t j, float *scratch) {
 #if HAVE_X86
     if (use_avx2 && ntok > 1) {
         multi_job_avx2(t, job, scratch);
+        return;
+    }
+    if (use_avx2 && t->x8 && x8_kind((int)g[G_KIND]) && g[G_COLS] % 128 == 0 && full_cols(g) == g[G_COLS]) {
+        rows_x8(tensor, g, job[2], job[3], t->xf + x0 * cols, t->x8 + x0 * cols, t->x8d + x0 * ((cols + 127) / 128),
+                   t->xs + x0 * nsp, scratch, t->out + job[5], &t->bad);
         return;
     }
     if (use_avx2) {
@@ -1592,12 +1810,21 @@ PyDoc_STRVAR(rows_doc,
 
 /* nx rows of xf [nx, cols] quantised for rows_job: *xq holds the natural order then the de-interleaved
    one (AVX2), *xsc the span scales, *xs the span sums; -1 with MemoryError set */
-static int quantize_rows(const float *xf, int64_t nx, int64_t cols, int16_t **xq, float **xsc, float **xs) {
-    int64_t nspan = cols / 32, n = nx * cols;
+static int quantize_rows(const float *xf, int64_t nx, int64_t cols, int16_t **xq, float **xsc, float **xs,
+                         int8_t **x8, float **x8d) {
+    int64_t nspan = cols / 32, n = nx * cols, nq = (cols + 127) / 128;
     *xq = malloc(sizeof(int16_t) * 2 * (n ? n : 1));
     *xsc = malloc(sizeof(float) * (nx * nspan + 1));
     *xs = malloc(sizeof(float) * (nx * nspan + 1));
     if (!*xq || !*xsc || !*xs) { PyErr_NoMemory(); return -1; }
+#if HAVE_X86
+    if (use_avx2 && x8) {
+        *x8 = malloc(n ? n : 1);
+        *x8d = malloc(sizeof(float) * (nx * nq + 1));
+        if (!*x8 || !*x8d) { PyErr_NoMemory(); return -1; }
+        for (int64_t i = 0; i < nx; i++) quantize_x8(xf + i * cols, cols, *x8 + i * cols, *x8d + i * nq);
+    }
+#endif
     for (int64_t i = 0; i < nx; i++) {
 #if HAVE_X86
         if (use_avx2) {
@@ -1625,7 +1852,8 @@ static PyObject *py_rows(PyObject *self, PyObject *args) {
     memset(b, 0, sizeof b);
     PyObject *ret = NULL;
     int16_t *xq = NULL;
-    float *xsc = NULL, *xs = NULL;
+    int8_t *x8 = NULL;
+    float *xsc = NULL, *xs = NULL, *x8d = NULL;
     if (get_buf(o[0], &b[0], 0, 1, "raw") || get_buf(o[1], &b[1], 0, 8 * G_LEN, "geoms") ||
         get_buf(o[2], &b[2], 0, 4, "xf") || get_buf(o[3], &b[3], 0, 8 * JOB_LEN, "jobs") ||
         get_buf(o[4], &b[4], 1, 4, "out"))
@@ -1657,15 +1885,17 @@ static PyObject *py_rows(PyObject *self, PyObject *args) {
         if (jb[3] - jb[2] > max_rows) max_rows = jb[3] - jb[2];
     }
     int64_t nspan = cols / 32, tile = ntok < TOKEN_TILE ? ntok : TOKEN_TILE;
-    if (quantize_rows(b[2].b.buf, nx, cols, &xq, &xsc, &xs)) goto done;
+    int any_x8 = 0;
+    for (int64_t i = 0; i < ng; i++) any_x8 |= x8_kind((int)geoms[G_LEN * i + G_KIND]);
+    if (quantize_rows(b[2].b.buf, nx, cols, &xq, &xsc, &xs, any_x8 && ntok == 1 ? &x8 : NULL, &x8d)) goto done;
     task_t t = {.job = rows_job, .raw = b[0].b.buf, .geoms = geoms, .xf = b[2].b.buf, .xsc = xsc, .xs = xs,
-                .xq = xq, .xp = xq + nxf,
+                .xq = xq, .xp = xq + nxf, .x8 = x8, .x8d = x8d,
                 .cols = cols, .nspan = nspan, .jobs = jobs, .njobs = njobs, .out = b[4].b.buf, .ntok = ntok,
                 .ostride = ostride, .scratch_floats = rows_scratch(max_rows, tile, nspan)};
     int bad = run_unlocked(&t, threads);
     if (bad >= 0) ret = PyLong_FromLong(bad);
 done:
-    free(xq); free(xsc); free(xs);
+    free(xq); free(xsc); free(xs); free(x8); free(x8d);
     release(b, 5);
     return ret;
 }
@@ -1750,8 +1980,9 @@ static PyObject *py_moe(PyObject *self, PyObject *args) {
     memset(b, 0, sizeof b);
     PyObject *ret = NULL;
     int64_t *jobs = NULL;
-    float *h = NULL, *y = NULL, *xsc = NULL, *xs = NULL, *asc = NULL, *as = NULL;
+    float *h = NULL, *y = NULL, *xsc = NULL, *xs = NULL, *asc = NULL, *as = NULL, *x8d = NULL, *a8d = NULL;
     int16_t *xq = NULL, *aq = NULL;
+    int8_t *x8 = NULL, *a8 = NULL;
     if (get_buf(o[0], &b[0], 0, 1, "base") || get_buf(o[1], &b[1], 0, 8 * G_LEN, "geoms") ||
         get_buf(o[2], &b[2], 0, 24, "offs") || get_buf(o[3], &b[3], 0, 8, "pick") ||
         get_buf(o[4], &b[4], 0, 8, "tok") || get_buf(o[5], &b[5], 0, 4, "wts") || get_buf(o[6], &b[6], 0, 4, "x") ||
@@ -1796,8 +2027,11 @@ static PyObject *py_moe(PyObject *self, PyObject *args) {
     for (int64_t i = 0; i < n; i++)
         for (int w = 0; w < 2; w++)
             nj += moe_jobs(jobs + JOB_LEN * nj, offs[3 * i + w], 2 * pick[i], inter, hidden, tok[i], (2 * i + w) * inter);
-    if (quantize_rows(x, T, hidden, &xq, &xsc, &xs)) goto done;
+    int any_x8 = 0;          /* one token (decode) only: several tokens take 16 bits, as linear() does */
+    for (int64_t i = 0; i < ng; i++) any_x8 |= T == 1 && x8_kind((int)geoms[G_LEN * i + G_KIND]);
+    if (quantize_rows(x, T, hidden, &xq, &xsc, &xs, any_x8 ? &x8 : NULL, &x8d)) goto done;
     task_t t1 = {.job = rows_job, .raw = b[0].b.buf, .geoms = geoms, .xf = x, .xsc = xsc, .xs = xs, .xq = xq,
+                 .x8 = x8, .x8d = x8d,
                  .xp = xq + T * hidden, .cols = hidden, .nspan = hidden / 32, .jobs = jobs, .njobs = nj, .out = h,
                  .ntok = 1, .scratch_floats = rows_scratch(moe_rows_per_job(hidden), 1, hidden / 32)};
     int bad = run_unlocked(&t1, threads);
@@ -1807,8 +2041,9 @@ static PyObject *py_moe(PyObject *self, PyObject *args) {
     nj = 0;
     for (int64_t i = 0; i < n; i++)
         nj += moe_jobs(jobs + JOB_LEN * nj, offs[3 * i + 2], 2 * pick[i] + 1, hidden, inter, i, i * hidden);
-    if (quantize_rows(act, n, inter, &aq, &asc, &as)) goto done;
+    if (quantize_rows(act, n, inter, &aq, &asc, &as, any_x8 ? &a8 : NULL, &a8d)) goto done;
     task_t t2 = {.job = rows_job, .raw = b[0].b.buf, .geoms = geoms, .xf = act, .xsc = asc, .xs = as, .xq = aq,
+                 .x8 = a8, .x8d = a8d,
                  .xp = aq + n * inter, .cols = inter, .nspan = inter / 32, .jobs = jobs, .njobs = nj, .out = y,
                  .ntok = 1, .scratch_floats = rows_scratch(moe_rows_per_job(inter), 1, inter / 32)};
     int bad2 = run_unlocked(&t2, threads);
@@ -1817,6 +2052,7 @@ static PyObject *py_moe(PyObject *self, PyObject *args) {
     ret = PyLong_FromLong(bad || bad2);
 done:
     free(jobs); free(h); free(y); free(xq); free(xsc); free(xs); free(aq); free(asc); free(as);
+    free(x8); free(x8d); free(a8); free(a8d);
     release(b, 8);
     return ret;
 }
@@ -2168,6 +2404,18 @@ done:
     return ret;
 }
 
+static PyObject *py_set_x8(PyObject *self, PyObject *args) {
+    int kinds;
+    if (!PyArg_ParseTuple(args, "i", &kinds)) return NULL;
+    if (kinds & ~X8_CAPABLE) {
+        PyErr_SetString(PyExc_ValueError, "set_x8: int8 activations exist for q2, q4, q6 and q1 only");
+        return NULL;
+    }
+    int old = x8_kinds;
+    x8_kinds = kinds;
+    return PyLong_FromLong(old);
+}
+
 static PyObject *py_set_isa(PyObject *self, PyObject *args) {
     const char *name;
     if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
@@ -2442,6 +2690,7 @@ static PyMethodDef methods[] = {
     {"dequantize", py_dequantize, METH_VARARGS, dequantize_doc},
     {"read_sum", py_read_sum, METH_VARARGS, "read_sum(buffer, threads): the buffer's uint64 words summed (reads it all)"},
     {"quantize", py_quantize, METH_VARARGS, "quantize(x, xq, xsc, xs): x float32 [cols] -> int16 per 32 values"},
+    {"set_x8", py_set_x8, METH_VARARGS, "set_x8(kinds): the codec kinds (a bit mask of 1 << kind) whose one-token products take int8 activations (per 128 values); returns the old mask"},
     {"set_isa", py_set_isa, METH_VARARGS, "set_isa('avx2' | 'generic'): the kernels' instruction set"},
     {"isa", py_isa, METH_NOARGS, "the instruction set in use"},
     {"set_spin_us", py_set_spin, METH_VARARGS, "how long idle workers spin before they sleep"},

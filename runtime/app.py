@@ -73,6 +73,7 @@ def untrained_chat_markers(tok: Tokenizer, weights: ModelWeights) -> list[str]:
 def run(args) -> int:
     log = (lambda m: None) if args.quiet else _log
     kernels.set_gguf_inputs(args.gguf_inputs)
+    kernels.set_activations(args.activations)
     try:
         if args.plot_trace:
             if not args.output:
@@ -307,6 +308,7 @@ def _generate(args, log) -> int:
         "expert_cache_experts": plan.cache_experts,
         "prefetch_policy": weights.prefetch_policy,
         "page_cache_policy": weights.pager.page_cache_policy,
+        "activations": kernels.activations(),
         **tele,
     }
     if args.json:

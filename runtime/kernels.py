@@ -4,8 +4,11 @@ layout in formats/SPEC.md).
 T = 1 (decode): the C kernel runtime/_qdot.c (integer dot products; AVX2 where the CPU has it, portable
 C otherwise). It quantises x once per call (16-bit integers per 32 values, exact float sums kept),
 multiplies each codec's stored digits by them in int32 lanes, applies each span's scale and offset
-once, and corrects outliers exactly; nothing is dequantized. Every caller hands it a list of row jobs
-(a linear, all routed experts of a token, kv_b's heads), shared out over a small thread pool.
+once, and corrects outliers exactly; nothing is dequantized. In decode steps q2 and q1 weights (the
+routed experts) take x as int8 per 128 values instead (q4/q6 too with `set_activations("int8")`):
+byte products, the sub-block scales applied as integers, one float step per 128 weights. Every
+caller hands it a list of row jobs (a linear, all routed experts of a token, kv_b's heads), shared
+out over a small thread pool.
 Several tokens (prefill, or the tokens routed to one expert): the same kernel takes each chunk's
 digits out once and multiplies them by every token. Many tokens: rows are dequantized one block at a
 time (BLOCK_BYTES, bit for bit as the reference decoder) and BLAS multiplies.
@@ -43,6 +46,11 @@ MIN_BLOCK_ROWS = 64
 SPIN_US = 1000            # decode: the pool's idle workers spin this long for the next call
 XQ_MAX = 32767            # activations are quantised to -XQ_MAX .. XQ_MAX per 32 values
 XQ_DTYPE = np.int16
+ACTIVATIONS = ("auto", "int8", "int16")   # kimi-run --activations (set_activations)
+_activations = "auto"
+_decoding = True          # Model.forward: one token per sequence (set_decoding)
+X8_BLOCK = 128            # int8 activations: values per float scale (one q2 chunk)
+X8_CODECS = ("q2", "q1", "q4", "q6")    # the codecs with an int8-activation kernel (set_activations)
 _threads = int(os.environ.get("KIMI_STREAM_THREADS") or len(os.sched_getaffinity(0)))   # kimi-run --threads
 GGUF_INPUTS = ("llama.cpp", "f32")
 _llama_inputs = True      # kimi-run --gguf-inputs: llama.cpp's 8-bit rounding of GGUF products' inputs
@@ -132,15 +140,70 @@ def quantize_activations(x: np.ndarray):
     return xq, xsc, xs
 
 
+def set_activations(mode: str) -> None:
+    """How a decode step's one-token products round their input: "auto" (the default) takes int8 per
+    128 values for q2 and q1 weights (routed experts: byte products, vpmaddubsw, one float step per
+    128 weights) and 16-bit integers per 32 values for every other codec; "int8" takes int8 for q4 and q6
+    as well (attention, shared experts, lm_head: a little faster, at a measurable KL cost, see
+    benchmarks/RESULTS.md); "int16" keeps 16 bits everywhere. Prefill (set_decoding(False)) always
+    takes 16 bits, so perplexity and calibration do not depend on this setting."""
+    global _activations
+    if mode not in ACTIVATIONS:
+        raise ValueError(f"activations: {mode!r} is not one of {', '.join(ACTIVATIONS)}")
+    _activations = mode
+    _apply_x8()
+
+
+def activations() -> str:
+    """The current setting of set_activations."""
+    return _activations
+
+
+def set_decoding(decoding: bool) -> None:
+    """Decode steps call the kernels back to back: idle pool workers spin for the next call, and
+    one-token products take the inputs set_activations chose. With several tokens BLAS runs between
+    the kernel calls and wants every core (workers sleep at once), and every product takes 16 bits."""
+    global _decoding
+    _qdot.set_spin_us(SPIN_US if decoding else 0)
+    if decoding != _decoding:
+        _decoding = decoding
+        _apply_x8()
+
+
+def _x8_codecs() -> tuple:
+    if not _decoding:
+        return ()
+    return {"auto": ("q2", "q1"), "int8": X8_CODECS, "int16": ()}[_activations]
+
+
+def _apply_x8() -> None:
+    _qdot.set_x8(sum(1 << get_codec(c).kind for c in _x8_codecs()))
+
+
+def takes_int8(codec: str, tokens: int = 1, cols: int | None = None) -> bool:
+    """Whether a product by a `codec` weight (of `cols` columns) over `tokens` tokens rounds its input
+    to int8 now: rows of whole 128-column blocks and whole code chunks only (q1's are 256)."""
+    if cols is not None and cols % (256 if codec == "q1" else X8_BLOCK):
+        return False
+    return tokens == 1 and isa() == "avx2" and codec in _x8_codecs()
+
+
+def rounded_input(codec: str, x: np.ndarray, tokens: int = 1) -> np.ndarray:
+    """x [cols] as the integer kernels multiply it by a `codec` weight in a call of `tokens` tokens
+    (float64; exact float sums aside): int8 per X8_BLOCK values where `takes_int8`, else int16 per 32."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if takes_int8(codec, tokens, x.shape[0]):
+        b = x.reshape(-1, X8_BLOCK)
+        amax = np.abs(b).max(axis=1, keepdims=True)
+        inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+        return (np.rint(b * inv).astype(np.float64) * (amax.astype(np.float64) / 127)).reshape(-1)
+    xq, xsc, _ = quantize_activations(x)
+    return np.repeat(xsc, 32).astype(np.float64) * xq
+
+
 def isa() -> str:
     """The instruction set the mat-vec kernel runs with ("avx2" or "generic")."""
     return _qdot.isa()
-
-
-def set_spin(decoding: bool) -> None:
-    """Decode steps call the kernels back to back: idle pool workers spin for the next call. With
-    several tokens BLAS runs between the kernel calls and wants every core: workers sleep at once."""
-    _qdot.set_spin_us(SPIN_US if decoding else 0)
 
 
 def set_gguf_inputs(mode: str) -> None:

@@ -465,7 +465,7 @@ class Model:
         if start + T > self.cache.max_context:
             raise ContextFull(f"context of {self.cache.max_context} tokens is full (raise --max-context)")
         blas.set_threads(1 if T == 1 else _THREADS)   # see formats/blas.py: decode steps, one or several sequences
-        kernels.set_spin(T == 1)
+        kernels.set_decoding(T == 1)
         x = self.embed(ids2.reshape(-1))
         for layer in self.layers:
             x = layer.forward(x, start, self.cache, self.rope)

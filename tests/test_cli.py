@@ -91,6 +91,16 @@ def test_sampling_is_seeded(tiny_kst):
     assert ta == tb and ta != tc
 
 
+def test_activations_flag(tiny_kst):
+    """--activations is reported in the run summary, and a bad value is one line on stderr."""
+    for mode in ("auto", "int8", "int16"):
+        rep = json.loads(kimi_run("--weights", tiny_kst, "--prompt", "x", "--max-tokens", 3, "--json",
+                                  "--activations", mode).stdout)
+        assert rep["stats"]["activations"] == mode and len(rep["tokens"]) == 3
+    proc = kimi_run("--weights", tiny_kst, "--prompt", "x", "--activations", "int4", check=False)
+    assert proc.returncode == 2 and "--activations" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def _one_line_error(proc, *needles):
     assert proc.returncode != 0
     lines = [l for l in proc.stderr.splitlines() if l.strip()]

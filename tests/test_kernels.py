@@ -10,6 +10,8 @@ every block codec, full and tail chunks, rows with outliers, 1-row weights:
 - the fused routed-expert step equals the same experts run one linear at a time;
 float codecs fall back to numpy; corrupt bytes are refused."""
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -18,8 +20,9 @@ from kimistream.formats.codecs import CodecError, get_codec
 from kimistream.runtime import _qdot, kernels
 
 NAMES = ("q8", "q6", "q4", "q2", "q2rtn", "t1", "q1")
-# full chunks only, tails after full chunks, tail only, outliers in q2/t1/q1, > 64 rows (row blocks)
-SHAPES = [(9, 256), (7, 192), (5, 1088), (3, 2048), (70, 224), (1, 7168), (1, 32)]
+# full chunks only, tails after full chunks, tail only, outliers in q2/t1/q1, > 64 rows (row blocks),
+# whole 128-column blocks with a q1 tail
+SHAPES = [(9, 256), (7, 192), (5, 1088), (3, 2048), (70, 224), (1, 7168), (1, 32), (4, 384)]
 
 
 @pytest.fixture(params=["avx2", "generic"])
@@ -32,6 +35,52 @@ def isa(request):
         pytest.skip(f"no {request.param} on this machine")
     yield request.param
     _qdot.set_isa(before)
+
+
+@pytest.fixture(params=kernels.ACTIVATIONS)
+def activations(request):
+    """Run a test with each rounding of the one-token products' inputs."""
+    before = kernels.activations()
+    kernels.set_activations(request.param)
+    yield request.param
+    kernels.set_activations(before)
+
+
+def test_activations_mode_is_checked():
+    with pytest.raises(ValueError, match="activations"):
+        kernels.set_activations("int4")
+
+
+@contextlib.contextmanager
+def activations_mode(mode):
+    before = kernels.activations()
+    kernels.set_activations(mode)
+    try:
+        yield
+    finally:
+        kernels.set_activations(before)
+
+
+@pytest.mark.parametrize("name", kernels.X8_CODECS)
+def test_int8_activations_round_inputs_per_128(name):
+    """With int8 activations a one-token q2/q4/q6 product is within int8's rounding bound and not
+    within int16's (so the int8 route really ran); q8 and several tokens keep int16; "auto" takes
+    int8 for q2 only."""
+    if kernels.isa() != "avx2":
+        pytest.skip("int8 activations are an AVX2 route")
+    with activations_mode("auto"):
+        assert kernels.takes_int8("q2") and not kernels.takes_int8("q4") and not kernels.takes_int8("q2", tokens=2)
+    shape = (16, 1024)
+    raw = encode(name, weight(shape, seed=3))
+    x = np.random.default_rng(3).standard_normal(shape[1]).astype(np.float32)
+    with activations_mode("int8"):
+        r8 = kernels.rounded_input(name, x)
+        assert np.abs(r8 - x).max() > 100 * np.abs(kernels.rounded_input("q8", x) - x).max()
+        np.testing.assert_array_equal(kernels.rounded_input(name, x, tokens=3), kernels.rounded_input("q8", x))
+        y = kernels.linear(x, name, raw, shape)
+        assert_int8_close(y, name, raw, shape, x)
+        ref = get_codec(name).decode(raw, shape).astype(np.float64)
+        assert (np.abs(y - ref @ x) > int8_bound(name, raw, shape, x, tokens=3)).any()
 
 
 def weight(shape, seed):
@@ -47,8 +96,8 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def int8_bound(name, raw, shape, x):
-    """Per-row bound on |y - W x| from the int8 rounding of x (see the module docstring)."""
+def int8_bound(name, raw, shape, x, tokens=1):
+    """Per-row bound on |y - W x| from the rounding of x (see the module docstring)."""
     c = get_codec(name)
     g = c.geometry(shape)
     ref = c.decode(raw, shape).astype(np.float64)
@@ -60,15 +109,14 @@ def int8_bound(name, raw, shape, x):
     if g.k:
         ocol = np.asarray(raw[g.off_ocol:g.off_oval]).view("<u2").reshape(g.rows, g.k).astype(np.int64)
         np.put_along_axis(keep, ocol, False, axis=1)
-    x8, xsc, _ = kernels.quantize_activations(x)
-    xq = np.repeat(xsc, 32).astype(np.float64) * x8
+    xq = kernels.rounded_input(name, x, tokens)
     return (np.abs(ref - off) * keep) @ np.abs(x - xq) + 1e-5 * (np.abs(ref) @ np.abs(x)) + 1e-30
 
 
-def assert_int8_close(y, name, raw, shape, x):
+def assert_int8_close(y, name, raw, shape, x, tokens=1):
     ref = get_codec(name).decode(raw, shape).astype(np.float64)
     err = np.abs(y - ref @ x.astype(np.float64))
-    bound = int8_bound(name, raw, shape, x)
+    bound = int8_bound(name, raw, shape, x, tokens)
     assert (err <= bound).all(), (name, shape, float((err / bound).max()))
 
 
@@ -79,7 +127,7 @@ def test_has_kernel(name):
 
 @pytest.mark.parametrize("name,shape", [(n, s) for n in NAMES for s in SHAPES if get_codec(n).supports(s)])
 @pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
-def test_dequantize_bit_exact_and_linear_matches(name, shape, parallel, isa, monkeypatch):
+def test_dequantize_bit_exact_and_linear_matches(name, shape, parallel, isa, activations, monkeypatch):
     # weights of PARALLEL_MIN_WEIGHTS or more run on every thread: lower it to test that, with more
     # threads than this machine may have cores
     monkeypatch.setattr(kernels, "PARALLEL_MIN_WEIGHTS", 0 if parallel else 1 << 40)
@@ -97,7 +145,7 @@ def test_dequantize_bit_exact_and_linear_matches(name, shape, parallel, isa, mon
         y = kernels.linear(x, name, raw, shape)
         assert y.shape == (T, shape[0]) and y.dtype == np.float32
         for t in range(T):
-            assert_int8_close(y[t], name, raw, shape, x[t])
+            assert_int8_close(y[t], name, raw, shape, x[t], T)
         assert rel(y, x @ ref.T) < 0.05                 # and the bound is not vacuous
     x = rng.standard_normal((kernels.BLAS_MIN_TOKENS, shape[1])).astype(np.float32)   # row blocks + BLAS
     assert rel(kernels.linear(x, name, raw, shape), x @ ref.T) < 1e-5
@@ -107,7 +155,7 @@ def test_dequantize_bit_exact_and_linear_matches(name, shape, parallel, isa, mon
 
 
 @pytest.mark.parametrize("name", ["q2", "t1", "q1"])
-def test_outlier_rows(name, isa):
+def test_outlier_rows(name, isa, activations):
     shape = (6, 2048)
     w = weight(shape, seed=9)
     w[3, 100] = 300.0
@@ -177,8 +225,11 @@ def test_heads_of_kv_b(name, isa, monkeypatch):
     assert rel(got, want) < 1e-5
     x = rng.standard_normal((nh, cols)).astype(np.float32)
     got = kernels.heads(name, raw, shape, x, nope + vdim, nope, vdim)
-    want = np.stack([ref[h * (nope + vdim) + nope:(h + 1) * (nope + vdim)] @ x[h] for h in range(nh)])
-    assert rel(got, want) < 1e-4
+    rows = [slice(h * (nope + vdim) + nope, (h + 1) * (nope + vdim)) for h in range(nh)]
+    want = np.stack([ref[rows[h]] @ x[h] for h in range(nh)])
+    bound = np.stack([int8_bound(name, raw, shape, x[h])[rows[h]] for h in range(nh)])
+    assert (np.abs(got - want) <= bound).all()
+    assert rel(got, want) < (0.05 if kernels.takes_int8(name) else 1e-4)
 
 
 def test_c_kernel_refuses_jobs_outside_its_buffers():
@@ -243,7 +294,7 @@ def _expert_buffer(rng, n, gu, dn, hidden, inter):
 
 
 @pytest.mark.parametrize("gu,dn", [("q2", "q2"), ("t1", "q4"), ("q1", "q6"), ("q8", "q2rtn")])
-def test_fused_experts_equal_linear_calls(gu, dn, isa):
+def test_fused_experts_equal_linear_calls(gu, dn, isa, activations):
     """kernels.moe_decode (all routed experts of a token in one call) against the same experts run
     through linear() one at a time: the same integer arithmetic, so float32 rounding apart."""
     hidden, inter, n = 256, 192 if dn != "q2rtn" else 256, 3
@@ -265,7 +316,7 @@ def test_fused_experts_equal_linear_calls(gu, dn, isa):
 
 
 
-def test_fused_experts_for_several_tokens(isa):
+def test_fused_experts_for_several_tokens(isa, activations):
     """moe_decode with T tokens, each with its own k experts (shared between tokens, repeated, in any
     order): every token's output is what its experts give through linear() one at a time."""
     hidden, inter, n_experts, T, k = 256, 192, 4, 5, 3
@@ -279,11 +330,12 @@ def test_fused_experts_for_several_tokens(isa):
     kernels.moe_decode(base, offs, ("q2", (inter, hidden)), ("q2", (hidden, inter)), x, w, out)
     for t in range(T):
         want = np.full(hidden, 0.25, np.float64)
-        for j, e in enumerate(choice[t]):
-            g = kernels.linear(x[t], "q2", mats[3 * e], (inter, hidden))
-            u = kernels.linear(x[t], "q2", mats[3 * e + 1], (inter, hidden))
-            a = (g / (1 + np.exp(-g)) * u).astype(np.float32)
-            want += w[t, j] * kernels.linear(a, "q2", mats[3 * e + 2], (hidden, inter))
+        with activations_mode("int16"):           # several tokens: 16-bit inputs, whatever the mode
+            for j, e in enumerate(choice[t]):
+                g = kernels.linear(x[t], "q2", mats[3 * e], (inter, hidden))
+                u = kernels.linear(x[t], "q2", mats[3 * e + 1], (inter, hidden))
+                a = (g / (1 + np.exp(-g)) * u).astype(np.float32)
+                want += w[t, j] * kernels.linear(a, "q2", mats[3 * e + 2], (hidden, inter))
         np.testing.assert_allclose(out[t], want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
     with pytest.raises(ValueError, match="offsets"):
         kernels.moe_decode(base, offs[:4], ("q2", (inter, hidden)), ("q2", (hidden, inter)), x, w, out)
@@ -304,9 +356,10 @@ def test_fused_experts_with_a_shared_expert(isa):
     kernels.moe_decode(base, where[choice], ("q2", (inter, hidden)), ("q2", (hidden, inter)), x, w, out, shared)
 
     def expert(xt, codecs, m):
-        g = kernels.linear(xt, codecs[0], m[0], (inter, hidden))
-        u = kernels.linear(xt, codecs[0], m[1], (inter, hidden))
-        return kernels.linear((g / (1 + np.exp(-g)) * u).astype(np.float32), codecs[1], m[2], (hidden, inter))
+        with activations_mode("int16"):           # several tokens: 16-bit inputs, whatever the mode
+            g = kernels.linear(xt, codecs[0], m[0], (inter, hidden))
+            u = kernels.linear(xt, codecs[0], m[1], (inter, hidden))
+            return kernels.linear((g / (1 + np.exp(-g)) * u).astype(np.float32), codecs[1], m[2], (hidden, inter))
     for t in range(T):
         want = expert(x[t], ("q4", "q6"), mats_s).astype(np.float64)
         for j, e in enumerate(choice[t]):
