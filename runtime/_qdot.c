@@ -101,12 +101,12 @@ static void span_ab(const uint8_t *t, const int64_t *g, int64_t r, int64_t s, fl
     const uint8_t *so = t + g[G_OFFSUB] + r * g[G_SUBROW];
     if (kind == K_Q8) { *A = f16_at(po + 2 * s); *B = 0; return; }
     if (kind == K_Q2RTN) {                       /* (s, o) per sub-block of G_S weights */
-        int64_t b = s / (g[G_S] / 32);
+        int64_t b = s >> __builtin_ctzll(g[G_S] >> 5);      /* known_layout: powers of two, no division */
         *A = f16_at(po + 4 * b); *B = f16_at(po + 4 * b + 2);
         return;
     }
     int64_t npar = g[G_NPAR];
-    const uint8_t *q = po + 2 * npar * (s / (g[G_P] / 32));      /* the 32-weight span's parameter block */
+    const uint8_t *q = po + 2 * npar * (s >> __builtin_ctzll(g[G_P] >> 5));   /* the span's parameter block */
     float d = f16_at(q), m = npar == 2 ? f16_at(q + 2) : 0.0f;
     switch (kind) {
     case K_Q2: *A = d * (float)(so[s] & 15); *B = m * (float)(so[s] >> 4); return;
@@ -506,12 +506,18 @@ AVX2 static inline __attribute__((always_inline)) float coefs_kind(const int kin
         acc = _mm256_fmadd_ps(e, _mm256_loadu_ps(xs + 8 * b), acc);
     }
     float tot = hsum8(acc);
-    for (int64_t s = 8 * nb; s < nfs; s++) {
-        float A, B;
-        span_ab(t, g, r, s, &A, &B);
-        c[s] = A * (mul / (scaled ? digit_scale(kind, s) : 1.0f)) * xsc[s];
-        c[nfs + s] = B - z * A;
-        tot += (B - z * A) * xs[s];
+    if (8 * nb < nfs) {       /* the last spans: their group's parameters exist (the row goes on past them) */
+        float As[8], Bs[8];
+        __m256 A, B;
+        params8(kind, po, so, nb, &A, &B);
+        _mm256_storeu_ps(As, A);
+        _mm256_storeu_ps(Bs, B);
+        for (int64_t s = 8 * nb; s < nfs; s++) {
+            float a = As[s - 8 * nb], e = Bs[s - 8 * nb] - z * a;
+            c[s] = a * (mul / (scaled ? digit_scale(kind, s) : 1.0f)) * xsc[s];
+            c[nfs + s] = e;
+            tot += e * xs[s];
+        }
     }
     return tot;
 }
