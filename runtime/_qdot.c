@@ -183,8 +183,35 @@ static inline float digit_scale(int kind, int64_t s) {
     }
 }
 
-/* levels of the tail (columns start .. cols-1, fewer than one chunk) into lev: field k of the tail
-   bytes holds columns k * lane .. k * lane + lane - 1, lane = ceil(n / per_byte) */
+static int use_avx2;
+
+#if HAVE_X86
+/* tail_levels for trits on AVX2: each field's 32 bytes (lane <= 32 of them used) in 16-bit lanes, the
+   trit taken as ((b * 3^k mod 256) * 3) >> 8, converted and stored 32 at a time; a field's extra
+   values land in the next field's place and are overwritten by it (lev has room for 5 * 32) */
+__attribute__((target("avx2,fma"))) static void tail_trits_avx2(const uint8_t *tail, int64_t lane, float mul,
+                                                              float z, float *lev) {
+    uint8_t b[32] = {0};
+    memcpy(b, tail, lane);                         /* never read past the row's bytes */
+    __m128i lo = _mm_loadu_si128((const __m128i *)b), hi = _mm_loadu_si128((const __m128i *)(b + 16));
+    __m256i v[2] = {_mm256_cvtepu8_epi16(lo), _mm256_cvtepu8_epi16(hi)};
+    const __m256i m255 = _mm256_set1_epi16(255);
+    const __m256 vm = _mm256_set1_ps(mul), vz = _mm256_set1_ps(z);
+    for (int k = 0, m3 = 1; k < 5; k++, m3 *= 3) {
+        for (int h = 0; h < 2; h++) {
+            __m256i t = _mm256_and_si256(_mm256_mullo_epi16(v[h], _mm256_set1_epi16((short)m3)), m255);
+            __m256i d = _mm256_srli_epi16(_mm256_add_epi16(t, _mm256_add_epi16(t, t)), 8);
+            __m256 f0 = _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(d)));
+            __m256 f1 = _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(d, 1)));
+            _mm256_storeu_ps(lev + k * lane + 16 * h, _mm256_fmsub_ps(vm, f0, vz));
+            _mm256_storeu_ps(lev + k * lane + 16 * h + 8, _mm256_fmsub_ps(vm, f1, vz));
+        }
+    }
+}
+#endif
+
+/* levels of the tail (columns start .. cols-1, fewer than one chunk) into lev (room for 256):
+   field k of the tail bytes holds columns k * lane .. k * lane + lane - 1, lane = ceil(n / per_byte) */
 #if HAVE_X86
 __attribute__((target_clones("avx2", "default")))
 #endif
@@ -200,6 +227,12 @@ static void tail_levels(const uint8_t *codes, const int64_t *g, int64_t start, f
     digit_form(kind, &mul, &z);
     int64_t lane = (n + p - 1) / p;
     const uint8_t *tail = codes + (start / (32 * p)) * 32;
+#if HAVE_X86
+    if (bits == 0 && use_avx2) {
+        tail_trits_avx2(tail, lane, mul, z, lev);
+        return;
+    }
+#endif
     for (int64_t k = 0; k < p; k++) {
         int64_t o = k * lane, jn = n - o < lane ? n - o : lane;
         if (bits == 0) {
@@ -600,13 +633,21 @@ static const float ones32[32] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
 /* a . b over 32 floats in eight independent partial sums (one running sum would wait on the
    latency of every add) */
 static inline float dot32(const float *a, const float *b) {
-    float p0 = 0, p1 = 0, p2 = 0, p3 = 0, p4 = 0, p5 = 0, p6 = 0, p7 = 0;
-    for (int j = 0; j < 32; j += 8) {
-        p0 += a[j] * b[j]; p1 += a[j + 1] * b[j + 1]; p2 += a[j + 2] * b[j + 2]; p3 += a[j + 3] * b[j + 3];
-        p4 += a[j + 4] * b[j + 4]; p5 += a[j + 5] * b[j + 5]; p6 += a[j + 6] * b[j + 6]; p7 += a[j + 7] * b[j + 7];
-    }
-    return ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7));
+    float p[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int j = 0; j < 32; j += 8)
+        for (int i = 0; i < 8; i++) p[i] += a[j + i] * b[j + i];      /* one vector of lanes in AVX2 builds */
+    return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
 }
+
+#if HAVE_X86
+__attribute__((target("avx2,fma"))) static float dot32_avx2(const float *a, const float *b) {
+    __m256 p = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
+    for (int j = 8; j < 32; j += 8) p = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), p);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(p), _mm256_extractf128_ps(p, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+#endif
 
 /* how many of row r's outliers apply: all k, or those before the first column that is out of range
    or not increasing, which flags corrupt data unless the row's columns are all zero (a sparse hole
@@ -645,6 +686,12 @@ static float row_fixups(const uint8_t *t, const int64_t *g, int64_t r, const uin
         for (int64_t s = done / 32; s < cols / 32; s++) {
             float A, B;
             span_ab(t, g, r, s, &A, &B);
+#if HAVE_X86
+            if (use_avx2) {
+                tot += A * dot32_avx2(lev + 32 * s - done, x + 32 * s) + (B != 0 ? B * dot32_avx2(ones32, x + 32 * s) : 0);
+                continue;
+            }
+#endif
             tot += A * dot32(lev + 32 * s - done, x + 32 * s) + B * dot32(ones32, x + 32 * s);
         }
     }
