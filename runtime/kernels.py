@@ -457,12 +457,13 @@ def _dequantized_matmul(x2, raw, g, rows, cols, y, codec):
         gt, rb = ggml_type(codec), get_codec(codec).nbytes((1, cols))
     for r0 in range(0, rows, step):
         blk = buf[:min(step, rows - r0)]
-        # on this thread: BLAS's threads spin between products, and a parallel region next to
-        # them waits for a core (measured: 3.8 ms per 64-row block instead of 0.1)
+        # on every core: with blocks of BLOCK_BYTES the pool no longer waits on BLAS threads spinning
+        # from the previous product (it did with 64-row blocks: 3.8 ms per block instead of 0.1);
+        # measured: 256-token prefill of the bench_llamacpp model 120 -> 129 tok/s (benchmarks/RESULTS.md)
         if g is None:
-            _qdot.ggml_dequantize(raw[r0 * rb:(r0 + blk.shape[0]) * rb], gt, cols, blk, 1)
+            _qdot.ggml_dequantize(raw[r0 * rb:(r0 + blk.shape[0]) * rb], gt, cols, blk, _threads)
         else:
-            _qdot.dequantize(raw, g, r0, blk, 1)
+            _qdot.dequantize(raw, g, r0, blk, _threads)
         np.matmul(x2, blk.T, out=y[:, r0:r0 + blk.shape[0]])
 
 
