@@ -13,6 +13,7 @@ from kimistream.formats.imatrix import (DEFAULT_MOMENT_BUDGET, moment_key, momen
                                         save_imatrix)
 from kimistream.formats.layout import model_shapes
 
+from . import kernels
 from .generate import generate
 from .model import DenseMLP, MoE, Model, linear, rms_norm
 from .sampler import Sampler
@@ -163,6 +164,7 @@ def collect_importance_by_layer(model: Model, chunks, batch: int, progress=None,
 
 
 def _by_layer(model: Model, chunks, cut, batch: int, st, progress) -> None:
+    kernels.set_decoding(False)      # prefill's products (16-bit inputs), as Model.forward would choose
     x, h, n = st.x, st.h, int(cut[-1])
     ids = np.concatenate(chunks)
     for a in range(0, n, batch):

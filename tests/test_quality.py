@@ -484,6 +484,7 @@ def test_importance_by_layer_equals_the_token_major_pass_and_reads_each_expert_o
     import sys
     from pathlib import Path
 
+    from kimistream.runtime import kernels
     from kimistream.runtime.model import Model
     from kimistream.runtime.quality import collect_importance, collect_importance_by_layer, windows
     from kimistream.runtime.tokenizer import Tokenizer
@@ -501,6 +502,7 @@ def test_importance_by_layer_equals_the_token_major_pass_and_reads_each_expert_o
     reads, cols = [], []
     for collect, kw in ((collect_importance, {}), (collect_importance_by_layer, {}),
                         (collect_importance_by_layer, {"state_ram": 0, "state_dir": tmp_path})):
+        kernels.set_decoding(True)         # as after a decode step: each pass must choose prefill's inputs
         before = w.pager.stats.bytes_read
         cols.append(collect(m, chunks, 64, moment_budget=1 << 30, **kw))
         reads.append(w.pager.stats.bytes_read - before)
