@@ -2,8 +2,9 @@
 every block codec, full and tail chunks, rows with outliers, 1-row weights:
 - `dequantize` bit for bit;
 - the integer mat-vec (one token, or several through the same rows: T < BLAS_MIN_TOKENS) equals
-  the reference weight times x in float64 to within
-  the int8 rounding of x: |y - W x| <= sum_j |W_j - O_j| |x_j - x^_j| + 1e-5 |W| |x|, where x^ is the
+  the reference weight times x in float64 to within the rounding of x it takes (int8 per 128 values
+  where `kernels.takes_int8`, else 16 bits per 32, in every `--activations` mode):
+  |y - W x| <= sum_j |W_j - O_j| |x_j - x^_j| + 1e-5 |W| |x|, where x^ is the
   rounded activation and O_j the value the weight would have with code 0 (the part of each weight
   that multiplies exact span sums), outlier columns excluded (they are corrected exactly);
 - more tokens (row blocks + BLAS) to float32 rounding;
@@ -63,13 +64,14 @@ def activations_mode(mode):
 
 @pytest.mark.parametrize("name", kernels.X8_CODECS)
 def test_int8_activations_round_inputs_per_128(name):
-    """With int8 activations a one-token q2/q4/q6 product is within int8's rounding bound and not
+    """With int8 activations a one-token q2/q1/q4/q6 product is within int8's rounding bound and not
     within int16's (so the int8 route really ran); q8 and several tokens keep int16; "auto" takes
-    int8 for q2 only."""
+    int8 for q2 and q1 only."""
     if kernels.isa() != "avx2":
         pytest.skip("int8 activations are an AVX2 route")
     with activations_mode("auto"):
-        assert kernels.takes_int8("q2") and not kernels.takes_int8("q4") and not kernels.takes_int8("q2", tokens=2)
+        assert kernels.takes_int8("q2") and kernels.takes_int8("q1") and not kernels.takes_int8("q4")
+        assert not kernels.takes_int8("q2", tokens=2) and not kernels.takes_int8("q1", cols=384)
     shape = (16, 1024)
     raw = encode(name, weight(shape, seed=3))
     x = np.random.default_rng(3).standard_normal(shape[1]).astype(np.float32)
