@@ -189,11 +189,15 @@ static int use_avx2;
 /* tail_levels for trits on AVX2: each field's 32 bytes (lane <= 32 of them used) in 16-bit lanes, the
    trit taken as ((b * 3^k mod 256) * 3) >> 8, converted and stored 32 at a time; a field's extra
    values land in the next field's place and are overwritten by it (lev has room for 5 * 32) */
-__attribute__((target("avx2,fma"))) static void tail_trits_avx2(const uint8_t *tail, int64_t lane, float mul,
-                                                              float z, float *lev) {
+__attribute__((target("avx2,fma"))) static void tail_trits_avx2(const uint8_t *tail, int64_t lane, int over,
+                                                              float mul, float z, float *lev) {
     uint8_t b[32] = {0};
-    memcpy(b, tail, lane);                         /* never read past the row's bytes */
-    __m128i lo = _mm_loadu_si128((const __m128i *)b), hi = _mm_loadu_si128((const __m128i *)(b + 16));
+    const uint8_t *p = tail;
+    if (!over) {                                   /* the tensor's last row: never read past its bytes */
+        memcpy(b, tail, lane);
+        p = b;
+    }
+    __m128i lo = _mm_loadu_si128((const __m128i *)p), hi = _mm_loadu_si128((const __m128i *)(p + 16));
     __m256i v[2] = {_mm256_cvtepu8_epi16(lo), _mm256_cvtepu8_epi16(hi)};
     const __m256i m255 = _mm256_set1_epi16(255);
     const __m256 vm = _mm256_set1_ps(mul), vz = _mm256_set1_ps(z);
@@ -211,11 +215,12 @@ __attribute__((target("avx2,fma"))) static void tail_trits_avx2(const uint8_t *t
 #endif
 
 /* levels of the tail (columns start .. cols-1, fewer than one chunk) into lev (room for 256):
-   field k of the tail bytes holds columns k * lane .. k * lane + lane - 1, lane = ceil(n / per_byte) */
+   field k of the tail bytes holds columns k * lane .. k * lane + lane - 1, lane = ceil(n / per_byte).
+   over: a 32-byte read from the tail stays inside the tensor (the row is not its last) */
 #if HAVE_X86
 __attribute__((target_clones("avx2", "default")))
 #endif
-static void tail_levels(const uint8_t *codes, const int64_t *g, int64_t start, float *lev) {
+static void tail_levels(const uint8_t *codes, const int64_t *g, int64_t start, int over, float *lev) {
     static const int pow3[5] = {1, 3, 9, 27, 81};
     int kind = (int)g[G_KIND];
     int64_t cols = g[G_COLS], n = cols - start, p = g[G_PB0], bits = g[G_BITS0];
@@ -229,7 +234,7 @@ static void tail_levels(const uint8_t *codes, const int64_t *g, int64_t start, f
     const uint8_t *tail = codes + (start / (32 * p)) * 32;
 #if HAVE_X86
     if (bits == 0 && use_avx2) {
-        tail_trits_avx2(tail, lane, mul, z, lev);
+        tail_trits_avx2(tail, lane, over, mul, z, lev);
         return;
     }
 #endif
@@ -682,7 +687,7 @@ static float row_fixups(const uint8_t *t, const int64_t *g, int64_t r, const uin
     digit_form(kind, &mul, &z);
     float lev[256];                                             /* a tail is shorter than a chunk */
     if (done < cols) {
-        tail_levels(codes, g, done, lev);
+        tail_levels(codes, g, done, r + 1 < g[G_ROWS], lev);
         for (int64_t s = done / 32; s < cols / 32; s++) {
             float A, B;
             span_ab(t, g, r, s, &A, &B);
@@ -1062,7 +1067,7 @@ static void deq_row(const uint8_t *t, const int64_t *g, int64_t r, float *out, f
     }
     if (done < cols) {
         float lev[256];
-        tail_levels(codes, g, done, lev);
+        tail_levels(codes, g, done, r + 1 < g[G_ROWS], lev);
         for (int64_t col = done; col < cols; col++) {
             float a = As[col >> 5], b = Bs[col >> 5];
             out[col] = hasb ? a * lev[col - done] + b : a * lev[col - done];
@@ -1166,7 +1171,7 @@ AVX2 static void multi_job_avx2(task_t *t, const int64_t *job, float *scratch) {
             /* the tail's levels and span parameters, and the outliers, decoded once per row */
             float lev[256], tA[8], tB[8];
             if (done < cols) {
-                tail_levels(codes, g, done, lev);
+                tail_levels(codes, g, done, r + 1 < g[G_ROWS], lev);
                 for (int64_t s = nfs; s < nsp; s++) span_ab(tensor, g, r, s, tA + s - nfs, tB + s - nfs);
             }
             const uint8_t *pc = tensor + g[G_OFFOCOL] + 2 * r * k, *pv = tensor + g[G_OFFOVAL] + 2 * r * k;
@@ -1411,7 +1416,7 @@ static void heads_t_rest(task_t *t, int64_t r, float cj, float *acc, float *lev)
     digit_form(kind, &mul, &z);
     const uint8_t *codes = t->raw + g[G_OFFCODE] + r * g[G_CODEROW];
     if (done < cols) {
-        tail_levels(codes, g, done, lev);
+        tail_levels(codes, g, done, r + 1 < g[G_ROWS], lev);
         for (int64_t col = done; col < cols; col++) {
             float A, B;
             span_ab(t->raw, g, r, col >> 5, &A, &B);
