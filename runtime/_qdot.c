@@ -354,6 +354,12 @@ static float combine_c(const uint8_t *t, const int64_t *g, int64_t r, const floa
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define LOAD32(p) _mm256_loadu_si256((const __m256i *)(p))
 
+AVX2 static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
 AVX2 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -372,9 +378,7 @@ AVX2 static void quantize_avx2(const float *x, int64_t cols, int16_t *xp, float 
                f3 = _mm256_loadu_ps(v + 24);
         __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, f0), _mm256_andnot_ps(sign, f1)),
                                   _mm256_max_ps(_mm256_andnot_ps(sign, f2), _mm256_andnot_ps(sign, f3)));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        float amax = hmax8(mx);
         xs[s] = hsum8(_mm256_add_ps(_mm256_add_ps(f0, f1), _mm256_add_ps(f2, f3)));
         xsc[s] = amax / XQ_MAX;
         __m256 inv = _mm256_set1_ps(amax > 0 ? XQ_MAX / amax : 0.0f);
@@ -645,12 +649,10 @@ static inline float dot32(const float *a, const float *b) {
 }
 
 #if HAVE_X86
-__attribute__((target("avx2,fma"))) static float dot32_avx2(const float *a, const float *b) {
+AVX2 static float dot32_avx2(const float *a, const float *b) {
     __m256 p = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
     for (int j = 8; j < 32; j += 8) p = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), p);
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(p), _mm256_extractf128_ps(p, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    return hsum8(p);
 }
 #endif
 
@@ -811,9 +813,7 @@ AVX2 static void quantize_x8(const float *x, int64_t cols, int8_t *q, float *qd)
         int64_t n = cols - c0 < 128 ? cols - c0 : 128;          /* a multiple of 32 */
         __m256 mx = _mm256_setzero_ps();
         for (int64_t j = 0; j < n; j += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + c0 + j)));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        float amax = hmax8(mx);
         qd[c0 / 128] = amax / 508.0f;           /* a quarter of the step: see row_x8 */
         __m256 inv = _mm256_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
         for (int64_t j = 0; j < n; j += 32) {
