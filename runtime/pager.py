@@ -124,6 +124,10 @@ class ExpertPager:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="kimi-prefetch")
         self.cached_bytes = 0
+        # reads in a row that found all their bytes in the page cache (0 after one that did not);
+        # counted only when watch_reads is set (--prefetch auto: see ModelWeights.routed)
+        self.watch_reads = False
+        self.cached_reads = 0
 
     # ---------------------------------------------------------------- interface
     def extent(self, key):
@@ -208,7 +212,10 @@ class ExpertPager:
         return int(np.count_nonzero(np.frombuffer(vec, np.uint8) & 1)) / pages
 
     def _note_read(self, key, off: int, n: int) -> None:
-        """A read of `key` starts: while --page-cache auto decides, score an evicted expert's pages."""
+        """A read of `key` starts: count it as served by the page cache or not (watch_reads), and
+        while --page-cache auto decides, score an evicted expert's pages."""
+        if self.watch_reads:
+            self.cached_reads = self.cached_reads + 1 if self._in_page_cache(off, n) else 0
         if not self._deciding or key not in self._evicted:
             return
         self._evicted.discard(key)
@@ -225,6 +232,10 @@ class ExpertPager:
             self.page_cache_policy = (f"{'drop' if self.drop_evicted else 'keep'} evicted experts (auto: {share:.0%} "
                                       f"of {st.reloads} evicted experts were still cached when needed again)")
             self._evicted.clear()
+
+    def _in_page_cache(self, off: int, n: int) -> bool:
+        """Whether a read of bytes off .. off+n would find them all in the page cache."""
+        return self.cached_share(off, n) >= 1.0
 
     def _evicted_pages(self, key, off: int, n: int) -> None:
         """An expert left the cache: drop its pages from the page cache, or note it while deciding."""
@@ -460,6 +471,9 @@ class PreadPager(ExpertPager):
             self._cache[key] = ent
             self.cached_bytes += n
         return ent
+
+    def _in_page_cache(self, off: int, n: int) -> bool:
+        return not self.direct and super()._in_page_cache(off, n)      # O_DIRECT reads bypass it
 
     def holds_together(self, n: int) -> bool:
         # prefetches may take slots while the layer's experts are fetched: keep room for both

@@ -27,9 +27,13 @@ PREFETCH_MODES = ("auto", "off", "next-layer")
 # a memory cap on a 0.8 GB file, 64 experts top-6 over 11 MoE layers: 12 experts cached, next-layer
 # 2.7-3.1 tok/s against 4.6-5.2 without; 43 cached, 12.3 against 15.2-17.6 at 67 % recall). So guesses
 # are tried only when the cache holds a token's experts of every MoE layer plus one guessed set, and
-# stop if most of them turn out wrong.
+# stop if most of them turn out wrong. They also pause while every read finds its expert in the page
+# cache (a warm file): a read ahead then saves nothing, and guessing (the next router, the reads on a
+# helper thread) costs ~10 % of a warm decode step (measured on the 2.4 B bench model, two threads:
+# 49.5-49.8 tok/s guessing, 55.2-56.1 without); the first read from disk resumes them.
 GUESS_TRIAL = 256           # routed experts scored before the recall is judged
 GUESS_MIN_RECALL = 0.5      # below this share of guessed experts used, guessing stops for the run
+GUESS_IDLE_READS = 64       # reads in a row served by the page cache that pause guessing
 
 
 
@@ -126,6 +130,7 @@ class ModelWeights(ExpertProvider):
         self.pager: ExpertPager = make_pager(io, self.file, cache_bytes, policy, direct, page_cache)
         self.buffer = self.pager.base
         self.wants_guesses, self.prefetch_policy = self._prefetch_policy(cache_bytes)
+        self.pager.watch_reads = self.prefetch == "auto" and self.wants_guesses
 
     def _prefetch_policy(self, cache_bytes: int) -> tuple[bool, str]:
         """(guess the next layer's experts, the decision in words) for --prefetch."""
@@ -139,8 +144,8 @@ class ModelWeights(ExpertProvider):
             return False, f"off: the cache holds {cached} experts, guesses pay from {need} (auto)"
         total = len(self._extents(EXTENT_EXPERT))
         room = "all experts" if cached >= total else f"{cached} experts"
-        return True, f"next-layer: the cache holds {room} (auto; stops if fewer than {GUESS_MIN_RECALL:.0%} " \
-                     f"of guesses are used)"
+        return True, f"next-layer: the cache holds {room} (auto; pauses while reads come from the page cache, " \
+                     f"stops if fewer than {GUESS_MIN_RECALL:.0%} of guesses are used)"
 
     def _extents(self, kind):
         return [e for e in self.file.extents if e.kind == kind]
@@ -209,12 +214,24 @@ class ModelWeights(ExpertProvider):
     def routed(self, layer: int, experts) -> None:
         self.pager.note_routed(layer, experts)
         self.pager.fetch_ahead(layer, experts)
-        st = self.pager.stats
-        if self.prefetch == "auto" and self.wants_guesses and st.routed_checked >= GUESS_TRIAL \
-                and st.recall < GUESS_MIN_RECALL:
-            self.wants_guesses = False
+        if self.pager.watch_reads:
+            self._judge_guesses()
+
+    def _judge_guesses(self) -> None:
+        """--prefetch auto: stop guessing for the run when most guesses were wrong; pause while the
+        page cache serves every read, resume at the first read it does not."""
+        p, st = self.pager, self.pager.stats
+        if self.wants_guesses and st.routed_checked >= GUESS_TRIAL and st.recall < GUESS_MIN_RECALL:
+            self.wants_guesses = p.watch_reads = False
             self.prefetch_policy = (f"stopped: {st.recall:.0%} of {st.routed_checked} guessed experts used "
                                     f"(auto; pays from {GUESS_MIN_RECALL:.0%})")
+        elif self.wants_guesses and p.cached_reads >= GUESS_IDLE_READS:
+            self.wants_guesses = False
+            self.prefetch_policy = (f"paused: {p.cached_reads} reads in a row found their experts in the page "
+                                    f"cache (auto; resumes at a read from disk)")
+        elif not self.wants_guesses and p.cached_reads == 0:
+            self.wants_guesses = True
+            self.prefetch_policy = "next-layer: resumed at a read from disk (auto)"
 
     def guess(self, layer: int, experts) -> None:
         self.pager.prefetch(layer, experts)

@@ -215,10 +215,12 @@ def test_tight_budget_run_works_with_default_flags(synthetic):
     assert json.loads(run.stdout)["stats"]["peak_rss_bytes"] <= budget
 
 
-def test_auto_prefetch_guesses_only_when_the_cache_keeps_a_token(synthetic):
+def test_auto_prefetch_guesses_only_when_the_cache_keeps_a_token(synthetic, monkeypatch):
     """--prefetch auto (the default): no guesses when the cache cannot keep a token's experts of every
     layer (each would evict an expert about to be used); guesses with a roomy cache; the choice is
-    in the run's report."""
+    in the run's report. (The fresh file is in the page cache: pausing is tested below.)"""
+    from kimistream.runtime import weights as W
+    monkeypatch.setattr(W, "GUESS_IDLE_READS", 1 << 30)
     w = ModelWeights(synthetic)
     expert, cfg = w.expert_extent_bytes, w.config
     w.close()
@@ -249,6 +251,44 @@ def test_auto_prefetch_stops_when_guesses_are_mostly_wrong(synthetic, monkeypatc
     checked = w.pager.stats.routed_checked
     m.forward([5])
     assert w.pager.stats.routed_checked == checked          # no guess made or scored after stopping
+    w.close()
+
+
+@pytest.mark.parametrize("io", ["mmap", "pread"])
+def test_auto_prefetch_pauses_while_the_page_cache_serves_every_read(synthetic, monkeypatch, io):
+    """--prefetch auto stops guessing while GUESS_IDLE_READS reads in a row found their expert in the
+    page cache (nothing to read ahead), and guesses again from the first read that does not."""
+    from kimistream.runtime import weights as W
+    monkeypatch.setattr(W, "GUESS_IDLE_READS", 3)
+    w = ModelWeights(synthetic, io=io, prefetch="auto", cache_bytes=256 << 20)
+    w.load_resident()
+    served = {"cache": True}
+    monkeypatch.setattr(w.pager, "cached_share", lambda off, n: 1.0 if served["cache"] else 0.5)
+    m = Model(w, 64)
+    m.prefill(PROMPT[:8], 8)
+    assert not w.wants_guesses and w.prefetch_policy.startswith("paused: ")
+    checked = w.pager.stats.routed_checked
+    for t in range(6):
+        m.forward([t + 3])
+    assert w.pager.stats.routed_checked == checked          # no guess made while paused
+    served["cache"] = False                                 # the next read comes from disk
+    w.pager._cache.clear()
+    w.pager.cached_bytes = 0
+    if io == "pread":
+        w.pager._free = list(range(w.pager.slots))
+    m.forward([9])
+    assert w.wants_guesses and w.prefetch_policy.startswith("next-layer: resumed")
+    m.forward([10])
+    assert w.pager.stats.routed_checked > checked
+    w.close()
+
+
+def test_o_direct_reads_never_count_as_page_cache_reads(synthetic):
+    w = ModelWeights(synthetic, io="pread", direct=True, prefetch="auto", cache_bytes=16 << 20)
+    ext = next(e for e in w.file.extents if e.kind == "expert")
+    w.pager.watch_reads = True
+    w.pager._note_read((0, 0), ext.offset, ext.nbytes)
+    assert w.pager.cached_reads == 0
     w.close()
 
 
