@@ -170,6 +170,11 @@ def set_decoding(decoding: bool) -> None:
         _apply_x8()
 
 
+def decoding() -> bool:
+    """The current setting of set_decoding."""
+    return _decoding
+
+
 def _x8_codecs() -> tuple:
     if not _decoding:
         return ()
@@ -477,9 +482,13 @@ def moe_decode(base: np.ndarray, offsets: np.ndarray, gate_up: tuple, down: tupl
     are (codec, shape). `shared` = (offsets [3], gate_up, down): an expert every token also goes
     through with weight 1 (DeepSeek's shared expert), in the same passes; same shapes as the routed."""
     specs = (gate_up, down) + ((shared[1], shared[2]) if shared is not None else ())
-    geoms = _moe_geometries(tuple((c, tuple(int(d) for d in sh)) for c, sh in specs))
+    try:
+        geoms = _moe_geometries(specs)
+    except TypeError:                   # shapes given as lists: the cache wants tuples
+        geoms = _moe_geometries(tuple((c, tuple(int(d) for d in sh)) for c, sh in specs))
     offsets = np.asarray(offsets, np.int64).reshape(-1, 3)
-    x2 = np.ascontiguousarray(np.reshape(x, (-1, np.shape(x)[-1])), np.float32)
+    x2 = np.asarray(x, np.float32)
+    x2 = np.ascontiguousarray(x2.reshape(-1, x2.shape[-1]))
     T = x2.shape[0]
     w = np.asarray(weights, np.float32).reshape(T, -1)
     k = w.shape[1]

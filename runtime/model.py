@@ -391,7 +391,7 @@ class MoE:
                     or min(g.offset, u.offset, d.offset) < 0:
                 return False
             where[e] = (g.offset, u.offset, d.offset)
-        offs = np.array([[where[int(e)] for e in row] for row in idx], np.int64)     # [T, k, 3]
+        offs = np.array([[where[e] for e in row] for row in idx.tolist()], np.int64)     # [T, k, 3]
         if ggml:
             kernels.ggml_moe_decode(base, offs, spec_gu, spec_d, h, weights, out)
         else:

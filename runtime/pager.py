@@ -150,6 +150,29 @@ class ExpertPager:
         self.stats.misses += 1
         return ent.views
 
+    def get_many(self, layer: int, experts) -> list:
+        """[get(layer, e) for e in experts], the cached ones under one lock (a decode step asks for a
+        layer's experts at once, almost always all cached)."""
+        out, missing = [], []
+        with self._lock:
+            for e in experts:
+                key = (layer, e)
+                self._freq[key] = self._freq.get(key, 0) + 1
+                ent = self._cache.get(key)
+                if ent is not None and ent.ready.is_set() and ent.error is None:
+                    self._cache.move_to_end(key)
+                    out.append(ent.views)
+                else:
+                    missing.append(len(out))
+                    out.append(None)
+            self.stats.hits += len(out) - len(missing)
+        if self._prefetched:
+            self._prefetched.difference_update((layer, e) for e in experts)
+        for i in missing:
+            self._freq[(layer, experts[i])] -= 1           # get counts it
+            out[i] = self.get(layer, experts[i])
+        return out
+
     def holds_together(self, n: int) -> bool:
         """Whether n experts fetched one after another can all be held until used within the cache: a
         mapping's views stay valid anyway, but pages the cache gives back would be faulted in again
@@ -162,7 +185,7 @@ class ExpertPager:
         pred = self._predicted.pop(layer, None)
         if pred is None:
             return
-        used = set(int(x) for x in experts)
+        used = set(experts.tolist() if isinstance(experts, np.ndarray) else map(int, experts))
         self.stats.routed_checked += len(used)
         self.stats.predicted_used += len(used & pred)
         for e in pred - used:
@@ -187,15 +210,15 @@ class ExpertPager:
         """Certain: start reading all of a layer's routed experts, so the read of the next one
         overlaps the computation of this one. Those already cached become the most recent first, so
         the room made for the others never evicts an expert about to be used."""
-        keys = [(layer, int(e)) for e in experts]
+        missing = []
         with self._lock:
-            for key in keys:
+            for e in experts:
+                key = (layer, int(e))
                 if key in self._cache:
                     self._cache.move_to_end(key)
-        for key in keys:
-            with self._lock:
-                if key in self._cache or key in self._inflight:
-                    continue
+                elif key not in self._inflight:
+                    missing.append(key)
+        for key in missing:
             self._start_prefetch(key, speculative=False)
 
     def close(self) -> None:

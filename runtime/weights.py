@@ -239,20 +239,26 @@ class ModelWeights(ExpertProvider):
     def together(self, layer: int, experts) -> dict | None:
         if not self.pager.holds_together(len(experts)):
             return None
-        return {int(e): self.get(layer, int(e)) for e in experts}
+        ids = experts.tolist() if isinstance(experts, np.ndarray) else [int(e) for e in experts]
+        return {e: self._weights(layer, e, views) for e, views in zip(ids, self.pager.get_many(layer, ids))}
 
     def get(self, layer: int, e: int) -> tuple[Weight, Weight, Weight]:
         return self.expert(layer, e)
 
     def expert(self, layer: int, e: int) -> tuple[Weight, Weight, Weight]:
-        views = self.pager.get(layer, e)
+        return self._weights(layer, e, self.pager.get(layer, e))
+
+    def _weights(self, layer: int, e: int, views) -> tuple[Weight, Weight, Weight]:
+        """The Weights over an expert's views from the pager, made again only when they changed (read
+        again since)."""
         key = (layer, e)
+        made = self._expert_weights.get(key)
+        if made is not None and made[0] is views:
+            return made[1]
         if key not in self.experts_touched:
             self.experts_touched.add(key)
             self.expert_bytes_touched += sum(v[3].nbytes for v in views)
-        made = self._expert_weights.get(key)
-        if made is None or made[0] is not views:       # read again since: new views
-            made = self._expert_weights[key] = (views, tuple(Weight(*v) for v in views))
+        made = self._expert_weights[key] = (views, tuple(Weight(*v) for v in views))
         return made[1]
 
     def close(self):

@@ -38,6 +38,16 @@ def isa(request):
     _qdot.set_isa(before)
 
 
+@pytest.fixture(autouse=True)
+def decode_steps():
+    """Products are called as a decode step calls them (a model test run before may have left
+    prefill's choice of inputs set)."""
+    before = kernels.decoding()
+    kernels.set_decoding(True)
+    yield
+    kernels.set_decoding(before)
+
+
 @pytest.fixture(params=kernels.ACTIVATIONS)
 def activations(request):
     """Run a test with each rounding of the one-token products' inputs."""
