@@ -1,6 +1,7 @@
 """Several tokens through one weight: the integer kernel (each chunk's digits taken out once and
-multiplied by every token) against dequantizing blocks of rows and numpy's BLAS, in one run, to choose
-`kernels.BLAS_MIN_TOKENS`; and the BLAS itself against torch's CPU matmul (the same dequantized blocks
+multiplied by every token), with int8 inputs (q2, q1, q4, q6) and with 16-bit ones, against
+dequantizing blocks of rows and numpy's BLAS, in one run, to choose `kernels.BLAS_MIN_TOKENS` and
+which codecs take int8 at every token count; and the BLAS itself against torch's CPU matmul (the same dequantized blocks
 through `torch.matmul`, and one float32 product of the whole weight through each), to choose the
 library prefill multiplies with.
 
@@ -68,19 +69,29 @@ def main():
           f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}"
           + (f", torch {torch.__version__} (MKL: {torch.backends.mkl.is_available()})"
              if torch else "") + "\n")
-    head = "| tokens | integer kernel ms (GFLOP/s) | dequantize + numpy BLAS | dequantize + torch | f32 numpy | f32 torch |"
-    print(head + "\n" + "| --- " * 6 + "|")
+    head = ("| tokens | integer kernel, int8 inputs, ms (GFLOP/s) | integer kernel, 16-bit inputs | dequantize + numpy BLAS "
+            "| dequantize + torch | f32 numpy | f32 torch |")
+    print(head + "\n" + "| --- " * 7 + "|")
+
+    def integer(x, y, T, mode):
+        kernels.set_activations(mode)
+        try:
+            return timed(lambda: _qdot.rows(raw, g[None, :], x, jobs, y.reshape(-1), args.threads, T, rows))
+        finally:
+            kernels.set_activations("auto")
+    int8 = args.codec in kernels.X8_CODECS and cols % (256 if args.codec == "q1" else kernels.X8_BLOCK) == 0
     for T in (int(t) for t in args.tokens.split(",")):
         x = rng.standard_normal((T, cols)).astype(np.float32)
         y = np.empty((T, rows), np.float32)
         flop = 2 * T * rows * cols
-        cells = [timed(lambda: _qdot.rows(raw, g[None, :], x, jobs, y.reshape(-1), args.threads, T, rows)),
+        cells = [integer(x, y, T, "int8") if int8 else None, integer(x, y, T, "int16"),
                  timed(lambda: kernels._dequantized_matmul(x, raw, g, rows, cols, y, args.codec))]
         if torch:
             tx, td = torch.from_numpy(x), torch.from_numpy(dense)
             cells += [timed(lambda: torch_blocks(x, y)), timed(lambda: np.matmul(x, dense.T, out=y)),
                       timed(lambda: tx @ td.T)]
-        print(f"| {T} | " + " | ".join(f"{t * 1e3:.2f} ({flop / t / 1e9:.1f})" for t in cells) + " |", flush=True)
+        print(f"| {T} | " + " | ".join("n/a" if t is None else f"{t * 1e3:.2f} ({flop / t / 1e9:.1f})" for t in cells)
+              + " |", flush=True)
 
 if __name__ == "__main__":
     main()

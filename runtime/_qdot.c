@@ -805,9 +805,11 @@ AVX2 static void rows_avx2(const uint8_t *t, const int64_t *g, int64_t r0, int64
  * widens them (vpmaddwd), and 128 weights end in one conversion and one fused multiply-add by
  * d * step(x) (x8d holds quarter steps: q2's digits of spans 1 and 3 are masked in place as 4x the
  * digit, and the other spans' scales are multiplied by 4 to match). The offsets (m * mc for q2 and
- * q4, -32 * d * sc for q6) multiply the exact float sums per span, and each outlier replaces what the
- * integer sum took for its column. */
-AVX2 static void quantize_x8(const float *x, int64_t cols, int8_t *q, float *qd) {
+ * q4, -32 * d * sc for q6) multiply the sums per span of the rounded inputs (not the exact ones: so
+ * each weight as a whole, not only its distance from the offset, multiplies the rounded input, and
+ * the rounding error is sum_j w_j (x^_j - x_j), as small as that of signed codes), and each outlier
+ * replaces what the sums took for its column. */
+AVX2 static void quantize_x8(const float *x, int64_t cols, int8_t *q, float *qd, float *qs) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t c0 = 0; c0 < cols; c0 += 128) {
         int64_t n = cols - c0 < 128 ? cols - c0 : 128;          /* a multiple of 32 */
@@ -822,6 +824,9 @@ AVX2 static void quantize_x8(const float *x, int64_t cols, int8_t *q, float *qd)
             __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 8), inv));
             __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 16), inv));
             __m256i d = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 24), inv));
+            /* the rounded values' sum over the 32 (exact in float: at most 32 * 127) times the step */
+            qs[(c0 + j) / 32] = hsum8(_mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_add_epi32(a, b), _mm256_add_epi32(c, d)))) *
+                                (amax / 127.0f);
             /* packs interleave the 128-bit lanes: one permute puts the 32 bytes back in order */
             __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
             _mm256_storeu_si256((__m256i *)(q + c0 + j), _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
@@ -880,46 +885,45 @@ static inline int x8_scale(int kind, const uint8_t *so, int64_t s) {
     }
 }
 
-/* Row r (no tail, cols a multiple of 128) of a q2, q4 or q6 tensor times x (x8, x8d: int8 per 128;
-   xs: float sums per 32). Per super-block: each span's integer scale in both int16 halves (scw), its
-   offset coefficient (bs: the weight at digit 0, times the exact float sums), and per 128 columns the
-   float factor cc = d * step(x). Scratch: scw [nfs], cc [nfs / 4], bs [nfs]. */
-AVX2 static inline __attribute__((always_inline)) float row_x8(const int kind, const uint8_t *t, const int64_t *g, int64_t r,
-                                                             const float *x, const int8_t *x8, const float *x8d,
-                                                             const float *xs, int32_t *scw, float *cc, float *bs,
-                                                             atomic_int *bad) {
-    int64_t cols = g[G_COLS], nfs = cols / 32, nq = cols / 128, k = g[G_K], lb = q6_lo_bytes(cols);
+/* Row r's constants for int8 inputs (no tail, cols a multiple of 128; q2, q4, q6 or q1): each span's
+   integer scale in both int16 halves (scw [nfs]), its offset coefficient (bs [nfs]: the weight at digit
+   0, to multiply the sums of x per span), and per 128 columns the float factor dq [nfs / 4] = d / (the
+   scales' factor), to multiply by each input's quarter step. With one token's x8d and sums xs (not
+   NULL: a constant in each inlined copy) dq comes out times x8d, and the offsets' sum is returned. */
+AVX2 static inline __attribute__((always_inline)) float row_x8_setup(const int kind, const uint8_t *t, const int64_t *g,
+                                                                   int64_t r, int32_t *scw, float *dq, float *bs,
+                                                                   const float *x8d, const float *xs) {
+    int64_t nfs = g[G_COLS] / 32, nsb = nfs / 8;
     const uint8_t *po = t + g[G_OFFPAR] + r * g[G_PARROW], *so = t + g[G_OFFSUB] + r * g[G_SUBROW];
-    const uint8_t *codes = t + g[G_OFFCODE] + r * g[G_CODEROW];
     const __m256i m15 = _mm256_set1_epi32(15), m255 = _mm256_set1_epi32(255);
-    /* cc = d * step(x) / (the scales' factor): x8d is a quarter step; q2's scales carry 4 (digits 4x),
-       q1's 128 (each bit in place, its scale shifted to match) and its levels are 2c - 1 */
-    const __m256 four = _mm256_set1_ps(kind == K_Q2 ? 1.0f : kind == K_Q1 ? 1.0f / 16 : 4.0f);
+    /* x8d is a quarter step; q2's scales carry 4 (digits 4x), q1's 128 (each bit in place, its scale
+       shifted to match) and its levels are 2c - 1 */
+    const float four = kind == K_Q2 ? 1.0f : kind == K_Q1 ? 1.0f / 16 : 4.0f;
     __m256 off = _mm256_setzero_ps();
-    int64_t nsb = nfs / 8;
     for (int64_t b = 0; b < nsb; b++) {
         __m256i sc;
-        __m256 d, B;
+        __m256 B;
+        float d;
         if (kind == K_Q1) {
             uint32_t w, w4;
             memcpy(&w, po + 4 * b, 4);
             memcpy(&w4, so + 4 * b, 4);
             __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)w));
-            d = _mm256_broadcastss_ps(dm);
+            d = _mm_cvtss_f32(dm);
             __m256i v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w4), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)), m15);
             sc = _mm256_sllv_epi32(v, _mm256_setr_epi32(7, 6, 5, 4, 3, 2, 1, 0));
-            B = _mm256_fnmadd_ps(d, _mm256_cvtepi32_ps(v), _mm256_broadcastss_ps(_mm_movehdup_ps(dm)));   /* m - A */
+            B = _mm256_fnmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(v), _mm256_broadcastss_ps(_mm_movehdup_ps(dm)));   /* m - A */
         } else if (kind == K_Q6) {
             uint16_t h;
             memcpy(&h, po + 2 * b, 2);
-            d = _mm256_set1_ps(_cvtsh_ss(h));
+            d = _cvtsh_ss(h);
             sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(so + 8 * b)));
-            B = _mm256_mul_ps(_mm256_mul_ps(d, _mm256_set1_ps(-32.0f)), _mm256_cvtepi32_ps(sc));
+            B = _mm256_mul_ps(_mm256_set1_ps(-32.0f * d), _mm256_cvtepi32_ps(sc));
         } else {
             uint32_t w;
             memcpy(&w, po + 4 * b, 4);
             __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)w));
-            d = _mm256_broadcastss_ps(dm);
+            d = _mm_cvtss_f32(dm);
             __m256i v, mc;
             if (kind == K_Q2) {
                 v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(so + 8 * b)));
@@ -934,11 +938,15 @@ AVX2 static inline __attribute__((always_inline)) float row_x8(const int kind, c
         }
         _mm256_storeu_si256((__m256i *)(scw + 8 * b), _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16)));
         _mm256_storeu_ps(bs + 8 * b, B);
-        off = _mm256_fmadd_ps(B, _mm256_loadu_ps(xs + 8 * b), off);
-        _mm_storel_pi((__m64 *)(cc + 2 * b), _mm_mul_ps(_mm256_castps256_ps128(_mm256_mul_ps(d, four)),
-                                                       _mm_loadl_pi(_mm_setzero_ps(), (const __m64 *)(x8d + 2 * b))));
+        if (xs) {
+            off = _mm256_fmadd_ps(B, _mm256_loadu_ps(xs + 8 * b), off);
+            dq[2 * b] = d * four * x8d[2 * b];
+            dq[2 * b + 1] = d * four * x8d[2 * b + 1];
+        } else {
+            dq[2 * b] = dq[2 * b + 1] = d * four;
+        }
     }
-    float tot = 0;
+    float tot = xs ? hsum8(off) : 0.0f;
     for (int64_t s = 8 * nsb; s < nfs; s++) {          /* a last, shorter super-block */
         float A, B;
         span_ab(t, g, r, s, &A, &B);
@@ -946,13 +954,33 @@ AVX2 static inline __attribute__((always_inline)) float row_x8(const int kind, c
         if (kind == K_Q2 && !(s & 1)) sc *= 4;
         scw[s] = sc | (sc << 16);
         bs[s] = kind == K_Q6 ? -32.0f * A : kind == K_Q1 ? B - A : B;
-        tot += bs[s] * xs[s];
-        if ((s & 3) == 0) {
-            float d = kind == K_Q6 ? f16_at(po + 2 * nsb) : f16_at(po + 4 * nsb);
-            cc[s / 4] = d * x8d[s / 4] * (kind == K_Q2 ? 1.0f : kind == K_Q1 ? 1.0f / 16 : 4.0f);
-        }
+        if (xs) tot += bs[s] * xs[s];
+        if ((s & 3) == 0)
+            dq[s / 4] = (kind == K_Q6 ? f16_at(po + 2 * nsb) : f16_at(po + 4 * nsb)) * four * (xs ? x8d[s / 4] : 1.0f);
     }
-    __m256 acc0 = off, acc1 = _mm256_setzero_ps();          /* the offsets' sum joins the accumulators */
+    return tot;
+}
+
+/* sum of a[i] * b[i] over n floats */
+AVX2 static inline float dotn(const float *a, const float *b, int64_t n) {
+    __m256 v = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) v = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), v);
+    float tot = hsum8(v);
+    for (; i < n; i++) tot += a[i] * b[i];
+    return tot;
+}
+
+/* Row r (no tail, cols a multiple of 128) of a q2, q4, q6 or q1 tensor times x (x8, x8d: int8 per 128;
+   xs: the rounded inputs' sums per 32), with row_x8_setup's constants. Scratch: scw [nfs], cc [nfs / 4], bs [nfs]. */
+AVX2 static inline __attribute__((always_inline)) float row_x8(const int kind, const uint8_t *t, const int64_t *g, int64_t r,
+                                                             const float *x, const int8_t *x8, const float *x8d,
+                                                             const float *xs, int32_t *scw, float *cc, float *bs,
+                                                             atomic_int *bad) {
+    int64_t cols = g[G_COLS], nq = cols / 128, k = g[G_K], lb = q6_lo_bytes(cols);
+    const uint8_t *so = t + g[G_OFFSUB] + r * g[G_SUBROW], *codes = t + g[G_OFFCODE] + r * g[G_CODEROW];
+    float off = row_x8_setup(kind, t, g, r, scw, cc, bs, x8d, xs);      /* cc: each block's factor */
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int64_t q = 0;
     for (; q + 1 < nq; q += 2) {              /* two blocks per step: two independent accumulators */
         acc0 = _mm256_fmadd_ps(block128_x8(kind, codes, q, 0, lb, x8 + 128 * q, scw + 4 * q), _mm256_broadcast_ss(cc + q), acc0);
@@ -961,8 +989,8 @@ AVX2 static inline __attribute__((always_inline)) float row_x8(const int kind, c
     }
     if (q < nq)
         acc0 = _mm256_fmadd_ps(block128_x8(kind, codes, q, 0, lb, x8 + 128 * q, scw + 4 * q), _mm256_broadcast_ss(cc + q), acc0);
-    tot += hsum8(_mm256_add_ps(acc0, acc1));
-    /* outliers (q2): their value times x, less what the sums above took for the column */
+    float tot = hsum8(_mm256_add_ps(acc0, acc1)) + off;
+    /* outliers: their value times x, less what the sums above took for the column */
     const uint8_t *oc = t + g[G_OFFOCOL] + 2 * r * k, *ov = t + g[G_OFFOVAL] + 2 * r * k;
     int64_t prev = -1;
     float fx[2] = {0, 0};
@@ -977,7 +1005,7 @@ AVX2 static inline __attribute__((always_inline)) float row_x8(const int kind, c
         }
         prev = col;
         float used = cc[col >> 7] * (float)(x8_scale(kind, so, s) * digit_full(kind, codes, col, cols) * x8[col]) +
-                     bs[s] * x[col];
+                     bs[s] * (float)x8[col] * (4 * x8d[col >> 7]);
         fx[i & 1] += _cvtsh_ss(vw) * x[col] - used;
     }
     return tot + fx[0] + fx[1];
@@ -1100,7 +1128,8 @@ struct task {
     const float *xf, *xsc, *xs;
     const int16_t *xq, *xp;
     const int8_t *x8;                                     /* rows jobs: x as int8 per 128 values (or NULL) */
-    const float *x8d;                                     /* ... and their scales */
+    const float *x8d;                                     /* ... and their scales (quarter steps) */
+    const float *x8s;                                     /* ... and the rounded values' sums per 32 */
     int64_t cols, nspan, n, stride;
     int64_t ntok, ostride;                                /* rows jobs: tokens per job, output stride */
     int64_t njobs_rows;                                   /* ggml jobs: rows of the tensor */
@@ -1118,6 +1147,102 @@ struct task {
 };
 
 #if HAVE_X86
+/* nt tokens' inputs (xb, cols apart) times one row's 128-column blocks, the digits of each block taken
+   out once for all of them: acc[j] = token j's 8 partial sums (cc [nt][nq]: each block's factor) */
+AVX2 static inline __attribute__((always_inline)) void x8_tokens(const int kind, const int nt, const uint8_t *codes,
+                                                                int64_t nq, int64_t lb, const int32_t *scw,
+                                                                const int8_t *xb, int64_t cols, const float *cc,
+                                                                __m256 *acc) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t q = 0; q < nq; q++) {
+        __m256i d[4];
+        digits128(kind, codes, q, (int)(q & 1), lb, d);
+        const __m256i s0 = _mm256_set1_epi32(scw[4 * q]), s1 = _mm256_set1_epi32(scw[4 * q + 1]),
+                      s2 = _mm256_set1_epi32(scw[4 * q + 2]), s3 = _mm256_set1_epi32(scw[4 * q + 3]);
+#define X8_TOKEN(j, a)                                                                                            \
+        if (nt > j) {                                                                                             \
+            const int8_t *xc = xb + j * cols + 128 * q;                                                           \
+            __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(d[0], LOAD32(xc)), s0);                          \
+            __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(d[1], LOAD32(xc + 32)), s1);                     \
+            __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(d[2], LOAD32(xc + 64)), s2);                     \
+            __m256i p3 = _mm256_madd_epi16(_mm256_maddubs_epi16(d[3], LOAD32(xc + 96)), s3);                     \
+            a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3))), \
+                                _mm256_broadcast_ss(cc + j * nq + q), a);                                         \
+        }
+        X8_TOKEN(0, a0) X8_TOKEN(1, a1) X8_TOKEN(2, a2) X8_TOKEN(3, a3)
+#undef X8_TOKEN
+    }
+    acc[0] = a0; acc[1] = a1; acc[2] = a2; acc[3] = a3;
+}
+
+/* rows_job for several tokens with int8 inputs: row_x8_setup once per row, then the tokens four at a
+   time through each 128-column block (its digits taken out once for the four), then per token the
+   offsets' sum and the outliers (decoded once per row). */
+AVX2 static inline __attribute__((always_inline)) void multi_x8_kind(const int kind, task_t *t, const int64_t *job,
+                                                                    float *scratch) {
+    const int64_t *g = t->geoms + G_LEN * job[1];
+    int64_t cols = t->cols, nfs = cols / 32, nq = cols / 128, nsp = t->nspan, k = g[G_K], lb = q6_lo_bytes(cols);
+    const uint8_t *tensor = t->raw + job[0];
+    int32_t *scw = (int32_t *)scratch;
+    float *dq = scratch + nfs + 8, *bs = dq + nq + 8, *cc = bs + nfs + 8;      /* cc [4][nq] */
+    int64_t ocol[256], oint[256];
+    float oval[256];
+    /* TOKEN_TILE tokens' inputs at a time (they stay in L2 while every row of the job passes over them) */
+    for (int64_t t0 = job[4]; t0 < job[4] + t->ntok; t0 += TOKEN_TILE) {
+    int64_t t1 = t0 + TOKEN_TILE < job[4] + t->ntok ? t0 + TOKEN_TILE : job[4] + t->ntok;
+    for (int64_t r = job[2]; r < job[3]; r++) {
+        const uint8_t *codes = tensor + g[G_OFFCODE] + r * g[G_CODEROW], *so = tensor + g[G_OFFSUB] + r * g[G_SUBROW];
+        prefetch_next_row(tensor, g, r);
+        row_x8_setup(kind, tensor, g, r, scw, dq, bs, NULL, NULL);
+        int64_t n = outliers_valid(tensor, g, r, &t->bad);
+        const uint8_t *pc = tensor + g[G_OFFOCOL] + 2 * r * k, *pv = tensor + g[G_OFFOVAL] + 2 * r * k;
+        for (int64_t i = 0; i < n; i++) {
+            ocol[i] = pc[2 * i] | (pc[2 * i + 1] << 8);
+            oval[i] = f16_at(pv + 2 * i);
+            oint[i] = x8_scale(kind, so, ocol[i] >> 5) * digit_full(kind, codes, ocol[i], cols);
+        }
+        float *dst = t->out + job[5] + r - job[2];
+        for (int64_t x0 = t0; x0 < t1; x0 += 4) {
+            int nt = t1 - x0 < 4 ? (int)(t1 - x0) : 4;
+            const int8_t *xb = t->x8 + x0 * cols;
+            for (int j = 0; j < nt; j++) {
+                const float *x8d = t->x8d + (x0 + j) * nq;
+                for (int64_t q = 0; q < nq; q++) cc[j * nq + q] = dq[q] * x8d[q];
+            }
+            __m256 acc[4];
+            switch (nt) {     /* the token count a constant in each copy: the sums stay in registers */
+            case 4: x8_tokens(kind, 4, codes, nq, lb, scw, xb, cols, cc, acc); break;
+            case 3: x8_tokens(kind, 3, codes, nq, lb, scw, xb, cols, cc, acc); break;
+            case 2: x8_tokens(kind, 2, codes, nq, lb, scw, xb, cols, cc, acc); break;
+            default: x8_tokens(kind, 1, codes, nq, lb, scw, xb, cols, cc, acc); break;
+            }
+            for (int j = 0; j < nt; j++) {
+                int64_t xi = x0 + j;
+                const float *x = t->xf + xi * cols, *c = cc + j * nq;
+                const int8_t *x8 = t->x8 + xi * cols;
+                const float *x8d = t->x8d + xi * nq;
+                float tot = hsum8(acc[j]) + dotn(bs, t->x8s + xi * nsp, nfs);
+                for (int64_t i = 0; i < n; i++) {
+                    int64_t col = ocol[i];
+                    tot += oval[i] * x[col] - (c[col >> 7] * (float)(oint[i] * x8[col]) +
+                                               bs[col >> 5] * (float)x8[col] * (4 * x8d[col >> 7]));
+                }
+                dst[(xi - job[4]) * t->ostride] = tot;
+            }
+        }
+    }
+    }
+}
+
+AVX2 static void multi_x8(task_t *t, const int64_t *job, float *scratch) {
+    switch ((int)t->geoms[G_LEN * job[1] + G_KIND]) {
+    case K_Q2: multi_x8_kind(K_Q2, t, job, scratch); break;
+    case K_Q4: multi_x8_kind(K_Q4, t, job, scratch); break;
+    case K_Q1: multi_x8_kind(K_Q1, t, job, scratch); break;
+    default: multi_x8_kind(K_Q6, t, job, scratch); break;
+    }
+}
+
 /* rows_job for several tokens on AVX2: multi_avx2 over each row's whole chunks, then per token the
    offsets' sum, the tail and the outliers */
 AVX2 static void multi_job_avx2(task_t *t, const int64_t *job, float *scratch) {
@@ -1214,12 +1339,15 @@ static void rows_job(task_t *t, int64_t j, float *scratch) {
     const uint8_t *tensor = t->raw + job[0];
 #if HAVE_X86
     if (use_avx2 && ntok > 1) {
-        multi_job_avx2(t, job, scratch);
+        if (t->x8 && x8_kind((int)g[G_KIND]) && g[G_COLS] % 128 == 0 && full_cols(g) == g[G_COLS] && g[G_K] <= 256)
+            multi_x8(t, job, scratch);
+        else
+            multi_job_avx2(t, job, scratch);
         return;
     }
     if (use_avx2 && t->x8 && x8_kind((int)g[G_KIND]) && g[G_COLS] % 128 == 0 && full_cols(g) == g[G_COLS]) {
         rows_x8(tensor, g, job[2], job[3], t->xf + x0 * cols, t->x8 + x0 * cols, t->x8d + x0 * ((cols + 127) / 128),
-                   t->xs + x0 * nsp, scratch, t->out + job[5], &t->bad);
+                   t->x8s + x0 * nsp, scratch, t->out + job[5], &t->bad);
         return;
     }
     if (use_avx2) {
@@ -1878,9 +2006,10 @@ static int quantize_rows(const float *xf, int64_t nx, int64_t cols, int16_t **xq
 #if HAVE_X86
     if (use_avx2 && x8) {
         *x8 = malloc(n ? n : 1);
-        *x8d = malloc(sizeof(float) * (nx * nq + 1));
+        *x8d = malloc(sizeof(float) * (nx * (nq + nspan) + 1));        /* the steps, then the sums */
         if (!*x8 || !*x8d) { PyErr_NoMemory(); return -1; }
-        for (int64_t i = 0; i < nx; i++) quantize_x8(xf + i * cols, cols, *x8 + i * cols, *x8d + i * nq);
+        for (int64_t i = 0; i < nx; i++)
+            quantize_x8(xf + i * cols, cols, *x8 + i * cols, *x8d + i * nq, *x8d + nx * nq + i * nspan);
     }
 #endif
     for (int64_t i = 0; i < nx; i++) {
@@ -1945,9 +2074,9 @@ static PyObject *py_rows(PyObject *self, PyObject *args) {
     int64_t nspan = cols / 32, tile = ntok < TOKEN_TILE ? ntok : TOKEN_TILE;
     int any_x8 = 0;
     for (int64_t i = 0; i < ng; i++) any_x8 |= x8_kind((int)geoms[G_LEN * i + G_KIND]);
-    if (quantize_rows(b[2].b.buf, nx, cols, &xq, &xsc, &xs, any_x8 && ntok == 1 ? &x8 : NULL, &x8d)) goto done;
+    if (quantize_rows(b[2].b.buf, nx, cols, &xq, &xsc, &xs, any_x8 ? &x8 : NULL, &x8d)) goto done;
     task_t t = {.job = rows_job, .raw = b[0].b.buf, .geoms = geoms, .xf = b[2].b.buf, .xsc = xsc, .xs = xs,
-                .xq = xq, .xp = xq + nxf, .x8 = x8, .x8d = x8d,
+                .xq = xq, .xp = xq + nxf, .x8 = x8, .x8d = x8d, .x8s = x8d ? x8d + nx * ((cols + 127) / 128) : NULL,
                 .cols = cols, .nspan = nspan, .jobs = jobs, .njobs = njobs, .out = b[4].b.buf, .ntok = ntok,
                 .ostride = ostride, .scratch_floats = rows_scratch(max_rows, tile, nspan)};
     int bad = run_unlocked(&t, threads);
@@ -2085,11 +2214,11 @@ static PyObject *py_moe(PyObject *self, PyObject *args) {
     for (int64_t i = 0; i < n; i++)
         for (int w = 0; w < 2; w++)
             nj += moe_jobs(jobs + JOB_LEN * nj, offs[3 * i + w], 2 * pick[i], inter, hidden, tok[i], (2 * i + w) * inter);
-    int any_x8 = 0;          /* one token (decode) only: several tokens take 16 bits, as linear() does */
-    for (int64_t i = 0; i < ng; i++) any_x8 |= T == 1 && x8_kind((int)geoms[G_LEN * i + G_KIND]);
+    int any_x8 = 0;          /* as rows(): codecs whose products take int8 inputs, at any token count */
+    for (int64_t i = 0; i < ng; i++) any_x8 |= x8_kind((int)geoms[G_LEN * i + G_KIND]);
     if (quantize_rows(x, T, hidden, &xq, &xsc, &xs, any_x8 ? &x8 : NULL, &x8d)) goto done;
     task_t t1 = {.job = rows_job, .raw = b[0].b.buf, .geoms = geoms, .xf = x, .xsc = xsc, .xs = xs, .xq = xq,
-                 .x8 = x8, .x8d = x8d,
+                 .x8 = x8, .x8d = x8d, .x8s = x8d ? x8d + T * ((hidden + 127) / 128) : NULL,
                  .xp = xq + T * hidden, .cols = hidden, .nspan = hidden / 32, .jobs = jobs, .njobs = nj, .out = h,
                  .ntok = 1, .scratch_floats = rows_scratch(moe_rows_per_job(hidden), 1, hidden / 32)};
     int bad = run_unlocked(&t1, threads);
@@ -2101,7 +2230,7 @@ static PyObject *py_moe(PyObject *self, PyObject *args) {
         nj += moe_jobs(jobs + JOB_LEN * nj, offs[3 * i + 2], 2 * pick[i] + 1, hidden, inter, i, i * hidden);
     if (quantize_rows(act, n, inter, &aq, &asc, &as, any_x8 ? &a8 : NULL, &a8d)) goto done;
     task_t t2 = {.job = rows_job, .raw = b[0].b.buf, .geoms = geoms, .xf = act, .xsc = asc, .xs = as, .xq = aq,
-                 .x8 = a8, .x8d = a8d,
+                 .x8 = a8, .x8d = a8d, .x8s = a8d ? a8d + n * ((inter + 127) / 128) : NULL,
                  .xp = aq + n * inter, .cols = inter, .nspan = inter / 32, .jobs = jobs, .njobs = nj, .out = y,
                  .ntok = 1, .scratch_floats = rows_scratch(moe_rows_per_job(inter), 1, inter / 32)};
     int bad2 = run_unlocked(&t2, threads);
@@ -2748,7 +2877,7 @@ static PyMethodDef methods[] = {
     {"dequantize", py_dequantize, METH_VARARGS, dequantize_doc},
     {"read_sum", py_read_sum, METH_VARARGS, "read_sum(buffer, threads): the buffer's uint64 words summed (reads it all)"},
     {"quantize", py_quantize, METH_VARARGS, "quantize(x, xq, xsc, xs): x float32 [cols] -> int16 per 32 values"},
-    {"set_x8", py_set_x8, METH_VARARGS, "set_x8(kinds): the codec kinds (a bit mask of 1 << kind) whose one-token products take int8 activations (per 128 values); returns the old mask"},
+    {"set_x8", py_set_x8, METH_VARARGS, "set_x8(kinds): the codec kinds (a bit mask of 1 << kind) whose products take int8 activations (per 128 values); returns the old mask"},
     {"set_isa", py_set_isa, METH_VARARGS, "set_isa('avx2' | 'generic'): the kernels' instruction set"},
     {"isa", py_isa, METH_NOARGS, "the instruction set in use"},
     {"set_spin_us", py_set_spin, METH_VARARGS, "how long idle workers spin before they sleep"},

@@ -30,9 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "input rounded to 8 bits as llama.cpp does, so the file gives llama.cpp's logits "
                         "(llama.cpp, the default), or the float32 input as it is (f32: the weights' exact product)")
     p.add_argument("--activations", choices=("auto", "int8", "int16"), default="auto",
-                   help="how one-token products round their input: auto (the default) rounds it to int8 per 128 "
-                        "values for q2 and q1 weights (routed experts) and to 16 bits per 32 values elsewhere; "
-                        "int8 also for q4/q6 weights (faster, a little more KL); int16 everywhere")
+                   help="how the integer kernels round a product's input, in prompts and decode steps alike: "
+                        "auto (the default) rounds it to int8 per 128 values for q2 and q1 weights (routed "
+                        "experts) and to 16 bits per 32 values elsewhere; int8 also for q4/q6 weights (faster, "
+                        "a little more KL); int16 everywhere")
     p.add_argument("--max-context", type=int, default=None,
                    help="KV cache length in tokens (default: min(4096, the model's maximum), shortened when "
                         "that does not fit --memory-budget)")

@@ -4,14 +4,14 @@ layout in formats/SPEC.md).
 T = 1 (decode): the C kernel runtime/_qdot.c (integer dot products; AVX2 where the CPU has it, portable
 C otherwise). It quantises x once per call (16-bit integers per 32 values, exact float sums kept),
 multiplies each codec's stored digits by them in int32 lanes, applies each span's scale and offset
-once, and corrects outliers exactly; nothing is dequantized. In decode steps q2 and q1 weights (the
-routed experts) take x as int8 per 128 values instead (q4/q6 too with `set_activations("int8")`):
-byte products, the sub-block scales applied as integers, one float step per 128 weights. Every
-caller hands it a list of row jobs (a linear, all routed experts of a token, kv_b's heads), shared
-out over a small thread pool.
-Several tokens (prefill, or the tokens routed to one expert): the same kernel takes each chunk's
-digits out once and multiplies them by every token. Many tokens: rows are dequantized one block at a
-time (BLOCK_BYTES, bit for bit as the reference decoder) and BLAS multiplies.
+once, and corrects outliers exactly; nothing is dequantized. q2 and q1 weights (the routed experts)
+take x as int8 per 128 values instead (q4/q6 too with `set_activations("int8")`): byte products, the
+sub-block scales applied as integers, one float step per 128 weights. Every caller hands it a list of
+row jobs (a linear, all routed experts of a token, kv_b's heads), shared out over a small thread pool.
+Several tokens (prefill, or the tokens routed to one expert): the same kernel takes each block's
+digits out once and multiplies them by four tokens at a time. With int8 inputs that holds at every
+token count; with 16-bit ones, from BLAS_MIN_TOKENS tokens on rows are dequantized one block at a time
+(BLOCK_BYTES, bit for bit as the reference decoder) and BLAS multiplies.
 `dequantize` equals the numpy reference decoder bit for bit (no fastmath there); tests hold it to it.
 llama.cpp's block types kept from a GGUF file (codecs `gguf-<type>`) have their own C decoders
 (runtime/_ggml.c, equal bit for bit to the gguf package's dequantizer): a product decodes one block at
@@ -36,8 +36,10 @@ from kimistream.runtime import _qdot
 # Below this many weights a mat-vec runs on the calling thread alone: splitting a small weight saves less than a busy second core costs (q4 512x1024: 163 us on
 # one thread; 143 us on two when both cores are idle, 740 us when the other one is busy).
 PARALLEL_MIN_WEIGHTS = 1 << 20
-# From this many tokens on, dequantized row blocks + BLAS beat the several-token integer kernel
-# (benchmarks/RESULTS.md: at 24 tokens q2 2048x7168 takes 10 ms against 25; at 48 they are even).
+# From this many tokens on, dequantized row blocks + BLAS beat the several-token kernel on 16-bit
+# inputs (benchmarks/RESULTS.md: at 24 tokens q2 2048x7168 takes 10 ms against 25; at 48 they are
+# even). The int8 kernel beats them at every count measured (q2 2048x7168: 4.9 ms against 15.3 at 24
+# tokens, 55 against 91 at 256, 116 against 179 at 512), so codecs that take int8 always take it.
 BLAS_MIN_TOKENS = 32
 BLOCK_BYTES = 2 << 20    # float32 bytes per dequantized block of rows (at least 64 rows): fewer, larger
                           # products (BLAS packs the tokens again for each; measured: 256 tokens x 1024
@@ -141,12 +143,13 @@ def quantize_activations(x: np.ndarray):
 
 
 def set_activations(mode: str) -> None:
-    """How a decode step's one-token products round their input: "auto" (the default) takes int8 per
-    128 values for q2 and q1 weights (routed experts: byte products, vpmaddubsw, one float step per
-    128 weights) and 16-bit integers per 32 values for every other codec; "int8" takes int8 for q4 and q6
-    as well (attention, shared experts, lm_head: a little faster, at a measurable KL cost, see
-    benchmarks/RESULTS.md); "int16" keeps 16 bits everywhere. Prefill (set_decoding(False)) always
-    takes 16 bits, so perplexity and calibration do not depend on this setting."""
+    """How the integer kernels round a product's input: "auto" (the default) takes int8 per 128 values
+    for q2 and q1 weights (routed experts: byte products, vpmaddubsw, one float step per 128 weights)
+    and 16-bit integers per 32 values for every other codec; "int8" takes int8 for q4 and q6 as well
+    (attention, shared experts, lm_head: faster, at a measurable KL cost, see benchmarks/RESULTS.md);
+    "int16" keeps 16 bits everywhere. A codec that takes int8 goes through the integer kernel at
+    every token count (it is faster than dequantized blocks and BLAS at every count measured), so a
+    prompt, a decode step, perplexity and calibration all round its inputs alike."""
     global _activations
     if mode not in ACTIVATIONS:
         raise ValueError(f"activations: {mode!r} is not one of {', '.join(ACTIVATIONS)}")
@@ -160,14 +163,11 @@ def activations() -> str:
 
 
 def set_decoding(decoding: bool) -> None:
-    """Decode steps call the kernels back to back: idle pool workers spin for the next call, and
-    one-token products take the inputs set_activations chose. With several tokens BLAS runs between
-    the kernel calls and wants every core (workers sleep at once), and every product takes 16 bits."""
+    """Decode steps call the kernels back to back: idle pool workers spin for the next call. With
+    several tokens BLAS runs between the kernel calls and wants every core (workers sleep at once)."""
     global _decoding
     _qdot.set_spin_us(SPIN_US if decoding else 0)
-    if decoding != _decoding:
-        _decoding = decoding
-        _apply_x8()
+    _decoding = decoding
 
 
 def decoding() -> bool:
@@ -176,8 +176,6 @@ def decoding() -> bool:
 
 
 def _x8_codecs() -> tuple:
-    if not _decoding:
-        return ()
     return {"auto": ("q2", "q1"), "int8": X8_CODECS, "int16": ()}[_activations]
 
 
@@ -185,19 +183,19 @@ def _apply_x8() -> None:
     _qdot.set_x8(sum(1 << get_codec(c).kind for c in _x8_codecs()))
 
 
-def takes_int8(codec: str, tokens: int = 1, cols: int | None = None) -> bool:
-    """Whether a product by a `codec` weight (of `cols` columns) over `tokens` tokens rounds its input
-    to int8 now: rows of whole 128-column blocks and whole code chunks only (q1's are 256)."""
+def takes_int8(codec: str, cols: int | None = None) -> bool:
+    """Whether a product by a `codec` weight (of `cols` columns) rounds its input to int8 now: rows of
+    whole 128-column blocks and whole code chunks only (q1's are 256)."""
     if cols is not None and cols % (256 if codec == "q1" else X8_BLOCK):
         return False
-    return tokens == 1 and isa() == "avx2" and codec in _x8_codecs()
+    return isa() == "avx2" and codec in _x8_codecs()
 
 
-def rounded_input(codec: str, x: np.ndarray, tokens: int = 1) -> np.ndarray:
-    """x [cols] as the integer kernels multiply it by a `codec` weight in a call of `tokens` tokens
-    (float64; exact float sums aside): int8 per X8_BLOCK values where `takes_int8`, else int16 per 32."""
+def rounded_input(codec: str, x: np.ndarray) -> np.ndarray:
+    """x [cols] as the integer kernels multiply it by a `codec` weight (float64; exact float sums
+    aside): int8 per X8_BLOCK values where `takes_int8`, else int16 per 32."""
     x = np.ascontiguousarray(x, dtype=np.float32)
-    if takes_int8(codec, tokens, x.shape[0]):
+    if takes_int8(codec, x.shape[0]):
         b = x.reshape(-1, X8_BLOCK)
         amax = np.abs(b).max(axis=1, keepdims=True)
         inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
@@ -390,7 +388,7 @@ class Linear:
                 if fix is not None:
                     y += fix @ _gguf_offsets(self.codec, self.raw, rows, cols).T
         elif rows and T:
-            if T < BLAS_MIN_TOKENS:
+            if T < BLAS_MIN_TOKENS or takes_int8(self.codec, cols):
                 # every token through each block of rows in one pass (the digits are taken out once)
                 _run(self.raw, self.geoms, x2, self.jobs, y, rows * cols * T, self.codec, T, rows)
             else:

@@ -164,7 +164,7 @@ def collect_importance_by_layer(model: Model, chunks, batch: int, progress=None,
 
 
 def _by_layer(model: Model, chunks, cut, batch: int, st, progress) -> None:
-    kernels.set_decoding(False)      # prefill's products (16-bit inputs), as Model.forward would choose
+    kernels.set_decoding(False)      # several tokens per call, as Model.forward would set
     x, h, n = st.x, st.h, int(cut[-1])
     ids = np.concatenate(chunks)
     for a in range(0, n, batch):
@@ -291,8 +291,13 @@ class _ObservedExperts(ExpertProvider):
 @contextmanager
 def observing(model: Model, observer):
     """While inside, every weight's input goes to `observer(tensor name, x)` (calibration), kv_b's
-    being the KV latent. The model's modules are wrapped from the outside and restored after."""
+    being the KV latent. The model's modules are wrapped from the outside and restored after.
+    Calibration measures the model, not a kernel's rounding of it: while observing, the integer
+    kernels take 16-bit inputs (with int8 ones, the float-rounding differences between a token-major
+    and a layer-major pass can move a value across an int8 step and flip a token's routing)."""
     undo = []
+    rounding = kernels.activations()
+    kernels.set_activations("int16")
 
     def wrap(obj, attr, value):
         undo.append((obj, attr, obj.__dict__.get(attr, _ABSENT)))
@@ -322,6 +327,7 @@ def observing(model: Model, observer):
     try:
         yield model
     finally:
+        kernels.set_activations(rounding)
         for obj, attr, old in reversed(undo):
             if old is _ABSENT:
                 delattr(obj, attr)

@@ -1,13 +1,15 @@
 """Fused kernels (runtime/kernels.py) against the numpy reference decoders (formats/quants.py), for
 every block codec, full and tail chunks, rows with outliers, 1-row weights:
 - `dequantize` bit for bit;
-- the integer mat-vec (one token, or several through the same rows: T < BLAS_MIN_TOKENS) equals
-  the reference weight times x in float64 to within the rounding of x it takes (int8 per 128 values
-  where `kernels.takes_int8`, else 16 bits per 32, in every `--activations` mode):
+- the integer mat-vec (one token, or several through the same rows: T < BLAS_MIN_TOKENS, or any T
+  where the codec takes int8) equals the reference weight times x in float64 to within the rounding
+  of x it takes (int8 per 128 values where `kernels.takes_int8`, else 16 bits per 32, in every
+  `--activations` mode):
   |y - W x| <= sum_j |W_j - O_j| |x_j - x^_j| + 1e-5 |W| |x|, where x^ is the
-  rounded activation and O_j the value the weight would have with code 0 (the part of each weight
-  that multiplies exact span sums), outlier columns excluded (they are corrected exactly);
-- more tokens (row blocks + BLAS) to float32 rounding;
+  rounded activation and O_j, with 16-bit inputs, the value the weight would have with code 0 (the
+  part of each weight that multiplies exact span sums; int8 inputs' offsets take the rounded sums, so
+  O_j = 0 there), outlier columns excluded (they are corrected exactly);
+- more tokens on 16-bit inputs (row blocks + BLAS) to float32 rounding;
 - the fused routed-expert step equals the same experts run one linear at a time;
 float codecs fall back to numpy; corrupt bytes are refused."""
 
@@ -74,25 +76,28 @@ def activations_mode(mode):
 
 @pytest.mark.parametrize("name", kernels.X8_CODECS)
 def test_int8_activations_round_inputs_per_128(name):
-    """With int8 activations a one-token q2/q1/q4/q6 product is within int8's rounding bound and not
-    within int16's (so the int8 route really ran); q8 and several tokens keep int16; "auto" takes
-    int8 for q2 and q1 only."""
+    """With int8 activations a q2/q1/q4/q6 product, of one token or several (through the same rows,
+    and past BLAS_MIN_TOKENS), is within int8's rounding bound and not within int16's (so the int8
+    route really ran); q8 keeps int16; "auto" takes int8 for q2 and q1 only."""
     if kernels.isa() != "avx2":
         pytest.skip("int8 activations are an AVX2 route")
     with activations_mode("auto"):
         assert kernels.takes_int8("q2") and kernels.takes_int8("q1") and not kernels.takes_int8("q4")
-        assert not kernels.takes_int8("q2", tokens=2) and not kernels.takes_int8("q1", cols=384)
+        assert not kernels.takes_int8("q1", cols=384) and kernels.takes_int8("q1", cols=512)
     shape = (16, 1024)
     raw = encode(name, weight(shape, seed=3))
-    x = np.random.default_rng(3).standard_normal(shape[1]).astype(np.float32)
+    xs = np.random.default_rng(3).standard_normal((kernels.BLAS_MIN_TOKENS + 5, shape[1])).astype(np.float32)
+    ref = get_codec(name).decode(raw, shape).astype(np.float64)
     with activations_mode("int8"):
-        r8 = kernels.rounded_input(name, x)
-        assert np.abs(r8 - x).max() > 100 * np.abs(kernels.rounded_input("q8", x) - x).max()
-        np.testing.assert_array_equal(kernels.rounded_input(name, x, tokens=3), kernels.rounded_input("q8", x))
-        y = kernels.linear(x, name, raw, shape)
-        assert_int8_close(y, name, raw, shape, x)
-        ref = get_codec(name).decode(raw, shape).astype(np.float64)
-        assert (np.abs(y - ref @ x) > int8_bound(name, raw, shape, x, tokens=3)).any()
+        r8 = kernels.rounded_input(name, xs[0])
+        assert np.abs(r8 - xs[0]).max() > 100 * np.abs(kernels.rounded_input("q8", xs[0]) - xs[0]).max()
+        for x in (xs[:1], xs[:3], xs):
+            y = kernels.linear(x, name, raw, shape)
+            for t in range(x.shape[0]):
+                assert_int8_close(y[t], name, raw, shape, x[t])
+            with activations_mode("int16"):
+                assert any((np.abs(y[t] - ref @ x[t]) > int8_bound(name, raw, shape, x[t])).any()
+                           for t in range(x.shape[0]))
 
 
 def weight(shape, seed):
@@ -108,27 +113,29 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def int8_bound(name, raw, shape, x, tokens=1):
+def int8_bound(name, raw, shape, x):
     """Per-row bound on |y - W x| from the rounding of x (see the module docstring)."""
     c = get_codec(name)
     g = c.geometry(shape)
     ref = c.decode(raw, shape).astype(np.float64)
-    zero = np.array(raw, copy=True)
-    zero[g.off_code:g.nbytes] = 0                   # every code 0 (and outliers out of the way)
-    zero[g.off_oval:g.off_sub] = 0
-    off = c.decode(zero, shape).astype(np.float64)
+    off = 0.0
+    if not kernels.takes_int8(name, shape[1]):
+        zero = np.array(raw, copy=True)
+        zero[g.off_code:g.nbytes] = 0               # every code 0 (and outliers out of the way)
+        zero[g.off_oval:g.off_sub] = 0
+        off = c.decode(zero, shape).astype(np.float64)
     keep = np.ones(shape, bool)
     if g.k:
         ocol = np.asarray(raw[g.off_ocol:g.off_oval]).view("<u2").reshape(g.rows, g.k).astype(np.int64)
         np.put_along_axis(keep, ocol, False, axis=1)
-    xq = kernels.rounded_input(name, x, tokens)
+    xq = kernels.rounded_input(name, x)
     return (np.abs(ref - off) * keep) @ np.abs(x - xq) + 1e-5 * (np.abs(ref) @ np.abs(x)) + 1e-30
 
 
-def assert_int8_close(y, name, raw, shape, x, tokens=1):
+def assert_int8_close(y, name, raw, shape, x):
     ref = get_codec(name).decode(raw, shape).astype(np.float64)
     err = np.abs(y - ref @ x.astype(np.float64))
-    bound = int8_bound(name, raw, shape, x, tokens)
+    bound = int8_bound(name, raw, shape, x)
     assert (err <= bound).all(), (name, shape, float((err / bound).max()))
 
 
@@ -157,10 +164,15 @@ def test_dequantize_bit_exact_and_linear_matches(name, shape, parallel, isa, act
         y = kernels.linear(x, name, raw, shape)
         assert y.shape == (T, shape[0]) and y.dtype == np.float32
         for t in range(T):
-            assert_int8_close(y[t], name, raw, shape, x[t], T)
+            assert_int8_close(y[t], name, raw, shape, x[t])
         assert rel(y, x @ ref.T) < 0.05                 # and the bound is not vacuous
-    x = rng.standard_normal((kernels.BLAS_MIN_TOKENS, shape[1])).astype(np.float32)   # row blocks + BLAS
-    assert rel(kernels.linear(x, name, raw, shape), x @ ref.T) < 1e-5
+    x = rng.standard_normal((kernels.BLAS_MIN_TOKENS, shape[1])).astype(np.float32)
+    y = kernels.linear(x, name, raw, shape)
+    if kernels.takes_int8(name, shape[1]):              # the integer kernel at every token count
+        for t in range(x.shape[0]):
+            assert_int8_close(y[t], name, raw, shape, x[t])
+    else:                                               # row blocks + BLAS
+        assert rel(y, x @ ref.T) < 1e-5
     x1 = rng.standard_normal(shape[1]).astype(np.float32)
     assert kernels.linear(x1, name, raw.tobytes(), shape).shape == (shape[0],)
     assert_int8_close(kernels.linear(x1, name, raw, shape), name, raw, shape, x1)
@@ -342,12 +354,11 @@ def test_fused_experts_for_several_tokens(isa, activations):
     kernels.moe_decode(base, offs, ("q2", (inter, hidden)), ("q2", (hidden, inter)), x, w, out)
     for t in range(T):
         want = np.full(hidden, 0.25, np.float64)
-        with activations_mode("int16"):           # several tokens: 16-bit inputs, whatever the mode
-            for j, e in enumerate(choice[t]):
-                g = kernels.linear(x[t], "q2", mats[3 * e], (inter, hidden))
-                u = kernels.linear(x[t], "q2", mats[3 * e + 1], (inter, hidden))
-                a = (g / (1 + np.exp(-g)) * u).astype(np.float32)
-                want += w[t, j] * kernels.linear(a, "q2", mats[3 * e + 2], (hidden, inter))
+        for j, e in enumerate(choice[t]):
+            g = kernels.linear(x[t], "q2", mats[3 * e], (inter, hidden))
+            u = kernels.linear(x[t], "q2", mats[3 * e + 1], (inter, hidden))
+            a = (g / (1 + np.exp(-g)) * u).astype(np.float32)
+            want += w[t, j] * kernels.linear(a, "q2", mats[3 * e + 2], (hidden, inter))
         np.testing.assert_allclose(out[t], want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
     with pytest.raises(ValueError, match="offsets"):
         kernels.moe_decode(base, offs[:4], ("q2", (inter, hidden)), ("q2", (hidden, inter)), x, w, out)
@@ -368,10 +379,9 @@ def test_fused_experts_with_a_shared_expert(isa):
     kernels.moe_decode(base, where[choice], ("q2", (inter, hidden)), ("q2", (hidden, inter)), x, w, out, shared)
 
     def expert(xt, codecs, m):
-        with activations_mode("int16"):           # several tokens: 16-bit inputs, whatever the mode
-            g = kernels.linear(xt, codecs[0], m[0], (inter, hidden))
-            u = kernels.linear(xt, codecs[0], m[1], (inter, hidden))
-            return kernels.linear((g / (1 + np.exp(-g)) * u).astype(np.float32), codecs[1], m[2], (hidden, inter))
+        g = kernels.linear(xt, codecs[0], m[0], (inter, hidden))
+        u = kernels.linear(xt, codecs[0], m[1], (inter, hidden))
+        return kernels.linear((g / (1 + np.exp(-g)) * u).astype(np.float32), codecs[1], m[2], (hidden, inter))
     for t in range(T):
         want = expert(x[t], ("q4", "q6"), mats_s).astype(np.float64)
         for j, e in enumerate(choice[t]):
