@@ -7,8 +7,9 @@ too) or int16 (16 bits per 32 values everywhere).
 
 Reported per rounding: mean KL(exact || decode path), the largest relative logit difference and
 top-1 agreement; then the decode path's KL against the f32 model's logits (what a user gets), and the
-prompt path's (one 96-token prefill with that rounding: what `kimi-run --perplexity` reports, since a
-codec that takes int8 takes it at every token count), next to the exact KL against f32, for scale.
+prompt path's (one 96-token prefill with that rounding, which products of fewer than
+`kernels.X8_BLAS_MIN_TOKENS` tokens take, as in `kimi-run --perplexity`), next to the exact KL
+against f32, for scale.
 
     python benchmarks/bench_activation_rounding.py [--presets q2,t1,q1] [--tokens 96]
 """

@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "input rounded to 8 bits as llama.cpp does, so the file gives llama.cpp's logits "
                         "(llama.cpp, the default), or the float32 input as it is (f32: the weights' exact product)")
     p.add_argument("--activations", choices=("auto", "int8", "int16"), default="auto",
-                   help="how the integer kernels round a product's input, in prompts and decode steps alike: "
+                   help="how the integer kernels round a product's input (decode steps, and prompt products "
+                        "of fewer than 64 tokens; more multiply exactly): "
                         "auto (the default) rounds it to int8 per 128 values for q2 and q1 weights (routed "
                         "experts) and to 16 bits per 32 values elsewhere; int8 also for q4/q6 weights (faster, "
                         "a little more KL); int16 everywhere")

@@ -9,9 +9,9 @@ take x as int8 per 128 values instead (q4/q6 too with `set_activations("int8")`)
 sub-block scales applied as integers, one float step per 128 weights. Every caller hands it a list of
 row jobs (a linear, all routed experts of a token, kv_b's heads), shared out over a small thread pool.
 Several tokens (prefill, or the tokens routed to one expert): the same kernel takes each block's
-digits out once and multiplies them by four tokens at a time. With int8 inputs that holds at every
-token count; with 16-bit ones, from BLAS_MIN_TOKENS tokens on rows are dequantized one block at a time
-(BLOCK_BYTES, bit for bit as the reference decoder) and BLAS multiplies.
+digits out once and multiplies them by four tokens at a time. From BLAS_MIN_TOKENS tokens on
+(X8_BLAS_MIN_TOKENS with int8 inputs) rows are dequantized one block at a time (BLOCK_BYTES, bit for
+bit as the reference decoder) and BLAS multiplies.
 `dequantize` equals the numpy reference decoder bit for bit (no fastmath there); tests hold it to it.
 llama.cpp's block types kept from a GGUF file (codecs `gguf-<type>`) have their own C decoders
 (runtime/_ggml.c, equal bit for bit to the gguf package's dequantizer): a product decodes one block at
@@ -38,9 +38,10 @@ from kimistream.runtime import _qdot
 PARALLEL_MIN_WEIGHTS = 1 << 20
 # From this many tokens on, dequantized row blocks + BLAS beat the several-token kernel on 16-bit
 # inputs (benchmarks/RESULTS.md: at 24 tokens q2 2048x7168 takes 10 ms against 25; at 48 they are
-# even). The int8 kernel beats them at every count measured (q2 2048x7168: 4.9 ms against 15.3 at 24
-# tokens, 55 against 91 at 256, 116 against 179 at 512), so codecs that take int8 always take it.
+# even). With int8 inputs the kernel is about twice as fast and holds out to 64 tokens (benchmarks/
+# RESULTS.md: q2 1024x1024 at 24 tokens 0.46 ms against 0.77, at 64 even, at 256 5.5 against 3.4).
 BLAS_MIN_TOKENS = 32
+X8_BLAS_MIN_TOKENS = 64
 BLOCK_BYTES = 2 << 20    # float32 bytes per dequantized block of rows (at least 64 rows): fewer, larger
                           # products (BLAS packs the tokens again for each; measured: 256 tokens x 1024
                           # columns prefill +15-20 % with 512-row blocks against 64)
@@ -147,9 +148,10 @@ def set_activations(mode: str) -> None:
     for q2 and q1 weights (routed experts: byte products, vpmaddubsw, one float step per 128 weights)
     and 16-bit integers per 32 values for every other codec; "int8" takes int8 for q4 and q6 as well
     (attention, shared experts, lm_head: faster, at a measurable KL cost, see benchmarks/RESULTS.md);
-    "int16" keeps 16 bits everywhere. A codec that takes int8 goes through the integer kernel at
-    every token count (it is faster than dequantized blocks and BLAS at every count measured), so a
-    prompt, a decode step, perplexity and calibration all round its inputs alike."""
+    "int16" keeps 16 bits everywhere. Products of fewer than X8_BLAS_MIN_TOKENS tokens (a decode
+    step, a short prompt, the tokens a prompt routes to most experts) take these inputs; more tokens
+    multiply dequantized blocks by BLAS, exactly. Calibration observes with 16-bit inputs
+    (quality.observing)."""
     global _activations
     if mode not in ACTIVATIONS:
         raise ValueError(f"activations: {mode!r} is not one of {', '.join(ACTIVATIONS)}")
@@ -183,12 +185,12 @@ def _apply_x8() -> None:
     _qdot.set_x8(sum(1 << get_codec(c).kind for c in _x8_codecs()))
 
 
-def takes_int8(codec: str, cols: int | None = None) -> bool:
-    """Whether a product by a `codec` weight (of `cols` columns) rounds its input to int8 now: rows of
-    whole 128-column blocks and whole code chunks only (q1's are 256)."""
+def takes_int8(codec: str, cols: int | None = None, tokens: int = 1) -> bool:
+    """Whether a product of `tokens` tokens by a `codec` weight (of `cols` columns) rounds its input to
+    int8 now: rows of whole 128-column blocks and whole code chunks only (q1's are 256)."""
     if cols is not None and cols % (256 if codec == "q1" else X8_BLOCK):
         return False
-    return isa() == "avx2" and codec in _x8_codecs()
+    return tokens < X8_BLAS_MIN_TOKENS and isa() == "avx2" and codec in _x8_codecs()
 
 
 def rounded_input(codec: str, x: np.ndarray) -> np.ndarray:
@@ -388,7 +390,7 @@ class Linear:
                 if fix is not None:
                     y += fix @ _gguf_offsets(self.codec, self.raw, rows, cols).T
         elif rows and T:
-            if T < BLAS_MIN_TOKENS or takes_int8(self.codec, cols):
+            if T < BLAS_MIN_TOKENS or takes_int8(self.codec, cols, T):
                 # every token through each block of rows in one pass (the digits are taken out once)
                 _run(self.raw, self.geoms, x2, self.jobs, y, rows * cols * T, self.codec, T, rows)
             else:

@@ -78,7 +78,8 @@ def activations_mode(mode):
 def test_int8_activations_round_inputs_per_128(name):
     """With int8 activations a q2/q1/q4/q6 product, of one token or several (through the same rows,
     and past BLAS_MIN_TOKENS), is within int8's rounding bound and not within int16's (so the int8
-    route really ran); q8 keeps int16; "auto" takes int8 for q2 and q1 only."""
+    route really ran); from X8_BLAS_MIN_TOKENS tokens on it is exact (BLAS); q8 keeps int16; "auto"
+    takes int8 for q2 and q1 only."""
     if kernels.isa() != "avx2":
         pytest.skip("int8 activations are an AVX2 route")
     with activations_mode("auto"):
@@ -98,6 +99,9 @@ def test_int8_activations_round_inputs_per_128(name):
             with activations_mode("int16"):
                 assert any((np.abs(y[t] - ref @ x[t]) > int8_bound(name, raw, shape, x[t])).any()
                            for t in range(x.shape[0]))
+        xb = np.random.default_rng(4).standard_normal((kernels.X8_BLAS_MIN_TOKENS, shape[1])).astype(np.float32)
+        assert not kernels.takes_int8(name, shape[1], xb.shape[0])
+        assert rel(kernels.linear(xb, name, raw, shape), xb @ ref.T) < 1e-5
 
 
 def weight(shape, seed):
@@ -168,7 +172,7 @@ def test_dequantize_bit_exact_and_linear_matches(name, shape, parallel, isa, act
         assert rel(y, x @ ref.T) < 0.05                 # and the bound is not vacuous
     x = rng.standard_normal((kernels.BLAS_MIN_TOKENS, shape[1])).astype(np.float32)
     y = kernels.linear(x, name, raw, shape)
-    if kernels.takes_int8(name, shape[1]):              # the integer kernel at every token count
+    if kernels.takes_int8(name, shape[1], x.shape[0]):  # the int8 kernel holds out longer than BLAS_MIN_TOKENS
         for t in range(x.shape[0]):
             assert_int8_close(y[t], name, raw, shape, x[t])
     else:                                               # row blocks + BLAS
