@@ -288,6 +288,25 @@ def dequantize(codec: str, raw, shape) -> np.ndarray:
     return out
 
 
+def dequantize_rows(codec: str, raw, shape, ids) -> np.ndarray:
+    """Rows `ids` of a block-codec weight as float32 [len(ids), cols] (an embedding lookup: one C call
+    per row, no pass over the table); equal to the reference decoder bit for bit."""
+    _, g, raw = _prepare(codec, raw, shape)
+    rows = np.asarray(ids, np.int64).reshape(-1)
+    if rows.size and (rows.min() < 0 or rows.max() >= g[G_ROWS]):
+        raise CodecError(f"{codec}: row {int(rows.max() if rows.max() >= g[G_ROWS] else rows.min())} outside "
+                         f"the weight's {int(g[G_ROWS])} rows")
+    k = int(g[G_K])
+    if k and rows.size:
+        ocol = raw[g[G_OFFOCOL]:g[G_OFFOCOL] + 2 * int(g[G_ROWS]) * k].view("<u2").reshape(-1, k)[rows]
+        if not outlier_columns_valid(ocol, int(g[G_COLS])):
+            raise CodecError(f"{codec}: corrupt data: outlier columns out of range or not increasing")
+    out = np.empty((rows.size, int(g[G_COLS])), np.float32)
+    for i, r in enumerate(rows.tolist()):
+        _qdot.dequantize(raw, g, r, out[i:i + 1], 1)
+    return out
+
+
 def warm_up(codec: str) -> None:
     """Run every kernel `codec` can use once, on small all-zero weights: the code is paged in and the
     thread pool started before the first real call (and before the planner measures this process;

@@ -203,7 +203,11 @@ class ModelWeights(ExpertProvider):
 
     def embed_rows(self, ids) -> np.ndarray:
         t = self.file.tensors["model.embed_tokens.weight"]
-        rows = np.array(get_codec(t.codec).decode_rows(self.file.raw(t.name), t.shape, ids), dtype=np.float32)
+        if has_fused_kernel(t.codec):
+            from . import kernels            # the C decoder, row by row: no Python pass over the table
+            rows = kernels.dequantize_rows(t.codec, self.file.raw(t.name), t.shape, ids)
+        else:
+            rows = np.array(get_codec(t.codec).decode_rows(self.file.raw(t.name), t.shape, ids), dtype=np.float32)
         ext = self.file.extents[t.extent]
         if ext.kind == EXTENT_EMBEDDING and hasattr(mmap, "MADV_DONTNEED"):
             # Rows were copied out: give the table's pages back so RSS does not grow with the vocabulary seen.

@@ -182,6 +182,23 @@ def test_dequantize_bit_exact_and_linear_matches(name, shape, parallel, isa, act
     assert_int8_close(kernels.linear(x1, name, raw, shape), name, raw, shape, x1)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_dequantize_rows_equals_the_reference_rows(name, isa):
+    """An embedding lookup: rows in any order, repeated, with outliers, bit for bit as the reference
+    decoder's decode_rows; a row outside the weight is refused."""
+    shape = (7, 2048)
+    w = weight(shape, seed=11)
+    w[3, 100] = 300.0
+    c = get_codec(name)
+    raw = encode(c, w)
+    ids = [6, 3, 0, 3]
+    got = kernels.dequantize_rows(name, raw, shape, ids)
+    np.testing.assert_array_equal(got.view(np.uint32), np.asarray(c.decode_rows(raw, shape, ids), np.float32).view(np.uint32))
+    assert kernels.dequantize_rows(name, raw, shape, []).shape == (0, shape[1])
+    with pytest.raises(CodecError, match="row 7 outside"):
+        kernels.dequantize_rows(name, raw, shape, [1, 7])
+
+
 @pytest.mark.parametrize("name", ["q2", "t1", "q1"])
 def test_outlier_rows(name, isa, activations):
     shape = (6, 2048)
