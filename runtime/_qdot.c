@@ -1672,34 +1672,37 @@ static float dot_c(const float *a, const float *b, int64_t n) {
 }
 
 #if HAVE_X86
+/* att_scores_job on AVX2: the job's cache rows converted once (binary16 caches), then four heads at a
+   time (their queries, 8 KiB for 512-wide latents, stay in L1) over every row pair of the job */
 AVX2 static void att_scores_avx2(task_t *t, int64_t j, float *scratch) {
     const att_t *a = t->att;
-    int64_t p0 = ATT_POS * j, p1 = p0 + ATT_POS < a->S ? p0 + ATT_POS : a->S, r = a->r, dr = a->dr, nh = a->nh;
-    float *cb = scratch, *kb = scratch + 2 * r;
-    int64_t p = p0;
-    for (; p + 2 <= p1; p += 2) {
-        const float *c0 = cache_row_avx2(a->C, a->half, r, p, cb), *c1 = cache_row_avx2(a->C, a->half, r, p + 1, cb + r);
-        const float *k0 = cache_row_avx2(a->K, a->half, dr, p, kb), *k1 = cache_row_avx2(a->K, a->half, dr, p + 1, kb + dr);
-        int64_t h = 0;
-        for (; h + 4 <= nh; h += 4) {
+    int64_t p0 = ATT_POS * j, p1 = p0 + ATT_POS < a->S ? p0 + ATT_POS : a->S, np = p1 - p0;
+    int64_t r = a->r, dr = a->dr, nh = a->nh, S = a->S;
+    const float *c[ATT_POS], *k[ATT_POS];
+    for (int64_t i = 0; i < np; i++) {
+        c[i] = cache_row_avx2(a->C, a->half, r, p0 + i, scratch + i * r);
+        k[i] = cache_row_avx2(a->K, a->half, dr, p0 + i, scratch + ATT_POS * r + i * dr);
+    }
+    int64_t h = 0;
+    for (; h + 4 <= nh; h += 4) {
+        int64_t i = 0;
+        for (; i + 2 <= np; i += 2) {
             float o[8], orot[8];
-            dot4x2(a->q + h * r, c0, c1, r, o);
-            dot4x2(a->qr + h * dr, k0, k1, dr, orot);
-            for (int k = 0; k < 4; k++) {
-                t->out[(h + k) * a->S + p] = a->scale * (o[2 * k] + orot[2 * k]);
-                t->out[(h + k) * a->S + p + 1] = a->scale * (o[2 * k + 1] + orot[2 * k + 1]);
+            dot4x2(a->q + h * r, c[i], c[i + 1], r, o);
+            dot4x2(a->qr + h * dr, k[i], k[i + 1], dr, orot);
+            for (int q = 0; q < 4; q++) {
+                t->out[(h + q) * S + p0 + i] = a->scale * (o[2 * q] + orot[2 * q]);
+                t->out[(h + q) * S + p0 + i + 1] = a->scale * (o[2 * q + 1] + orot[2 * q + 1]);
             }
         }
-        for (; h < nh; h++) {
-            t->out[h * a->S + p] = a->scale * (dot_avx2(a->q + h * r, c0, r) + dot_avx2(a->qr + h * dr, k0, dr));
-            t->out[h * a->S + p + 1] = a->scale * (dot_avx2(a->q + h * r, c1, r) + dot_avx2(a->qr + h * dr, k1, dr));
-        }
+        for (; i < np; i++)
+            for (int q = 0; q < 4; q++)
+                t->out[(h + q) * S + p0 + i] = a->scale * (dot_avx2(a->q + (h + q) * r, c[i], r) +
+                                                           dot_avx2(a->qr + (h + q) * dr, k[i], dr));
     }
-    for (; p < p1; p++) {
-        const float *c0 = cache_row_avx2(a->C, a->half, r, p, cb), *k0 = cache_row_avx2(a->K, a->half, dr, p, kb);
-        for (int64_t h = 0; h < nh; h++)
-            t->out[h * a->S + p] = a->scale * (dot_avx2(a->q + h * r, c0, r) + dot_avx2(a->qr + h * dr, k0, dr));
-    }
+    for (; h < nh; h++)
+        for (int64_t i = 0; i < np; i++)
+            t->out[h * S + p0 + i] = a->scale * (dot_avx2(a->q + h * r, c[i], r) + dot_avx2(a->qr + h * dr, k[i], dr));
 }
 #endif
 
@@ -1719,10 +1722,56 @@ static void att_scores_job(task_t *t, int64_t j, float *scratch) {
     }
 }
 
+#if HAVE_X86
+/* e^x for x <= 0 in eight lanes (softmax's shifted scores): x = n ln2 + r with |r| <= ln2 / 2, e^r by
+   Cephes' degree-6 polynomial (relative error about 2e-7, as expf's rounding), 2^n put into the
+   exponent; below -87.3 (under float's smallest normal) the result is 0. */
+AVX2 static inline __m256 exp_neg8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* att_softmax_job on AVX2: the maximum, e^(s - max) and their sum eight scores at a time */
+AVX2 static void att_softmax_avx2(float *s, int64_t S) {
+    __m256 m8 = _mm256_set1_ps(-INFINITY);
+    int64_t p = 0;
+    for (; p + 8 <= S; p += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(s + p));
+    float mx = hmax8(m8);
+    for (; p < S; p++) mx = s[p] > mx ? s[p] : mx;
+    __m256 mv = _mm256_set1_ps(mx), t8 = _mm256_setzero_ps();
+    for (p = 0; p + 8 <= S; p += 8) {
+        __m256 e = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(s + p), mv));
+        _mm256_storeu_ps(s + p, e);
+        t8 = _mm256_add_ps(t8, e);
+    }
+    float tot = hsum8(t8);
+    for (; p < S; p++) { s[p] = expf(s[p] - mx); tot += s[p]; }
+    __m256 inv = _mm256_set1_ps(1.0f / tot);
+    for (p = 0; p + 8 <= S; p += 8) _mm256_storeu_ps(s + p, _mm256_mul_ps(_mm256_loadu_ps(s + p), inv));
+    for (; p < S; p++) s[p] *= 1.0f / tot;
+}
+#endif
+
 /* softmax of head j's scores, in place */
 static void att_softmax_job(task_t *t, int64_t j, float *scratch) {
     (void)scratch;
     const att_t *a = t->att;
+#if HAVE_X86
+    if (use_avx2) { att_softmax_avx2(t->out + j * a->S, a->S); return; }
+#endif
     float *s = t->out + j * a->S, mx = -INFINITY, tot = 0;
     for (int64_t p = 0; p < a->S; p++) mx = s[p] > mx ? s[p] : mx;
     for (int64_t p = 0; p < a->S; p++) { s[p] = expf(s[p] - mx); tot += s[p]; }
@@ -1731,7 +1780,44 @@ static void att_softmax_job(task_t *t, int64_t j, float *scratch) {
 }
 
 #if HAVE_X86
-/* att_mix_job on AVX2: four cache rows at a time (loaded once, binary16 converted once), added into
+/* att_mix_job on AVX2 as a small matrix product, o [nh, r] = P [nh, S] x C [S, r] over the job's
+   positions: a tile of four heads x 16 columns stays in eight registers while every position adds its
+   row (two loads, binary16 converted on the way) times four probabilities (broadcasts) into it, so
+   each multiply-add costs under one load; the rows are read once per four heads, from L2. */
+AVX2 static void att_mix_tiles_avx2(const att_t *a, const float *P, int64_t p0, int64_t p1, float *o) {
+    int64_t r = a->r, S = a->S, nh = a->nh;
+    for (int64_t h = 0; h < nh; h += 4) {
+        const float *w0 = P + h * S, *w1 = w0 + S, *w2 = w1 + S, *w3 = w2 + S;
+        for (int64_t c = 0; c < r; c += 16) {
+            __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
+            for (int64_t p = p0; p < p1; p++) {
+                __m256 x0, x1;
+                if (a->half) {
+                    const uint16_t *hp = (const uint16_t *)a->C + p * r + c;
+                    x0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)hp));
+                    x1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hp + 8)));
+                } else {
+                    const float *fp = (const float *)a->C + p * r + c;
+                    x0 = _mm256_loadu_ps(fp);
+                    x1 = _mm256_loadu_ps(fp + 8);
+                }
+                __m256 b0 = _mm256_broadcast_ss(w0 + p), b1 = _mm256_broadcast_ss(w1 + p);
+                __m256 b2 = _mm256_broadcast_ss(w2 + p), b3 = _mm256_broadcast_ss(w3 + p);
+                s0 = _mm256_fmadd_ps(b0, x0, s0); s1 = _mm256_fmadd_ps(b0, x1, s1);
+                s2 = _mm256_fmadd_ps(b1, x0, s2); s3 = _mm256_fmadd_ps(b1, x1, s3);
+                s4 = _mm256_fmadd_ps(b2, x0, s4); s5 = _mm256_fmadd_ps(b2, x1, s5);
+                s6 = _mm256_fmadd_ps(b3, x0, s6); s7 = _mm256_fmadd_ps(b3, x1, s7);
+            }
+            float *oh = o + h * r + c;
+            _mm256_storeu_ps(oh, s0); _mm256_storeu_ps(oh + 8, s1);
+            _mm256_storeu_ps(oh + r, s2); _mm256_storeu_ps(oh + r + 8, s3);
+            _mm256_storeu_ps(oh + 2 * r, s4); _mm256_storeu_ps(oh + 2 * r + 8, s5);
+            _mm256_storeu_ps(oh + 3 * r, s6); _mm256_storeu_ps(oh + 3 * r + 8, s7);
+        }
+    }
+}
+
+/* att_mix_job on AVX2 (any head count and width): four cache rows at a time (loaded once, binary16 converted once), added into
    every head's partial sums, 16 columns per step */
 AVX2 static void att_mix_avx2(const att_t *a, const float *P, int64_t p0, int64_t p1, float *o) {
     int64_t r = a->r, S = a->S, nh = a->nh, r16 = r / 16 * 16, p = p0;
@@ -1790,6 +1876,7 @@ static void att_mix_job(task_t *t, int64_t j, float *scratch) {
     const float *P = t->out;
     memset(o, 0, sizeof(float) * nh * r);
 #if HAVE_X86
+    if (use_avx2 && a->nh % 4 == 0 && a->r % 16 == 0) { att_mix_tiles_avx2(a, P, p0, p1, o); return; }
     if (use_avx2) { att_mix_avx2(a, P, p0, p1, o); return; }
 #endif
     for (int64_t p = p0; p < p1; p++) {
@@ -2661,7 +2748,7 @@ static PyObject *py_attend(PyObject *self, PyObject *args) {
     probs = malloc(sizeof(float) * (nh * S + nmix * nh * a.r));
     if (!probs) { PyErr_NoMemory(); goto done; }
     a.part = probs + nh * S;
-    int64_t scratch = 2 * a.r + 2 * a.dr + 16;
+    int64_t scratch = ATT_POS * (a.r + a.dr) + 16;      /* a scores job's rows, converted */
     task_t t1 = {.job = att_scores_job, .att = &a, .out = probs, .njobs = (S + ATT_POS - 1) / ATT_POS, .scratch_floats = scratch};
     task_t t2 = {.job = att_softmax_job, .att = &a, .out = probs, .njobs = nh, .scratch_floats = scratch};
     task_t t3 = {.job = att_mix_job, .att = &a, .out = probs, .n = nmix, .njobs = nmix, .scratch_floats = scratch};

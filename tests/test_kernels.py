@@ -428,10 +428,14 @@ def _attention_f64(q, q_rot, latent, k_rot, length, scale):
     (7, 48, 12, 33, 40, np.float16),          # binary16 caches, an odd length
     (3, 13, 3, 70, 70, np.float16),           # the whole context, columns not a multiple of 8
     (4, 64, 16, 600, 700, np.float32),        # several mix blocks
+    (8, 64, 16, 300, 310, np.float16),        # binary16 rows through the 4-head tiles, a softmax tail
+    (4, 32, 8, 90, 90, "peaked"),             # scores far apart: most e^(s - max) underflow to 0
 ])
 def test_attend_matches_float64(isa, nh, r, dr, length, context, dtype):
     rng = np.random.default_rng(nh * 1000 + length)
     q, q_rot = rng.standard_normal((nh, r)).astype(np.float32), rng.standard_normal((nh, dr)).astype(np.float32)
+    if dtype == "peaked":
+        q, dtype = q * 400, np.float32
     latent = rng.standard_normal((context, r)).astype(dtype)
     k_rot = rng.standard_normal((context, dr)).astype(dtype)
     latent[length:] = 1e4                   # rows past `length` must not be read into the result
