@@ -961,16 +961,6 @@ AVX2 static inline __attribute__((always_inline)) float row_x8_setup(const int k
     return tot;
 }
 
-/* sum of a[i] * b[i] over n floats */
-AVX2 static inline float dotn(const float *a, const float *b, int64_t n) {
-    __m256 v = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) v = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), v);
-    float tot = hsum8(v);
-    for (; i < n; i++) tot += a[i] * b[i];
-    return tot;
-}
-
 /* Row r (no tail, cols a multiple of 128) of a q2, q4, q6 or q1 tensor times x (x8, x8d: int8 per 128;
    xs: the rounded inputs' sums per 32), with row_x8_setup's constants. Scratch: scw [nfs], cc [nfs / 4], bs [nfs]. */
 AVX2 static inline __attribute__((always_inline)) float row_x8(const int kind, const uint8_t *t, const int64_t *g, int64_t r,
@@ -1150,24 +1140,22 @@ struct task {
 /* nt tokens' inputs (xb, cols apart) times one row's 128-column blocks, the digits of each block taken
    out once for all of them: acc[j] = token j's 8 partial sums (cc [nt][nq]: each block's factor) */
 AVX2 static inline __attribute__((always_inline)) void x8_tokens(const int kind, const int nt, const uint8_t *codes,
-                                                                int64_t nq, int64_t lb, const int32_t *scw,
+                                                                int64_t nq, int64_t lb, const __m256i *scv,
                                                                 const int8_t *xb, int64_t cols, const float *cc,
                                                                 __m256 *acc) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t q = 0; q < nq; q++) {
         __m256i d[4];
         digits128(kind, codes, q, (int)(q & 1), lb, d);
-        const __m256i s0 = _mm256_set1_epi32(scw[4 * q]), s1 = _mm256_set1_epi32(scw[4 * q + 1]),
-                      s2 = _mm256_set1_epi32(scw[4 * q + 2]), s3 = _mm256_set1_epi32(scw[4 * q + 3]);
+        const __m256i *sq = scv + 4 * q;    /* each span's scale words, read from L1 by the multiply-adds */
 #define X8_TOKEN(j, a)                                                                                            \
         if (nt > j) {                                                                                             \
             const int8_t *xc = xb + j * cols + 128 * q;                                                           \
-            __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(d[0], LOAD32(xc)), s0);                          \
-            __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(d[1], LOAD32(xc + 32)), s1);                     \
-            __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(d[2], LOAD32(xc + 64)), s2);                     \
-            __m256i p3 = _mm256_madd_epi16(_mm256_maddubs_epi16(d[3], LOAD32(xc + 96)), s3);                     \
-            a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3))), \
-                                _mm256_broadcast_ss(cc + j * nq + q), a);                                         \
+            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(d[0], LOAD32(xc)), _mm256_load_si256(sq));        \
+            p = _mm256_add_epi32(p, _mm256_madd_epi16(_mm256_maddubs_epi16(d[1], LOAD32(xc + 32)), _mm256_load_si256(sq + 1))); \
+            p = _mm256_add_epi32(p, _mm256_madd_epi16(_mm256_maddubs_epi16(d[2], LOAD32(xc + 64)), _mm256_load_si256(sq + 2))); \
+            p = _mm256_add_epi32(p, _mm256_madd_epi16(_mm256_maddubs_epi16(d[3], LOAD32(xc + 96)), _mm256_load_si256(sq + 3))); \
+            a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(cc + j * nq + q), a);                 \
         }
         X8_TOKEN(0, a0) X8_TOKEN(1, a1) X8_TOKEN(2, a2) X8_TOKEN(3, a3)
 #undef X8_TOKEN
@@ -1183,8 +1171,10 @@ AVX2 static inline __attribute__((always_inline)) void multi_x8_kind(const int k
     const int64_t *g = t->geoms + G_LEN * job[1];
     int64_t cols = t->cols, nfs = cols / 32, nq = cols / 128, nsp = t->nspan, k = g[G_K], lb = q6_lo_bytes(cols);
     const uint8_t *tensor = t->raw + job[0];
-    int32_t *scw = (int32_t *)scratch;
-    float *dq = scratch + nfs + 8, *bs = dq + nq + 8, *cc = bs + nfs + 8;      /* cc [4][nq] */
+    /* scratch: scv [nfs] 32-byte vectors (the scratch is 32-byte aligned), scw [nfs], dq, bs, cc [4][nq] */
+    __m256i *scv = (__m256i *)scratch;
+    int32_t *scw = (int32_t *)(scratch + 8 * nfs);
+    float *dq = scratch + 9 * nfs + 8, *bs = dq + nq + 8, *cc = bs + nfs + 8;
     int64_t ocol[256], oint[256];
     float oval[256];
     /* TOKEN_TILE tokens' inputs at a time (they stay in L2 while every row of the job passes over them) */
@@ -1194,6 +1184,7 @@ AVX2 static inline __attribute__((always_inline)) void multi_x8_kind(const int k
         const uint8_t *codes = tensor + g[G_OFFCODE] + r * g[G_CODEROW], *so = tensor + g[G_OFFSUB] + r * g[G_SUBROW];
         prefetch_next_row(tensor, g, r);
         row_x8_setup(kind, tensor, g, r, scw, dq, bs, NULL, NULL);
+        for (int64_t i = 0; i < nfs; i++) _mm256_store_si256(scv + i, _mm256_set1_epi32(scw[i]));
         int64_t n = outliers_valid(tensor, g, r, &t->bad);
         const uint8_t *pc = tensor + g[G_OFFOCOL] + 2 * r * k, *pv = tensor + g[G_OFFOVAL] + 2 * r * k;
         for (int64_t i = 0; i < n; i++) {
@@ -1211,17 +1202,30 @@ AVX2 static inline __attribute__((always_inline)) void multi_x8_kind(const int k
             }
             __m256 acc[4];
             switch (nt) {     /* the token count a constant in each copy: the sums stay in registers */
-            case 4: x8_tokens(kind, 4, codes, nq, lb, scw, xb, cols, cc, acc); break;
-            case 3: x8_tokens(kind, 3, codes, nq, lb, scw, xb, cols, cc, acc); break;
-            case 2: x8_tokens(kind, 2, codes, nq, lb, scw, xb, cols, cc, acc); break;
-            default: x8_tokens(kind, 1, codes, nq, lb, scw, xb, cols, cc, acc); break;
+            case 4: x8_tokens(kind, 4, codes, nq, lb, scv, xb, cols, cc, acc); break;
+            case 3: x8_tokens(kind, 3, codes, nq, lb, scv, xb, cols, cc, acc); break;
+            case 2: x8_tokens(kind, 2, codes, nq, lb, scv, xb, cols, cc, acc); break;
+            default: x8_tokens(kind, 1, codes, nq, lb, scv, xb, cols, cc, acc); break;
             }
+            float sums[4];
+            for (int j = 0; j < nt; j++) {          /* the offsets' sums join each token's lanes */
+                const float *xs = t->x8s + (x0 + j) * nsp;
+                int64_t i = 0;
+                for (; i + 8 <= nfs; i += 8) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(bs + i), _mm256_loadu_ps(xs + i), acc[j]);
+                float rest = 0;
+                for (; i < nfs; i++) rest += bs[i] * xs[i];
+                acc[j] = _mm256_add_ps(acc[j], _mm256_setr_ps(rest, 0, 0, 0, 0, 0, 0, 0));
+            }
+            for (int j = nt; j < 4; j++) acc[j] = _mm256_setzero_ps();
+            /* four horizontal sums at once */
+            __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+            _mm_storeu_ps(sums, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
             for (int j = 0; j < nt; j++) {
                 int64_t xi = x0 + j;
                 const float *x = t->xf + xi * cols, *c = cc + j * nq;
                 const int8_t *x8 = t->x8 + xi * cols;
                 const float *x8d = t->x8d + xi * nq;
-                float tot = hsum8(acc[j]) + dotn(bs, t->x8s + xi * nsp, nfs);
+                float tot = sums[j];
                 for (int64_t i = 0; i < n; i++) {
                     int64_t col = ocol[i];
                     tot += oval[i] * x[col] - (c[col >> 7] * (float)(oint[i] * x8[col]) +
@@ -2112,7 +2116,7 @@ static int quantize_rows(const float *xf, int64_t nx, int64_t cols, int16_t **xq
 }
 
 static inline int64_t rows_scratch(int64_t max_rows, int64_t tile, int64_t nspan) {
-    return max_rows * (8 * tile + (2 + tile) * nspan) + 7 * nspan + 16;
+    return max_rows * (8 * tile + (2 + tile) * nspan) + 17 * nspan + 32;      /* (multi_x8: 12 nspan + 24) */
 }
 
 static PyObject *py_rows(PyObject *self, PyObject *args) {
