@@ -1,6 +1,8 @@
 """Where a warm decode step and a prefill spend their time, on any weight file: tokens/s, then the
 decode time split by part of the model (routed experts, attention, lm_head and other linears,
-routing, the rest = Python and numpy glue), from Python's profiler over the decode steps.
+routing, the rest = Python and numpy glue), from Python's profiler over the decode steps; then split
+by C kernel (`runtime/_qdot.c`, each call timed, a few hundred ns apiece), the rest being the Python
+between the calls (the unprofiled step less the kernels).
 
     python benchmarks/bench_step_split.py WEIGHTS.kst [--steps 32] [--prompt-tokens 256]
                                           [--prefill-batch 256] [--threads 2] [--gguf-inputs llama.cpp|f32]
@@ -35,7 +37,7 @@ def main():
     kernels.set_gguf_inputs(args.gguf_inputs)
     w = ModelWeights(args.weights)
     w.load_resident()
-    m = Model(w, args.prompt_tokens + 2 * args.steps + 16)
+    m = Model(w, args.prompt_tokens + 3 * args.steps + 16)     # three passes of decode steps
     ids = [int(i) for i in np.random.default_rng(0).integers(0, m.cfg.vocab_size, args.prompt_tokens)]
     m.prefill(ids[:16], 16)            # warm: kernels compiled or loaded, pages mapped
     m.forward([1])
@@ -70,6 +72,41 @@ def main():
     print("| part of a decode step | ms/token | share |\n| --- | --- | --- |")
     for k, v in parts.items():
         print(f"| {k} | {v / args.steps * 1e3:.1f} | {v / total:.0%} |")
+
+    spent = {}
+    qdot = kernels._qdot
+    kernels._qdot = _Timed(qdot, spent)
+    try:
+        decode()
+    finally:
+        kernels._qdot = qdot
+    ms = {k: v / args.steps * 1e3 for k, v in spent.items() if v / args.steps >= 5e-6}
+    print("\n| C kernel | ms/token |\n| --- | --- |")
+    for k, v in sorted(ms.items(), key=lambda kv: -kv[1]):
+        print(f"| {k} | {v:.2f} |")
+    c = sum(ms.values())
+    print(f"| all kernels | {c:.2f} |\n| Python between the calls (the unprofiled step less the kernels) "
+          f"| {dt * 1e3 - c:.2f} |")
+
+
+class _Timed:
+    """The kernel module with every function timed into `spent`."""
+
+    def __init__(self, module, spent: dict):
+        self._module, self._spent = module, spent
+
+    def __getattr__(self, name):
+        f = getattr(self._module, name)
+        if not callable(f):
+            return f
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                self._spent[name] = self._spent.get(name, 0.0) + time.perf_counter() - t
+        return timed
 
 
 if __name__ == "__main__":
