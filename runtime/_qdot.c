@@ -1163,9 +1163,9 @@ AVX2 static inline __attribute__((always_inline)) void x8_tokens(const int kind,
     acc[0] = a0; acc[1] = a1; acc[2] = a2; acc[3] = a3;
 }
 
-/* rows_job for several tokens with int8 inputs: row_x8_setup once per row, then the tokens four at a
-   time through each 128-column block (its digits taken out once for the four), then per token the
-   offsets' sum and the outliers (decoded once per row). */
+/* rows_job for several tokens with int8 inputs, TOKEN_TILE tokens at a time: row_x8_setup once per row
+   and tile, then the tokens four at a time through each 128-column block (its digits taken out once
+   for the four), then per token the offsets' sum and the outliers (decoded once per row). */
 AVX2 static inline __attribute__((always_inline)) void multi_x8_kind(const int kind, task_t *t, const int64_t *job,
                                                                     float *scratch) {
     const int64_t *g = t->geoms + G_LEN * job[1];
@@ -1179,62 +1179,62 @@ AVX2 static inline __attribute__((always_inline)) void multi_x8_kind(const int k
     float oval[256];
     /* TOKEN_TILE tokens' inputs at a time (they stay in L2 while every row of the job passes over them) */
     for (int64_t t0 = job[4]; t0 < job[4] + t->ntok; t0 += TOKEN_TILE) {
-    int64_t t1 = t0 + TOKEN_TILE < job[4] + t->ntok ? t0 + TOKEN_TILE : job[4] + t->ntok;
-    for (int64_t r = job[2]; r < job[3]; r++) {
-        const uint8_t *codes = tensor + g[G_OFFCODE] + r * g[G_CODEROW], *so = tensor + g[G_OFFSUB] + r * g[G_SUBROW];
-        prefetch_next_row(tensor, g, r);
-        row_x8_setup(kind, tensor, g, r, scw, dq, bs, NULL, NULL);
-        for (int64_t i = 0; i < nfs; i++) _mm256_store_si256(scv + i, _mm256_set1_epi32(scw[i]));
-        int64_t n = outliers_valid(tensor, g, r, &t->bad);
-        const uint8_t *pc = tensor + g[G_OFFOCOL] + 2 * r * k, *pv = tensor + g[G_OFFOVAL] + 2 * r * k;
-        for (int64_t i = 0; i < n; i++) {
-            ocol[i] = pc[2 * i] | (pc[2 * i + 1] << 8);
-            oval[i] = f16_at(pv + 2 * i);
-            oint[i] = x8_scale(kind, so, ocol[i] >> 5) * digit_full(kind, codes, ocol[i], cols);
-        }
-        float *dst = t->out + job[5] + r - job[2];
-        for (int64_t x0 = t0; x0 < t1; x0 += 4) {
-            int nt = t1 - x0 < 4 ? (int)(t1 - x0) : 4;
-            const int8_t *xb = t->x8 + x0 * cols;
-            for (int j = 0; j < nt; j++) {
-                const float *x8d = t->x8d + (x0 + j) * nq;
-                for (int64_t q = 0; q < nq; q++) cc[j * nq + q] = dq[q] * x8d[q];
+        int64_t t1 = t0 + TOKEN_TILE < job[4] + t->ntok ? t0 + TOKEN_TILE : job[4] + t->ntok;
+        for (int64_t r = job[2]; r < job[3]; r++) {
+            const uint8_t *codes = tensor + g[G_OFFCODE] + r * g[G_CODEROW], *so = tensor + g[G_OFFSUB] + r * g[G_SUBROW];
+            prefetch_next_row(tensor, g, r);
+            row_x8_setup(kind, tensor, g, r, scw, dq, bs, NULL, NULL);
+            for (int64_t i = 0; i < nfs; i++) _mm256_store_si256(scv + i, _mm256_set1_epi32(scw[i]));
+            int64_t n = outliers_valid(tensor, g, r, &t->bad);
+            const uint8_t *pc = tensor + g[G_OFFOCOL] + 2 * r * k, *pv = tensor + g[G_OFFOVAL] + 2 * r * k;
+            for (int64_t i = 0; i < n; i++) {
+                ocol[i] = pc[2 * i] | (pc[2 * i + 1] << 8);
+                oval[i] = f16_at(pv + 2 * i);
+                oint[i] = x8_scale(kind, so, ocol[i] >> 5) * digit_full(kind, codes, ocol[i], cols);
             }
-            __m256 acc[4];
-            switch (nt) {     /* the token count a constant in each copy: the sums stay in registers */
-            case 4: x8_tokens(kind, 4, codes, nq, lb, scv, xb, cols, cc, acc); break;
-            case 3: x8_tokens(kind, 3, codes, nq, lb, scv, xb, cols, cc, acc); break;
-            case 2: x8_tokens(kind, 2, codes, nq, lb, scv, xb, cols, cc, acc); break;
-            default: x8_tokens(kind, 1, codes, nq, lb, scv, xb, cols, cc, acc); break;
-            }
-            float sums[4];
-            for (int j = 0; j < nt; j++) {          /* the offsets' sums join each token's lanes */
-                const float *xs = t->x8s + (x0 + j) * nsp;
-                int64_t i = 0;
-                for (; i + 8 <= nfs; i += 8) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(bs + i), _mm256_loadu_ps(xs + i), acc[j]);
-                float rest = 0;
-                for (; i < nfs; i++) rest += bs[i] * xs[i];
-                acc[j] = _mm256_add_ps(acc[j], _mm256_setr_ps(rest, 0, 0, 0, 0, 0, 0, 0));
-            }
-            for (int j = nt; j < 4; j++) acc[j] = _mm256_setzero_ps();
-            /* four horizontal sums at once */
-            __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-            _mm_storeu_ps(sums, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-            for (int j = 0; j < nt; j++) {
-                int64_t xi = x0 + j;
-                const float *x = t->xf + xi * cols, *c = cc + j * nq;
-                const int8_t *x8 = t->x8 + xi * cols;
-                const float *x8d = t->x8d + xi * nq;
-                float tot = sums[j];
-                for (int64_t i = 0; i < n; i++) {
-                    int64_t col = ocol[i];
-                    tot += oval[i] * x[col] - (c[col >> 7] * (float)(oint[i] * x8[col]) +
-                                               bs[col >> 5] * (float)x8[col] * (4 * x8d[col >> 7]));
+            float *dst = t->out + job[5] + r - job[2];
+            for (int64_t x0 = t0; x0 < t1; x0 += 4) {
+                int nt = t1 - x0 < 4 ? (int)(t1 - x0) : 4;
+                const int8_t *xb = t->x8 + x0 * cols;
+                for (int j = 0; j < nt; j++) {
+                    const float *x8d = t->x8d + (x0 + j) * nq;
+                    for (int64_t q = 0; q < nq; q++) cc[j * nq + q] = dq[q] * x8d[q];
                 }
-                dst[(xi - job[4]) * t->ostride] = tot;
+                __m256 acc[4];
+                switch (nt) {     /* the token count a constant in each copy: the sums stay in registers */
+                case 4: x8_tokens(kind, 4, codes, nq, lb, scv, xb, cols, cc, acc); break;
+                case 3: x8_tokens(kind, 3, codes, nq, lb, scv, xb, cols, cc, acc); break;
+                case 2: x8_tokens(kind, 2, codes, nq, lb, scv, xb, cols, cc, acc); break;
+                default: x8_tokens(kind, 1, codes, nq, lb, scv, xb, cols, cc, acc); break;
+                }
+                float sums[4];
+                for (int j = 0; j < nt; j++) {          /* the offsets' sums join each token's lanes */
+                    const float *xs = t->x8s + (x0 + j) * nsp;
+                    int64_t i = 0;
+                    for (; i + 8 <= nfs; i += 8) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(bs + i), _mm256_loadu_ps(xs + i), acc[j]);
+                    float rest = 0;
+                    for (; i < nfs; i++) rest += bs[i] * xs[i];
+                    acc[j] = _mm256_add_ps(acc[j], _mm256_setr_ps(rest, 0, 0, 0, 0, 0, 0, 0));
+                }
+                for (int j = nt; j < 4; j++) acc[j] = _mm256_setzero_ps();
+                /* four horizontal sums at once */
+                __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+                _mm_storeu_ps(sums, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+                for (int j = 0; j < nt; j++) {
+                    int64_t xi = x0 + j;
+                    const float *x = t->xf + xi * cols, *c = cc + j * nq;
+                    const int8_t *x8 = t->x8 + xi * cols;
+                    const float *x8d = t->x8d + xi * nq;
+                    float tot = sums[j];
+                    for (int64_t i = 0; i < n; i++) {
+                        int64_t col = ocol[i];
+                        tot += oval[i] * x[col] - (c[col >> 7] * (float)(oint[i] * x8[col]) +
+                                                   bs[col >> 5] * (float)x8[col] * (4 * x8d[col >> 7]));
+                    }
+                    dst[(xi - job[4]) * t->ostride] = tot;
+                }
             }
         }
-    }
     }
 }
 
