@@ -1821,8 +1821,8 @@ AVX2 static void att_mix_tiles_avx2(const att_t *a, const float *P, int64_t p0, 
     }
 }
 
-/* att_mix_job on AVX2 (any head count and width): four cache rows at a time (loaded once, binary16 converted once), added into
-   every head's partial sums, 16 columns per step */
+/* att_mix_job on AVX2 for any head count and width: four cache rows at a time (loaded once, binary16
+   converted once), added into every head's partial sums, 16 columns per step */
 AVX2 static void att_mix_avx2(const att_t *a, const float *P, int64_t p0, int64_t p1, float *o) {
     int64_t r = a->r, S = a->S, nh = a->nh, r16 = r / 16 * 16, p = p0;
     for (; p + 4 <= p1; p += 4) {

@@ -157,9 +157,9 @@ class ExpertPager:
         with self._lock:
             for e in experts:
                 key = (layer, e)
-                self._freq[key] = self._freq.get(key, 0) + 1
                 ent = self._cache.get(key)
                 if ent is not None and ent.ready.is_set() and ent.error is None:
+                    self._freq[key] = self._freq.get(key, 0) + 1
                     self._cache.move_to_end(key)
                     out.append(ent.views)
                 else:
@@ -168,8 +168,7 @@ class ExpertPager:
             self.stats.hits += len(out) - len(missing)
         if self._prefetched:
             self._prefetched.difference_update((layer, e) for e in experts)
-        for i in missing:
-            self._freq[(layer, experts[i])] -= 1           # get counts it
+        for i in missing:                                   # get counts and reads them
             out[i] = self.get(layer, experts[i])
         return out
 
