@@ -2717,6 +2717,25 @@ static PyObject *py_set_spin(PyObject *self, PyObject *args) {
     return Py_NewRef(Py_None);
 }
 
+/* the attention of a (everything but part set) in four passes over the pool; -1 with MemoryError set */
+static int attend_all(att_t *a, int threads) {
+    int64_t S = a->S, nh = a->nh, nmix = (S + ATT_MIX_POS - 1) / ATT_MIX_POS;
+    nmix = nmix < 8 ? nmix : 8;
+    if (nmix < threads) nmix = threads < S ? threads : S;
+    float *probs = malloc(sizeof(float) * (nh * S + nmix * nh * a->r));
+    if (!probs) { PyErr_NoMemory(); return -1; }
+    a->part = probs + nh * S;
+    int64_t scratch = ATT_POS * (a->r + a->dr) + 16;      /* a scores job's rows, converted */
+    task_t t1 = {.job = att_scores_job, .att = a, .out = probs, .njobs = (S + ATT_POS - 1) / ATT_POS, .scratch_floats = scratch};
+    task_t t2 = {.job = att_softmax_job, .att = a, .out = probs, .njobs = nh, .scratch_floats = scratch};
+    task_t t3 = {.job = att_mix_job, .att = a, .out = probs, .n = nmix, .njobs = nmix, .scratch_floats = scratch};
+    task_t t4 = {.job = att_sum_job, .att = a, .n = nmix, .njobs = (nh * a->r + 1023) / 1024, .scratch_floats = scratch};
+    int rc = run_unlocked(&t1, threads) < 0 || run_unlocked(&t2, threads) < 0 || run_unlocked(&t3, threads) < 0 ||
+             run_unlocked(&t4, threads) < 0 ? -1 : 0;
+    free(probs);
+    return rc;
+}
+
 PyDoc_STRVAR(attend_doc,
 "attend(q, qr, C, K, S, nh, half, scale, out, threads)\n\n"
 "One token's absorbed attention: for each of the nh heads h, scores = scale * (q[h] . C[p] +\n"
@@ -2733,7 +2752,6 @@ static PyObject *py_attend(PyObject *self, PyObject *args) {
     buf_t b[5];
     memset(b, 0, sizeof b);
     PyObject *ret = NULL;
-    float *probs = NULL;
     int64_t es = half ? 2 : 4;
     if (get_buf(o[0], &b[0], 0, 4, "q") || get_buf(o[1], &b[1], 0, 4, "qr") || get_buf(o[2], &b[2], 0, es, "C") ||
         get_buf(o[3], &b[3], 0, es, "K") || get_buf(o[4], &b[4], 1, 4, "out"))
@@ -2746,24 +2764,8 @@ static PyObject *py_attend(PyObject *self, PyObject *args) {
     }
     att_t a = {.q = b[0].b.buf, .qr = b[1].b.buf, .C = b[2].b.buf, .K = b[3].b.buf, .half = half, .S = S,
                .r = nq / nh, .dr = nqr / nh, .nh = nh, .scale = scale, .o = b[4].b.buf};
-    int64_t nmix = (S + ATT_MIX_POS - 1) / ATT_MIX_POS;
-    nmix = nmix < 8 ? nmix : 8;
-    if (nmix < threads) nmix = threads < S ? threads : S;
-    probs = malloc(sizeof(float) * (nh * S + nmix * nh * a.r));
-    if (!probs) { PyErr_NoMemory(); goto done; }
-    a.part = probs + nh * S;
-    int64_t scratch = ATT_POS * (a.r + a.dr) + 16;      /* a scores job's rows, converted */
-    task_t t1 = {.job = att_scores_job, .att = &a, .out = probs, .njobs = (S + ATT_POS - 1) / ATT_POS, .scratch_floats = scratch};
-    task_t t2 = {.job = att_softmax_job, .att = &a, .out = probs, .njobs = nh, .scratch_floats = scratch};
-    task_t t3 = {.job = att_mix_job, .att = &a, .out = probs, .n = nmix, .njobs = nmix, .scratch_floats = scratch};
-    task_t t4 = {.job = att_sum_job, .att = &a, .n = nmix, .njobs = (nh * a.r + 1023) / 1024, .scratch_floats = scratch};
-    if (run_unlocked(&t1, threads) < 0 || run_unlocked(&t2, threads) < 0 || run_unlocked(&t3, threads) < 0 ||
-        run_unlocked(&t4, threads) < 0)
-        goto done;
-    Py_INCREF(Py_None);
-    ret = Py_None;
+    if (attend_all(&a, threads) == 0) ret = Py_NewRef(Py_None);
 done:
-    free(probs);
     release(b, 5);
     return ret;
 }
@@ -2802,6 +2804,25 @@ static float numpy_sum(const float *x, int64_t n) {
     return s;
 }
 
+/* one row of rms_norm (see rms_norm_doc) */
+static void rms_row(const float *x, const float *w, int64_t n, float eps, float *y) {
+    double sum = 0.0;
+    for (int64_t i = 0; i < n; i++) sum += (double)(x[i] * x[i]);
+    const float mean = (float)(sum / (double)n);
+    const float scale = 1.0f / sqrtf(mean + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = (x[i] * scale) * w[i];
+}
+
+/* one vector of rope (see rope_doc): h pairs */
+static void rope_row(const float *xr, const float *ct, const float *st, int64_t h, int interleave, float *yr) {
+    for (int64_t i = 0; i < h; i++) {
+        float x1 = interleave ? xr[2 * i] : xr[i], x2 = interleave ? xr[2 * i + 1] : xr[i + h];
+        float a = x1 * ct[i], bb = x2 * st[i], e = x2 * ct[i], f = x1 * st[i];
+        yr[i] = a - bb;
+        yr[i + h] = e + f;
+    }
+}
+
 PyDoc_STRVAR(rms_norm_doc,
 "rms_norm(x, w, eps, out)\n\n"
 "out[t] = (x[t] * s) * w with s = 1 / sqrt(mean(x[t]^2) + eps), for x, out float32 [T, n] and w float32\n"
@@ -2822,16 +2843,7 @@ static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "rms_norm: x and out [T, n], w [n]");
         goto done;
     }
-    const float *w = b[1].b.buf;
-    for (int64_t t = 0; t < T; t++) {
-        const float *x = (const float *)b[0].b.buf + t * n;
-        float *y = (float *)b[2].b.buf + t * n;
-        double sum = 0.0;
-        for (int64_t i = 0; i < n; i++) sum += (double)(x[i] * x[i]);
-        const float mean = (float)(sum / (double)n);
-        const float scale = 1.0f / sqrtf(mean + eps);
-        for (int64_t i = 0; i < n; i++) y[i] = (x[i] * scale) * w[i];
-    }
+    for (int64_t t = 0; t < T; t++) rms_row((const float *)b[0].b.buf + t * n, b[1].b.buf, n, eps, (float *)b[2].b.buf + t * n);
     ret = Py_NewRef(Py_None);
 done:
     release(b, 3);
@@ -2864,16 +2876,7 @@ static PyObject *py_rope(PyObject *self, PyObject *args) {
     const float *x = b[0].b.buf, *c = b[1].b.buf, *sn = b[2].b.buf;
     float *y = b[3].b.buf;
     for (int64_t t = 0; t < T; t++)
-        for (int64_t j = 0; j < m; j++) {
-            const float *xr = x + (t * m + j) * d, *ct = c + t * h, *st = sn + t * h;
-            float *yr = y + (t * m + j) * d;
-            for (int64_t i = 0; i < h; i++) {
-                float x1 = interleave ? xr[2 * i] : xr[i], x2 = interleave ? xr[2 * i + 1] : xr[i + h];
-                float a = x1 * ct[i], bb = x2 * st[i], e = x2 * ct[i], f = x1 * st[i];
-                yr[i] = a - bb;
-                yr[i + h] = e + f;
-            }
-        }
+        for (int64_t j = 0; j < m; j++) rope_row(x + (t * m + j) * d, c + t * h, sn + t * h, h, interleave, y + (t * m + j) * d);
     ret = Py_NewRef(Py_None);
 done:
     release(b, 4);
@@ -2881,18 +2884,20 @@ done:
 }
 
 PyDoc_STRVAR(route_doc,
-"route(scores, bias, n_group, topk_group, norm, scale, idx, weights)\n\n"
+"route(scores, bias, n_group, topk_group, norm, scale, idx, weights, logits=False)\n\n"
 "DeepSeek-V3 top-k routing of T tokens over E experts: scores (float32 [T, E], the router's sigmoids)\n"
 "plus bias (float32 [E]) choose; with n_group > 1 only the topk_group groups whose two best choices\n"
 "sum highest take part; the k best (k from idx, int64 [T, k]) are taken in descending order, ties to\n"
-"the lower index. weights (float32 [T, k]) are their scores, divided by their sum if norm, times scale.");
+"the lower index. weights (float32 [T, k]) are their scores, divided by their sum if norm, times scale.\n"
+"With logits, `scores` are the router's outputs z and the scores 1 / (1 + e^-z).");
 
 static PyObject *py_route(PyObject *self, PyObject *args) {
     PyObject *o[4];
     Py_ssize_t G, KG;
     int norm;
     float scale;
-    if (!PyArg_ParseTuple(args, "OOnnpfOO", &o[0], &o[1], &G, &KG, &norm, &scale, &o[2], &o[3])) return NULL;
+    int logits = 0;
+    if (!PyArg_ParseTuple(args, "OOnnpfOO|p", &o[0], &o[1], &G, &KG, &norm, &scale, &o[2], &o[3], &logits)) return NULL;
     buf_t b[4];
     memset(b, 0, sizeof b);
     PyObject *ret = NULL;
@@ -2907,13 +2912,17 @@ static PyObject *py_route(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "route: scores [T, E], bias [E], idx and weights [T, k], k <= E, groups dividing E");
         goto done;
     }
-    choice = malloc(sizeof(float) * (E + G));
+    choice = malloc(sizeof(float) * (2 * E + G));
     taken = malloc(E + G);
     if (!choice || !taken) { PyErr_NoMemory(); goto done; }
-    float *gsc = choice + E;
+    float *gsc = choice + E, *sig = gsc + G;
     int64_t per = E / G;
     for (int64_t t = 0; t < T; t++) {
         const float *sc = (const float *)b[0].b.buf + t * E, *bias = b[1].b.buf;
+        if (logits) {           /* the router's outputs: their sigmoids, in float32 as numpy's form */
+            for (int64_t e = 0; e < E; e++) sig[e] = 1.0f / (1.0f + expf(-sc[e]));
+            sc = sig;
+        }
         int64_t *idx = (int64_t *)b[2].b.buf + t * k;
         float *w = (float *)b[3].b.buf + t * k;
         for (int64_t e = 0; e < E; e++) choice[e] = sc[e] + bias[e];
@@ -2951,6 +2960,118 @@ done:
     return ret;
 }
 
+/* x rounded to the nearest binary16 (ties to even; overflow to infinity), as numpy converts */
+static uint16_t half_bits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000);
+    uint32_t a = u & 0x7fffffffu;
+    if (a >= 0x7f800000u) return sign | 0x7c00 | (a > 0x7f800000u ? 0x200 | ((a >> 13) & 0x3ff) : 0);
+    if (a >= 0x477ff000u) return sign | 0x7c00;                       /* 65520 and up round to infinity */
+    if (a < 0x38800000u) {                                            /* below 2^-14: a subnormal or zero */
+        float m;
+        memcpy(&m, &a, 4);
+        return sign | (uint16_t)nearbyintf(m * 16777216.0f);          /* exact scaling, then ties to even */
+    }
+    return sign | (uint16_t)((a - 0x38000000u + 0xfffu + ((a >> 13) & 1)) >> 13);
+}
+
+PyDoc_STRVAR(mla_decode_doc,
+"mla_decode(q, ckv, kv_ln, eps, cos, sin, interleave, C, K, pos, half, raw, geom, nope, v, scale, out,\n"
+"           threads, min_weights) -> int\n\n"
+"One token's absorbed multi-head latent attention in one call, from the projections to the heads'\n"
+"values: ckv (float32 [r + dr], kv_a's output) gives the latent (rms_norm by kv_ln) and the rotated key\n"
+"(rope by cos, sin [dr/2]), written to row pos of the caches C [context, r] and K [context, dr]\n"
+"(float32, or binary16 if half); q (float32 [nh, nope + dr]) gives q_nope, folded into the latent by\n"
+"kv_b's key rows (heads_t), and q_rot (rope); attention over positions 0 .. pos (attend); the latent\n"
+"output through kv_b's value rows (float32 out [nh, v]). kv_b [nh * (nope + v), r] is the tensor at\n"
+"the start of raw with geometry geom. Each part runs on `threads` threads from min_weights\n"
+"multiply-adds on, else on the caller's alone. The same bits as the separate calls. Returns 1 if kv_b's\n"
+"outlier columns are corrupt.");
+
+static PyObject *py_mla_decode(PyObject *self, PyObject *args) {
+    PyObject *o[10];
+    float eps, scale;
+    int interleave, half, threads;
+    Py_ssize_t pos, nope, v, min_weights;
+    if (!PyArg_ParseTuple(args, "OOOfOOpOOnpOOnnfOin", &o[0], &o[1], &o[2], &eps, &o[3], &o[4], &interleave,
+                          &o[5], &o[6], &pos, &half, &o[7], &o[8], &nope, &v, &scale, &o[9], &threads, &min_weights))
+        return NULL;
+    buf_t b[10];
+    memset(b, 0, sizeof b);
+    PyObject *ret = NULL;
+    float *work = NULL, *xsc = NULL, *xs = NULL, *x8d = NULL;
+    int16_t *xq = NULL;
+    int8_t *x8 = NULL;
+    int64_t *jobs = NULL, es = half ? 2 : 4;
+    if (get_buf(o[0], &b[0], 0, 4, "q") || get_buf(o[1], &b[1], 0, 4, "ckv") || get_buf(o[2], &b[2], 0, 4, "kv_ln") ||
+        get_buf(o[3], &b[3], 0, 4, "cos") || get_buf(o[4], &b[4], 0, 4, "sin") || get_buf(o[5], &b[5], 1, es, "C") ||
+        get_buf(o[6], &b[6], 1, es, "K") || get_buf(o[7], &b[7], 0, 1, "raw") ||
+        get_buf(o[8], &b[8], 0, 8 * G_LEN, "geom") || get_buf(o[9], &b[9], 1, 4, "out"))
+        goto done;
+    const int64_t *g = b[8].b.buf;
+    int64_t r = b[8].b.len == 8 * G_LEN ? g[G_COLS] : 0, hd = b[3].b.len / 4, dr = 2 * hd;
+    int64_t nh = v > 0 ? b[9].b.len / (4 * v) : 0, stride = nope + v;
+    if (r <= 0 || r % 32 || !known_layout(g) || b[7].b.len < g[G_NBYTES] || nope < 1 || nh < 1 || hd < 1 ||
+        b[9].b.len != 4 * nh * v || b[4].b.len != b[3].b.len || b[0].b.len != 4 * nh * (nope + dr) ||
+        b[1].b.len != 4 * (r + dr) || b[2].b.len != 4 * r || nh * stride > g[G_ROWS] || pos < 0 ||
+        b[5].b.len < (pos + 1) * r * es || b[6].b.len < (pos + 1) * dr * es) {
+        PyErr_SetString(PyExc_ValueError, "mla_decode: q [nh, nope + dr], ckv [r + dr], kv_ln [r], cos and sin [dr/2], "
+                        "pos + 1 rows of both caches, kv_b [nh * (nope + v), r], out [nh, v]");
+        goto done;
+    }
+    const float *q = b[0].b.buf, *ckv = b[1].b.buf;
+    int64_t S = pos + 1, nspan = r / 32;
+    work = malloc(sizeof(float) * (r + dr + nh * (nope + dr + 2 * r)));
+    int64_t per = (1 << 15) / r > 8 ? (1 << 15) / r : 8, nb = (v + per - 1) / per;
+    jobs = malloc(sizeof(int64_t) * JOB_LEN * nh * nb);
+    if (!work || !jobs) { PyErr_NoMemory(); goto done; }
+    float *lat = work, *krot = lat + r, *qn = krot + dr, *qr = qn + nh * nope, *qlat = qr + nh * dr, *olat = qlat + nh * r;
+    /* the new position's latent and rotated key, into the caches */
+    rms_row(ckv, b[2].b.buf, r, eps, lat);
+    rope_row(ckv + r, b[3].b.buf, b[4].b.buf, hd, interleave, krot);
+    if (half) {
+        uint16_t *cr = (uint16_t *)b[5].b.buf + pos * r, *kr = (uint16_t *)b[6].b.buf + pos * dr;
+        for (int64_t i = 0; i < r; i++) cr[i] = half_bits(lat[i]);
+        for (int64_t i = 0; i < dr; i++) kr[i] = half_bits(krot[i]);
+    } else {
+        memcpy((float *)b[5].b.buf + pos * r, lat, sizeof(float) * r);
+        memcpy((float *)b[6].b.buf + pos * dr, krot, sizeof(float) * dr);
+    }
+    for (int64_t h = 0; h < nh; h++) {
+        memcpy(qn + h * nope, q + h * (nope + dr), sizeof(float) * nope);
+        rope_row(q + h * (nope + dr) + nope, b[3].b.buf, b[4].b.buf, hd, interleave, qr + h * dr);
+    }
+    /* q_nope folded into the latent: kv_b's key rows, transposed */
+    task_t t1 = {.job = heads_t_job, .raw = b[7].b.buf, .geoms = g, .xf = qn, .cols = r, .nspan = nspan, .n = nope,
+                 .stride = stride, .njobs = nh, .out = qlat, .scratch_floats = (nope + 5) * nspan + 16};
+    int bad = run_unlocked(&t1, nh * nope * r >= min_weights ? threads : 1);
+    if (bad < 0) goto done;
+    att_t a = {.q = qlat, .qr = qr, .C = b[5].b.buf, .K = b[6].b.buf, .half = half, .S = S, .r = r, .dr = dr,
+               .nh = nh, .scale = scale, .o = olat};
+    if (attend_all(&a, nh * S * (r + dr) >= min_weights ? threads : 1)) goto done;
+    /* the latent output through kv_b's value rows, head by head */
+    int64_t nj = 0;
+    for (int64_t h = 0; h < nh; h++)
+        for (int64_t lo = 0; lo < v; lo += per, nj++) {
+            int64_t *jb = jobs + JOB_LEN * nj, first = h * stride + nope;
+            jb[0] = 0; jb[1] = 0; jb[2] = first + lo; jb[3] = first + (lo + per < v ? lo + per : v);
+            jb[4] = h; jb[5] = h * v + lo;
+        }
+    if (quantize_rows(olat, nh, r, &xq, &xsc, &xs, x8_kind((int)g[G_KIND]) ? &x8 : NULL, &x8d)) goto done;
+    task_t t2 = {.job = rows_job, .raw = b[7].b.buf, .geoms = g, .xf = olat, .xsc = xsc, .xs = xs, .xq = xq,
+                 .xp = xq + nh * r, .x8 = x8, .x8d = x8d, .x8s = x8d ? x8d + nh * ((r + 127) / 128) : NULL,
+                 .cols = r, .nspan = nspan, .jobs = jobs, .njobs = nj, .out = b[9].b.buf, .ntok = 1,
+                 .scratch_floats = rows_scratch(per, 1, nspan)};
+    int bad2 = run_unlocked(&t2, nh * v * r >= min_weights ? threads : 1);
+    if (bad2 < 0) goto done;
+    ret = PyLong_FromLong(bad || bad2);
+done:
+    free(work); free(jobs); free(xq); free(xsc); free(xs); free(x8); free(x8d);
+    release(b, 10);
+    return ret;
+}
+
 static PyMethodDef methods[] = {
     {"rows", py_rows, METH_VARARGS, rows_doc},
     {"ggml_rows", py_ggml_rows, METH_VARARGS, ggml_rows_doc},
@@ -2962,6 +3083,7 @@ static PyMethodDef methods[] = {
     {"heads_t", py_heads_t, METH_VARARGS, heads_t_doc},
     {"moe", py_moe, METH_VARARGS, moe_doc},
     {"attend", py_attend, METH_VARARGS, attend_doc},
+    {"mla_decode", py_mla_decode, METH_VARARGS, mla_decode_doc},
     {"route", py_route, METH_VARARGS, route_doc},
     {"rope", py_rope, METH_VARARGS, rope_doc},
     {"rms_norm", py_rms_norm, METH_VARARGS, rms_norm_doc},

@@ -8,6 +8,8 @@ once, and corrects outliers exactly; nothing is dequantized. q2 and q1 weights (
 take x as int8 per 128 values instead (q4/q6 too with `set_activations("int8")`): byte products, the
 sub-block scales applied as integers, one float step per 128 weights. Every caller hands it a list of
 row jobs (a linear, all routed experts of a token, kv_b's heads), shared out over a small thread pool.
+A decode step's attention from the projections to the heads' values is one call (LatentAttention),
+and so is a token's MoE layer once its experts' offsets are known (MoEStep).
 Several tokens (prefill, or the tokens routed to one expert): the same kernel takes each block's
 digits out once and multiplies them by four tokens at a time. From BLAS_MIN_TOKENS tokens on
 (X8_BLAS_MIN_TOKENS with int8 inputs) rows are dequantized one block at a time (BLOCK_BYTES, bit for
@@ -531,6 +533,36 @@ def moe_decode(base: np.ndarray, offsets: np.ndarray, gate_up: tuple, down: tupl
         raise CodecError(f"{gate_up[0]}: corrupt data: outlier columns out of range or not increasing")
 
 
+class MoEStep:
+    """moe_decode for one token whose routed experts all have the same codecs and shapes, everything
+    but their offsets and weights worked out once (a decode step calls it once per MoE layer)."""
+    __slots__ = ("geoms", "pick", "tok", "k", "shared", "work", "codec", "wts")
+
+    def __init__(self, gate_up: tuple, down: tuple, k: int, shared: tuple | None = None):
+        specs = (gate_up, down) + ((shared[1], shared[2]) if shared is not None else ())
+        self.geoms = _moe_geometries(tuple((c, tuple(int(d) for d in sh)) for c, sh in specs))
+        self.pick, self.tok = _moe_pairs(1, k, shared is not None)
+        self.k, self.codec = k, gate_up[0]
+        self.shared = tuple(shared[0]) if shared is not None else None
+        self.work = len(self.pick) * 3 * int(self.geoms[0, G_ROWS]) * int(self.geoms[0, G_COLS])
+        self.wts = np.ones(len(self.pick), np.float32)      # the routed experts' weights, then the shared one's 1
+
+    def __call__(self, base: np.ndarray, offsets: list, x: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """offsets: k (gate, up, down) byte offsets in base; x [1, hidden]; weights [1, k] -> [1, hidden]."""
+        if self.shared is not None:
+            offsets = offsets + [self.shared]
+        self.wts[:self.k] = weights[0]
+        out = np.zeros(x.shape, np.float32)
+        try:
+            bad = _qdot.moe(base, self.geoms, np.array(offsets, np.int64), self.pick, self.tok, self.wts, x, out,
+                            _threads if self.work >= PARALLEL_MIN_WEIGHTS else 1)
+        except ValueError as e:
+            raise (CodecError(str(e)) if "outside" in str(e) else e) from None
+        if bad:
+            raise CodecError(f"{self.codec}: corrupt data: outlier columns out of range or not increasing")
+        return out
+
+
 def ggml_moe_decode(base: np.ndarray, offsets: np.ndarray, gate_up: tuple, down: tuple, x: np.ndarray,
                     weights: np.ndarray, out: np.ndarray) -> None:
     """moe_decode for routed experts held in llama.cpp's blocks (codecs gguf-<type>): one C call, two
@@ -597,15 +629,16 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleave: bool) -> n
 
 
 def route(scores: np.ndarray, bias: np.ndarray, k: int, n_group: int = 1, topk_group: int = 1,
-          norm: bool = True, scale: float = 1.0):
-    """DeepSeek-V3 (noaux_tc) top-k over scores [T, E] (the router's sigmoids) plus the correction bias,
+          norm: bool = True, scale: float = 1.0, logits: bool = False):
+    """DeepSeek-V3 (noaux_tc) top-k over scores [T, E] (the router's sigmoids, or with `logits` its
+    outputs, whose sigmoids are taken first: one call less per layer) plus the correction bias,
     limited to the topk_group best groups when n_group > 1: expert ids [T, k] in descending order of
     choice (ties to the lower id) and their weights [T, k] (scores, normalised if `norm`, times
     `scale`). Equal bit for bit to the numpy formulation it replaces (argsort, take_along_axis, sum)."""
     scores = np.ascontiguousarray(scores, np.float32)
     idx = np.empty((scores.shape[0], k), np.int64)
     weights = np.empty((scores.shape[0], k), np.float32)
-    _qdot.route(scores, np.ascontiguousarray(bias, np.float32), n_group, topk_group, norm, scale, idx, weights)
+    _qdot.route(scores, np.ascontiguousarray(bias, np.float32), n_group, topk_group, norm, scale, idx, weights, logits)
     return idx, weights
 
 
@@ -625,6 +658,33 @@ def attend(q: np.ndarray, q_rot: np.ndarray, latent: np.ndarray, k_rot: np.ndarr
     _qdot.attend(q, q_rot, np.ascontiguousarray(latent), np.ascontiguousarray(k_rot), int(length), nh,
                  latent.dtype == np.float16, float(scale), out, _threads if work >= PARALLEL_MIN_WEIGHTS else 1)
     return out
+
+
+class LatentAttention:
+    """One token's multi-head latent attention from the projections' outputs to the heads' values, in
+    one C call (`_qdot.mla_decode`): the KV latent's norm and the rotary parts, the cache rows written,
+    kv_b's key rows folded into the query (heads_t), attention over the cache (attend), kv_b's value
+    rows applied (heads). The same bits as those steps one by one; the Python between them cost more
+    than the arithmetic of the small ones (a decode step runs it once per layer)."""
+    __slots__ = ("codec", "raw", "g", "nope", "v")
+
+    def __init__(self, codec: str, raw, shape, nope: int, v: int):
+        _, self.g, self.raw = _prepare(codec, raw, shape)
+        self.codec, self.nope, self.v = codec, int(nope), int(v)
+
+    def __call__(self, q: np.ndarray, ckv: np.ndarray, kv_ln: np.ndarray, eps: float, cos: np.ndarray,
+                 sin: np.ndarray, interleave: bool, latent: np.ndarray, k_rot: np.ndarray, pos: int,
+                 scale: float) -> np.ndarray:
+        """q [nh, nope + dr] (q_b's output), ckv [r + dr] (kv_a's), the caches' rows [context, r] and
+        [context, dr] of one sequence (row `pos` is written) -> [nh, v]."""
+        if latent.dtype != k_rot.dtype or latent.dtype not in (np.float32, np.float16):
+            raise ValueError("LatentAttention: the caches must both be float32 or both float16")
+        nh = q.size // (self.nope + cos.size * 2)
+        out = np.empty((nh, self.v), np.float32)
+        if _qdot.mla_decode(q, ckv, kv_ln, eps, cos, sin, interleave, latent, k_rot, pos, latent.dtype == np.float16,
+                            self.raw, self.g, self.nope, self.v, scale, out, _threads, PARALLEL_MIN_WEIGHTS):
+            raise CodecError(f"{self.codec}: corrupt data: outlier columns out of range or not increasing")
+        return out
 
 
 def heads_t(codec: str, raw, shape, v: np.ndarray, stride: int) -> np.ndarray:

@@ -150,6 +150,9 @@ class Attention:
             self.packed = has_fused_kernel(kv_b.codec) and self.w_k is None
         else:
             self.packed = kernels.has_kernel(k_b.codec) and kernels.has_kernel(v_b.codec)
+        # a decode step's attention in one kernel call (kernels.LatentAttention) when kv_b stays packed
+        self.mla = (kernels.LatentAttention(kv_b.codec, kv_b.raw, kv_b.shape, cfg.qk_nope_head_dim, cfg.v_head_dim)
+                    if kv_b is not None and self.packed else None)
         scale = cfg.qk_head_dim ** -0.5
         if cfg.rope.type != "default" and cfg.rope.mscale_all_dim:
             scale *= _yarn_mscale(cfg.rope.factor, cfg.rope.mscale_all_dim) ** 2
@@ -214,10 +217,26 @@ class Attention:
         r = self.cfg.kv_lora_rank
         return rms_norm(ckv[:, :r], self.kv_ln, self.cfg.rms_norm_eps), ckv[:, r:]
 
+    def decode(self, h: np.ndarray, start: int, cache: KVCache, rope: Rope) -> np.ndarray:
+        """One token of one sequence: the projections, then everything from the latent's norm to the
+        heads' values in one kernel call (the packed-kv_b branch of `forward`, bit for bit)."""
+        eps = self.cfg.rms_norm_eps
+        if self.qkv_a is not None:
+            qa, ckv = self.qkv_a(h)
+            q = linear(rms_norm(qa, self.q_ln, eps), self.q_b)
+        else:
+            q, ckv = self.query(h), linear(h, self.kv_a)
+        cos, sin = rope.tables(start, 1, 1)
+        o = self.mla(q, ckv, self.kv_ln, eps, cos, sin, rope.interleave, cache.latent[self.index][0],
+                     cache.k_rot[self.index][0], start, self.softmax_scale)
+        return linear(o.reshape(1, -1), self.o)
+
     def forward(self, h: np.ndarray, start: int, cache: KVCache, rope: Rope) -> np.ndarray:
         """h [B * T, hidden]: B sequences (the cache's batch), T new tokens each."""
         cfg, B = self.cfg, cache.batch
         T = h.shape[0] // B
+        if B * T == 1 and self.mla is not None:
+            return self.decode(h, start, cache, rope)
         nh, nope = cfg.num_attention_heads, cfg.qk_nope_head_dim
         if self.qkv_a is not None and B * T < kernels.BLAS_MIN_TOKENS:
             qa, ckv = self.qkv_a(h)
@@ -305,30 +324,34 @@ class MoE:
         self.router, self.bias, self.experts, self.shared = router, bias, experts, shared
         self.next: Layer | None = None      # the next MoE layer, whose experts this one can guess
         self._shared_fused = False          # not yet worked out (see _shared_in_buffer)
+        self._step = False                  # not yet worked out (see _one_token)
 
     def route(self, h: np.ndarray):
         """Top-k expert ids [T, k] and weights [T, k] (DeepSeek-V3 noaux_tc routing): the sigmoid
         scores plus the correction bias choose among the topk_group best groups (n_group > 1); the
         chosen scores, normalised (norm_topk_prob), times routed_scaling_factor weigh them."""
         cfg = self.cfg
-        scores = 1.0 / (1.0 + np.exp(-linear(h, self.router)))
-        return kernels.route(scores, self.bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
-                             cfg.norm_topk_prob, cfg.routed_scaling_factor)
+        return kernels.route(linear(h, self.router), self.bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+                             cfg.norm_topk_prob, cfg.routed_scaling_factor, logits=True)
 
     def forward(self, h: np.ndarray, x: np.ndarray) -> np.ndarray:
         """h: the normalised input [T, hidden]; x: the residual stream, for guessing the next layer."""
         idx, weights = self.route(h)
+        if idx.shape[0] == 1:
+            step = self._one_token()
+            held = step and self.experts.held(self.index, idx[0])
+            if held:                        # a warm decode step: every expert in memory, one kernel call
+                self._guess(x)
+                out = step(self.experts.buffer, held, h, weights)
+                return out + self.shared.forward(h) if self.shared is not None and step.shared is None else out
         used = np.sort(idx[0]) if idx.shape[0] == 1 else np.unique(idx)      # one token's are distinct
         self.experts.routed(self.index, used)
-        if self.next is not None and self.experts.wants_guesses:
-            # the next MoE layer's router applied to the current residual stream guesses its experts
-            nxt = self.next
-            guess, _ = nxt.mlp.route(rms_norm(x, nxt.ln2, self.cfg.rms_norm_eps))
-            self.experts.guess(nxt.index, np.unique(guess))
+        self._guess(x)
         out = np.zeros(h.shape, np.float32)
         experts = self.experts.together(self.index, used)
         if experts is not None and self._fusing_pays(idx, experts):
-            shared = self._shared_in_buffer(experts)
+            rg, _, rd = next(iter(experts.values()))
+            shared = self._shared_in_buffer((rg.codec, rg.shape), (rd.codec, rd.shape))
             if self._fused(experts, idx, h, weights, out, shared):
                 if self.shared is not None and shared is None:
                     out += self.shared.forward(h)
@@ -342,6 +365,25 @@ class MoE:
             out += self.shared.forward(h)
         return out
 
+    def _guess(self, x: np.ndarray) -> None:
+        if self.next is not None and self.experts.wants_guesses:
+            # the next MoE layer's router applied to the current residual stream guesses its experts
+            nxt = self.next
+            guess, _ = nxt.mlp.route(rms_norm(x, nxt.ln2, self.cfg.rms_norm_eps))
+            self.experts.guess(nxt.index, np.unique(guess))
+
+    def _one_token(self):
+        """A kernels.MoEStep for one token's routed experts (and the shared expert where it can join
+        them) when every routed expert of the layer has the same fused-kernel codecs and shapes and
+        lies in the provider's buffer; None otherwise. Worked out at the first call."""
+        if self._step is False:
+            spec = self.experts.uniform(self.index)
+            ok = (spec is not None and self.experts.buffer is not None and has_fused_kernel(spec[0][0])
+                  and has_fused_kernel(spec[1][0]))
+            self._step = (kernels.MoEStep(*spec, self.cfg.num_experts_per_tok, self._shared_in_buffer(*spec))
+                          if ok else None)
+        return self._step
+
     @staticmethod
     def _fusing_pays(idx: np.ndarray, experts: dict) -> bool:
         """Every (token, expert) pair in one fused call reads an expert once per token routed to it;
@@ -354,20 +396,20 @@ class MoE:
         expert_bytes = gate.raw.nbytes + up.raw.nbytes + down.raw.nbytes
         return (T * k - len(experts)) * expert_bytes <= len(experts) * GROUPED_CALL_BYTES
 
-    def _shared_in_buffer(self, experts: dict):
-        """The shared expert as moe_decode's `shared` argument when it can join the routed experts' call
-        (same shapes, fused codecs, its bytes inside the experts' buffer, as with the mmap pager); None
-        otherwise (it then runs as its own three products)."""
+    def _shared_in_buffer(self, gate_up: tuple, down_spec: tuple):
+        """The shared expert as moe_decode's `shared` argument when it can join the call of routed
+        experts of these (codec, shape)s (same shapes, fused codecs, its bytes inside the experts'
+        buffer, as with the mmap pager); None otherwise (it then runs as its own three products)."""
         if self._shared_fused is False:
             self._shared_fused = None
             base = self.experts.buffer
             if self.shared is not None and base is not None:
                 gate, up, down = self.shared.gate, self.shared.up, self.shared.down
-                rg, _, rd = next(iter(experts.values()))
                 b0, end = base.ctypes.data, base.ctypes.data + base.size
                 inside = all(b0 <= t.raw.ctypes.data and t.raw.ctypes.data + t.raw.nbytes <= end
                              for t in (gate, up, down))
-                fits = (gate.shape == up.shape == rg.shape and down.shape == rd.shape and gate.codec == up.codec
+                fits = (tuple(gate.shape) == tuple(up.shape) == tuple(gate_up[1])
+                        and tuple(down.shape) == tuple(down_spec[1]) and gate.codec == up.codec
                         and has_fused_kernel(gate.codec) and has_fused_kernel(down.codec))
                 if inside and fits:
                     self._shared_fused = ((gate.raw.ctypes.data - b0, up.raw.ctypes.data - b0,

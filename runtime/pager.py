@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import operator
 import os
 import threading
 import time
@@ -51,6 +52,9 @@ RELOAD_SKIP = 128              # misses of evicted experts not scored
 RELOAD_TRIAL = 128             # misses of evicted experts scored before deciding
 RELOAD_MIN_CACHED = 0.25       # below this share of their pages still cached, evicted experts are dropped
 _libc = ctypes.CDLL(None, use_errno=True)
+
+
+_by_key = operator.attrgetter("key")
 
 
 class ExpertReadError(OSError):
@@ -91,6 +95,7 @@ class _Entry:
     offset: int
     nbytes: int
     views: tuple = ()
+    offsets: tuple = ()             # the views' offsets, once the provider has taken them (ExpertProvider.held)
     slot: int = -1
     freq: int = 0
     ready: threading.Event = field(default_factory=threading.Event)
@@ -171,6 +176,24 @@ class ExpertPager:
         for i in missing:                                   # get counts and reads them
             out[i] = self.get(layer, experts[i])
         return out
+
+    def held(self, layer: int, experts) -> list | None:
+        """The cache entries of `experts` (distinct ids) at `layer` when every one is cached and ready,
+        counted and made most recent as get_many does; None when any is not (a warm decode step finds
+        them all: one pass under the lock, no views handed out)."""
+        cache = self._cache
+        with self._lock:
+            ents = [cache.get((layer, e)) for e in experts]
+            for ent in ents:
+                if ent is None or not ent.ready.is_set() or ent.error is not None:
+                    return None
+            for ent in sorted(ents, key=_by_key):        # in id order, as fetch_ahead and get_many take them
+                cache.move_to_end(ent.key)
+                self._freq[ent.key] = self._freq.get(ent.key, 0) + 1
+            self.stats.hits += len(ents)
+        if self._prefetched:
+            self._prefetched.difference_update(ent.key for ent in ents)
+        return ents
 
     def holds_together(self, n: int) -> bool:
         """Whether n experts fetched one after another can all be held until used within the cache: a

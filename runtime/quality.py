@@ -310,6 +310,7 @@ def observing(model: Model, observer):
                 wrap(attn, attr, _Observed(getattr(attn, attr), observer))
 
         wrap(attn, "qkv_a", None)           # q_a and kv_a as two products, so both are observed
+        wrap(attn, "mla", None)             # the latent taken through `compress`, where it is observed
 
         def compress(h, attn=attn, inner=attn.compress):
             latent, k_rot = inner(h)
@@ -320,6 +321,7 @@ def observing(model: Model, observer):
         mlp = layer.mlp
         if isinstance(mlp, MoE):
             wrap(mlp, "experts", _ObservedExperts(mlp.experts, observer))
+            wrap(mlp, "_step", None)        # no one-call step while observed (nor one worked out for them)
             mlp = mlp.shared
         for attr in ("gate", "up", "down") if mlp is not None else ():
             wrap(mlp, attr, _Observed(getattr(mlp, attr), observer))

@@ -13,6 +13,7 @@ from kimistream.formats.checksum import extent_digest
 from kimistream.formats.codecs import get_codec, is_float_codec
 from kimistream.formats.ggufcodecs import is_gguf_codec
 from kimistream.formats.constants import EXTENT_EMBEDDING, EXTENT_EXPERT, EXTENT_RESIDENT
+from kimistream.formats.layout import EXPERT_PROJS, expert_tensor
 from kimistream.formats.memplan import DECODED_SUFFIXES
 from kimistream.formats.weightfile import WeightFile, WeightFileError, check_model
 
@@ -102,6 +103,17 @@ class ExpertProvider:
     def together(self, layer: int, experts) -> dict | None:
         """{id: (gate, up, down)} for all of `experts` at once, or None when they cannot all be held
         at the same time (the model then takes them one by one with `get`)."""
+        return None
+
+    def held(self, layer: int, experts) -> list | None:
+        """One token's routed `experts` (distinct ids, in routing order) when all are in memory now:
+        their gate, up and down tensors' byte offsets in `buffer`, one (g, u, d) per expert, with
+        everything `routed` and `together` would do done; None otherwise (the model then calls those)."""
+        return None
+
+    def uniform(self, layer: int) -> tuple | None:
+        """((codec, shape) of gate and up, (codec, shape) of down) when every routed expert of `layer`
+        has them, else None."""
         return None
 
     def get(self, layer: int, e: int) -> tuple[Weight, Weight, Weight]:
@@ -240,6 +252,35 @@ class ModelWeights(ExpertProvider):
     def guess(self, layer: int, experts) -> None:
         self.pager.prefetch(layer, experts)
 
+    def held(self, layer: int, experts) -> list | None:
+        ids = experts.tolist()
+        p = self.pager
+        p.note_routed(layer, ids)
+        ents = p.held(layer, ids)
+        if ents is None:
+            return None
+        if p.watch_reads:
+            self._judge_guesses()
+        offs = []
+        for ent in ents:
+            if not ent.offsets:              # the entry's first use since it was read
+                self._touched(ent.key, ent.views)
+                ent.offsets = tuple(v[4] for v in ent.views)
+            offs.append(ent.offsets)
+        return offs
+
+    def uniform(self, layer: int) -> tuple | None:
+        tensors = self.file.tensors
+        try:
+            specs = {tuple((t.codec, tuple(t.shape)) for t in (tensors[expert_tensor(layer, e, proj)] for proj in EXPERT_PROJS))
+                     for e in range(self.config.n_routed_experts)}
+        except KeyError:
+            return None
+        if len(specs) != 1:
+            return None
+        gate, up, down = specs.pop()
+        return (gate, down) if gate == up else None
+
     def together(self, layer: int, experts) -> dict | None:
         if not self.pager.holds_together(len(experts)):
             return None
@@ -259,11 +300,14 @@ class ModelWeights(ExpertProvider):
         made = self._expert_weights.get(key)
         if made is not None and made[0] is views:
             return made[1]
+        self._touched(key, views)
+        made = self._expert_weights[key] = (views, tuple(Weight(*v) for v in views))
+        return made[1]
+
+    def _touched(self, key, views) -> None:
         if key not in self.experts_touched:
             self.experts_touched.add(key)
             self.expert_bytes_touched += sum(v[3].nbytes for v in views)
-        made = self._expert_weights[key] = (views, tuple(Weight(*v) for v in views))
-        return made[1]
 
     def close(self):
         self.pager.close()

@@ -277,6 +277,80 @@ def test_heads_of_kv_b(name, isa, monkeypatch):
     assert rel(got, want) < (0.05 if kernels.takes_int8(name) else 1e-4)
 
 
+@pytest.mark.parametrize("name,dtype,interleave", [("q4", np.float32, False), ("q2", np.float16, True),
+                                                    ("t1", np.float16, False), ("q8", np.float32, True)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_latent_attention_equals_its_steps(name, dtype, interleave, threads, isa, activations, monkeypatch):
+    """One decode step's attention in one call (kernels.LatentAttention) gives the bits of its steps
+    run one by one (rms_norm, rope, the cache rows written, heads_t, attend, heads), and writes the
+    same cache rows."""
+    monkeypatch.setattr(kernels, "PARALLEL_MIN_WEIGHTS", 0 if threads > 1 else 1 << 62)
+    monkeypatch.setattr(kernels, "_threads", threads)
+    nh, nope, vdim, r, dr, context, pos = 4, 16, 24, 512 if name != "t1" else 544, 8, 40, 29
+    shape = (nh * (nope + vdim), r)
+    w = weight(shape, seed=12)
+    w[3, 9] = 7.0
+    raw = encode(get_codec(name), w)
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((nh, nope + dr)).astype(np.float32)
+    ckv = rng.standard_normal(r + dr).astype(np.float32)
+    kv_ln = rng.uniform(0.5, 1.5, r).astype(np.float32)
+    ang = rng.uniform(0, 6, dr // 2)
+    cos, sin = np.cos(ang).astype(np.float32)[None], np.sin(ang).astype(np.float32)[None]
+    caches = [(rng.standard_normal((context, r)).astype(dtype), rng.standard_normal((context, dr)).astype(dtype))]
+    caches.append((caches[0][0].copy(), caches[0][1].copy()))
+
+    latent, k_rot = caches[0]
+    latent[pos] = kernels.rms_norm(ckv[None, :r], kv_ln, 1e-6)[0]
+    k_rot[pos] = kernels.rope(ckv[None, None, r:], cos, sin, interleave)[0, 0]
+    q_rot = kernels.rope(q[None, :, nope:], cos, sin, interleave)[0]
+    q_lat = kernels.heads_t(name, raw, shape, q[:, :nope], nope + vdim)
+    o_lat = kernels.attend(q_lat, q_rot, latent, k_rot, pos + 1, 0.3)
+    want = kernels.heads(name, raw, shape, o_lat, nope + vdim, nope, vdim)
+
+    mla = kernels.LatentAttention(name, raw, shape, nope, vdim)
+    got = mla(q, ckv, kv_ln, 1e-6, cos, sin, interleave, *caches[1], pos, 0.3)
+    assert got.shape == (nh, vdim)
+    np.testing.assert_array_equal(got, want)
+    for a, b in zip(caches[0], caches[1]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_latent_attention_rounds_cache_rows_as_numpy():
+    """Rows written to a binary16 cache are numpy's conversion of the float32 values: ties to even,
+    subnormals, the largest finite value, overflow to infinity, signed zeros."""
+    nope, vdim, r, dr = 16, 8, 32, 64
+    raw = encode(get_codec("q8"), weight((nope + vdim, r), seed=3))
+    mla = kernels.LatentAttention("q8", raw, (nope + vdim, r), nope, vdim)
+    special = np.array([0.0, -0.0, 1.0, 65504, 65519.99, 65520, -1e6, 6.1e-5, 6.0e-5, 2.98e-8, 2.99e-8, 5.96e-8,
+                        1e-10, 1.00048828125, 1.000732421875, 1.0009765625 + 2 ** -12, -3.14159, 2 ** -24 * 1.5,
+                        2 ** -24 * 2.5, 1e-40, 7.0e4, 0.1], np.float32)
+    k = np.random.default_rng(2).standard_normal(dr).astype(np.float32) * np.float32(1e-5)
+    k[:special.size] = special
+    ckv = np.concatenate([np.ones(r, np.float32), k])
+    cos, sin = np.ones((1, dr // 2), np.float32), np.zeros((1, dr // 2), np.float32)  # keys pass unrotated
+    latent, k_rot = np.zeros((4, r), np.float16), np.zeros((4, dr), np.float16)
+    mla(np.zeros((1, nope + dr), np.float32), ckv, np.ones(r, np.float32), 1e-6, cos, sin, False, latent, k_rot, 2, 1.0)
+    with np.errstate(over="ignore"):
+        want = kernels.rope(k[None, None], cos, sin, False)[0, 0].astype(np.float16)
+    np.testing.assert_array_equal(k_rot[2].view(np.uint16), want.view(np.uint16))
+
+
+def test_latent_attention_refuses_mismatched_buffers():
+    nope, vdim, r, dr = 16, 8, 32, 8
+    raw = encode(get_codec("q8"), weight((2 * (nope + vdim), r), seed=3))
+    mla = kernels.LatentAttention("q8", raw, (2 * (nope + vdim), r), nope, vdim)
+    q, ckv, ln = np.zeros((2, nope + dr), np.float32), np.zeros(r + dr, np.float32), np.ones(r, np.float32)
+    cs = np.ones((1, dr // 2), np.float32)
+    with pytest.raises(ValueError):                 # the row to write lies past the cache
+        mla(q, ckv, ln, 1e-6, cs, cs, False, np.zeros((3, r), np.float32), np.zeros((3, dr), np.float32), 3, 1.0)
+    with pytest.raises(ValueError):                 # the caches' dtypes differ
+        mla(q, ckv, ln, 1e-6, cs, cs, False, np.zeros((4, r), np.float32), np.zeros((4, dr), np.float16), 1, 1.0)
+    with pytest.raises(ValueError):                 # more heads than kv_b holds
+        mla(np.zeros((3, nope + dr), np.float32), ckv, ln, 1e-6, cs, cs, False, np.zeros((4, r), np.float32),
+            np.zeros((4, dr), np.float32), 1, 1.0)
+
+
 def test_c_kernel_refuses_jobs_outside_its_buffers():
     c = get_codec("q2")
     shape = (4, 256)
@@ -492,6 +566,21 @@ def test_route_equals_numpy_sorts_bit_for_bit(E, G, KG, k):
         got_i, got_w = kernels.route(scores, bias, k, G, KG, norm, scale)
         np.testing.assert_array_equal(got_i, want_i)
         np.testing.assert_array_equal(got_w.view(np.int32), want_w.view(np.int32))
+
+
+def test_route_from_logits_takes_their_sigmoids():
+    """route(..., logits=True) takes the router's outputs: the choice of the float32 sigmoids' route
+    (1 / (1 + e^-z), e^x within an ulp of numpy's) and weights to float32 rounding."""
+    rng = np.random.default_rng(9)
+    for E, G, KG, k in [(64, 1, 1, 6), (256, 8, 4, 8)]:
+        logits = (rng.standard_normal((3, E)) * 3).astype(np.float32)
+        bias = (rng.standard_normal(E) * 0.1).astype(np.float32)
+        scores = (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
+        want_i, want_w = kernels.route(scores, bias, k, G, KG, True, 2.5)
+        got_i, got_w = kernels.route(logits, bias, k, G, KG, True, 2.5, logits=True)
+        np.testing.assert_array_equal(got_i, want_i)
+        np.testing.assert_allclose(got_w, want_w, rtol=1e-6)
+        assert not np.allclose(kernels.route(logits, bias, k, G, KG, True, 2.5)[1], want_w)   # without the flag
 
 
 def test_route_refuses_bad_shapes():

@@ -546,3 +546,64 @@ def test_plan_config_overrides_reproduce_the_fitted_plan(tmp_path):
     (tmp_path / "dense.json").write_text(json.dumps(dense))
     proc = kimi_convert("--synthetic", tmp_path / "dense.json", "--quant", "q2", "--memory-budget", "1M", "--dry-run")
     assert proc.returncode == 2 and "cannot hold this model" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def synthetic_q2(tmp_path_factory):
+    d = tmp_path_factory.mktemp("synq2")
+    (d / "config.json").write_text(json.dumps(GEOMETRY))
+    return write_synthetic(d / "config.json", d / "q2.kst", PrecisionPlan.from_preset("q2"), seed=2)
+
+
+@pytest.mark.parametrize("io", ["mmap", "pread"])
+def test_warm_decode_steps_equal_the_general_expert_path(synthetic_q2, io, monkeypatch):
+    """A decode step whose experts are all in memory takes them in one pass (ExpertProvider.held) and
+    one kernel call with everything else worked out once (kernels.MoEStep): the same logits, hits,
+    misses and experts touched as the general path (routed, together, moe_decode), under a cache that
+    evicts and one that does not."""
+    from kimistream.runtime import kernels
+    path = synthetic_q2
+    steps = []
+    monkeypatch.setattr(kernels.MoEStep, "__call__",
+                        lambda self, *a, _call=kernels.MoEStep.__call__: steps.append(1) or _call(self, *a))
+    expert = max(e.nbytes for e in WeightFile(path).extents if e.kind == "expert")
+    for cache in (6 * expert, 100 * expert):         # evicting; every expert of the 3 MoE layers
+        seen = []
+        for fast in (True, False):
+            w = ModelWeights(path, io=io, cache_bytes=cache)
+            if not fast:
+                w.held = lambda layer, experts: None
+            w.load_resident()
+            m = Model(w, 128)
+            logits = np.stack([m.forward([t]) for t in PROMPT * 2])
+            st = w.pager.stats
+            # pread's reads of a layer's missing experts finish on helper threads: whether one is
+            # ready when asked (a hit) depends on timing there, the experts asked for do not
+            counts = (st.hits, st.misses) if io == "mmap" else (st.hits + st.misses,)
+            seen.append((logits, counts, len(w.experts_touched), w.expert_bytes_touched))
+            w.close()
+        np.testing.assert_array_equal(seen[0][0], seen[1][0])
+        assert seen[0][1:] == seen[1][1:], (cache, seen[0][1:], seen[1][1:])
+    assert steps                                    # the one-call path really ran
+
+
+def test_observed_decode_steps_see_every_expert_and_the_one_call_step_returns_after(synthetic_q2, monkeypatch):
+    """While calibration observes, a decode step takes the experts one at a time (their inputs are
+    seen); afterwards the one-call step runs again."""
+    from kimistream.runtime import kernels, quality
+    steps = []
+    monkeypatch.setattr(kernels.MoEStep, "__call__",
+                        lambda self, *a, _call=kernels.MoEStep.__call__: steps.append(1) or _call(self, *a))
+    w = ModelWeights(synthetic_q2)
+    w.load_resident()
+    m = Model(w, 64)
+    seen = set()
+    with quality.observing(m, lambda name, x: seen.add(name)):
+        for t in PROMPT[:6]:
+            m.forward([t])
+    assert any(".mlp.experts." in n for n in seen) and any("kv_b_proj" in n for n in seen)
+    assert not steps
+    for t in PROMPT[:6]:
+        m.forward([t])
+    assert steps
+    w.close()
