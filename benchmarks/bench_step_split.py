@@ -29,6 +29,7 @@ def main():
     args = ap.parse_args()
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "KIMI_STREAM_THREADS"):
         os.environ[var] = str(args.threads)
+    import kimistream.runtime  # noqa: F401  (first, as kimi-run: it sets OpenBLAS's spin before numpy loads)
     import numpy as np
     from kimistream.runtime import kernels
     from kimistream.runtime.model import Attention, Model, MoE

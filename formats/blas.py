@@ -4,7 +4,8 @@ that core from the mat-vec kernel's own thread; prefill's large products want ev
 model asks for one BLAS thread per decode step and for all of them in prefill. The encoder asks for
 one thread always: OpenBLAS's results can depend on its thread count, and a file must be the same
 bytes whether it was encoded here or on a cluster worker. Works with the OpenBLAS numpy ships (or
-any OpenBLAS loaded in the process); elsewhere it does nothing."""
+any OpenBLAS loaded in the process); elsewhere it does nothing. How long an idle OpenBLAS worker
+spins is set once, before numpy loads (formats/__init__.py)."""
 
 from __future__ import annotations
 

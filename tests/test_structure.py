@@ -53,3 +53,26 @@ def test_model_is_only_the_model():
     names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
     for word in ("pager", "observer", "decoded_bytes", "keep_dense", "note_routed", "fetch_ahead", "prefetch"):
         assert not any(word in n for n in names), word
+
+
+@pytest.mark.parametrize("entry", ["kimistream.runtime.cli", "kimistream.convert.cli"])
+@pytest.mark.parametrize("given", [None, "12"])
+def test_openblas_workers_stop_spinning_unless_the_user_says(entry, given):
+    """Each command's package sets OPENBLAS_THREAD_TIMEOUT before numpy (and its OpenBLAS, which reads
+    it once) loads, and leaves a value the user gave alone."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    if given:
+        env["OPENBLAS_THREAD_TIMEOUT"] = given
+    code = ("import os, sys\nseen = []\n"
+            "class Watch:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'numpy' and not seen:\n"
+            "            seen.append(os.environ.get('OPENBLAS_THREAD_TIMEOUT'))\n"
+            "sys.meta_path.insert(0, Watch())\n"
+            f"import {entry}\nimport numpy\nprint(seen[0])")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [given or "4"]         # as numpy was first imported
