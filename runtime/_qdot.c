@@ -1798,6 +1798,34 @@ AVX2 static void att_softmax_avx2(float *s, int64_t S) {
 }
 #endif
 
+/* a prompt's attention rows, in place (att_t: nh rows of S scores, r = rows per sequence block T,
+   dr = the block's first position, scale): row t of each block keeps its first dr + t + 1 scores
+   (causal), times scale, as a softmax; the rest become 0. CAUSAL_ROWS rows per job. */
+#define CAUSAL_ROWS 16
+static void causal_softmax_job(task_t *t, int64_t j, float *scratch) {
+    (void)scratch;
+    const att_t *a = t->att;
+    int64_t S = a->S, i1 = (j + 1) * CAUSAL_ROWS < a->nh ? (j + 1) * CAUSAL_ROWS : a->nh;
+    for (int64_t i = j * CAUSAL_ROWS; i < i1; i++) {
+        float *s = t->out + i * S;
+        int64_t n = a->dr + i % a->r + 1;
+        n = n < S ? n : S;
+        for (int64_t p = 0; p < n; p++) s[p] *= a->scale;
+#if HAVE_X86
+        if (use_avx2) att_softmax_avx2(s, n);
+        else
+#endif
+        {
+            float mx = -INFINITY, tot = 0;
+            for (int64_t p = 0; p < n; p++) mx = s[p] > mx ? s[p] : mx;
+            for (int64_t p = 0; p < n; p++) { s[p] = expf(s[p] - mx); tot += s[p]; }
+            float inv = 1.0f / tot;
+            for (int64_t p = 0; p < n; p++) s[p] *= inv;
+        }
+        memset(s + n, 0, sizeof(float) * (S - n));
+    }
+}
+
 /* softmax of head j's scores, in place */
 static void att_softmax_job(task_t *t, int64_t j, float *scratch) {
     (void)scratch;
@@ -3101,6 +3129,37 @@ done:
     return ret;
 }
 
+PyDoc_STRVAR(causal_softmax_doc,
+"causal_softmax(scores, T, start, scale, threads)\n\n"
+"A prompt's attention scores (float32 [n, T, S], in place) through a causal softmax: in each block of T\n"
+"rows, row t's first start + t + 1 scores are multiplied by scale and replaced by their softmax, the\n"
+"others by 0.");
+
+static PyObject *py_causal_softmax(PyObject *self, PyObject *args) {
+    PyObject *o;
+    Py_ssize_t T, start;
+    float scale;
+    int threads;
+    if (!PyArg_ParseTuple(args, "Onnfi", &o, &T, &start, &scale, &threads)) return NULL;
+    buf_t b;
+    memset(&b, 0, sizeof b);
+    PyObject *ret = NULL;
+    if (get_buf(o, &b, 1, 4, "scores")) goto done;
+    int64_t rows = 0, S = 0;
+    if (b.b.ndim >= 2) { S = b.b.shape[b.b.ndim - 1]; rows = S ? b.b.len / 4 / S : 0; }
+    if (T < 1 || start < 0 || S < 1 || rows % T) {
+        PyErr_SetString(PyExc_ValueError, "causal_softmax: scores float32 [n, T, S], T >= 1, start >= 0");
+        goto done;
+    }
+    att_t a = {.S = S, .r = T, .dr = start, .nh = rows, .scale = scale};
+    task_t t = {.job = causal_softmax_job, .att = &a, .out = b.b.buf, .njobs = (rows + CAUSAL_ROWS - 1) / CAUSAL_ROWS,
+                .scratch_floats = 16};
+    if (run_unlocked(&t, threads) >= 0) ret = Py_NewRef(Py_None);
+done:
+    release(&b, 1);
+    return ret;
+}
+
 static PyMethodDef methods[] = {
     {"rows", py_rows, METH_VARARGS, rows_doc},
     {"ggml_rows", py_ggml_rows, METH_VARARGS, ggml_rows_doc},
@@ -3113,6 +3172,7 @@ static PyMethodDef methods[] = {
     {"moe", py_moe, METH_VARARGS, moe_doc},
     {"attend", py_attend, METH_VARARGS, attend_doc},
     {"mla_decode", py_mla_decode, METH_VARARGS, mla_decode_doc},
+    {"causal_softmax", py_causal_softmax, METH_VARARGS, causal_softmax_doc},
     {"route", py_route, METH_VARARGS, route_doc},
     {"rope", py_rope, METH_VARARGS, rope_doc},
     {"rms_norm", py_rms_norm, METH_VARARGS, rms_norm_doc},

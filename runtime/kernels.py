@@ -687,6 +687,17 @@ class LatentAttention:
         return out
 
 
+def causal_softmax(scores: np.ndarray, start: int, scale: float) -> None:
+    """A prompt chunk's attention scores [..., T, S] (float32, contiguous; new tokens at positions
+    start .. start+T-1 of S), in place: each row times `scale`, softmax over the positions it may see
+    (up to its own), 0 past them. One pass over the pool instead of numpy's six."""
+    if scores.dtype != np.float32 or not scores.flags.c_contiguous or scores.ndim < 2:
+        raise ValueError("causal_softmax: contiguous float32 scores [..., T, S]")
+    T = scores.shape[-2]
+    _qdot.causal_softmax(scores.reshape(-1, T, scores.shape[-1]), T, start, scale,
+                         _threads if scores.size >= PARALLEL_MIN_WEIGHTS // 8 else 1)
+
+
 def heads_t(codec: str, raw, shape, v: np.ndarray, stride: int) -> np.ndarray:
     """[nh, cols]: for each head h, v[h] (length n) times rows h*stride .. h*stride+n-1 of W,
     transposed (kv_b's key part applied to the query in absorbed attention)."""

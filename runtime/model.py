@@ -273,7 +273,7 @@ class Attention:
             o = self.values(o_lat[0, :, 0, :])[None, :, None, :] if packed else np.matmul(o_lat, w_v_t)
         else:
             w_k, w_v_t = self.absorbed()
-            Ct, Kt = C[:, None, :S], K[:, None, :S]
+            Cs, Ks = C[:, :S], K[:, :S]                                        # [B, S, r], [B, S, rope]
             # llama.cpp's halves take 8-bit inputs (kernels.gguf_input): q_nope and the latent output,
             # as its graph multiplies them, so those files keep the absorbed form
             rounded = self.k_b is not None and kernels.rounds_gguf_inputs(self.k_b.codec, self.v_b.codec)
@@ -281,27 +281,30 @@ class Attention:
             if expand:
                 # many new tokens: the keys' and values' head parts for every position, then attention
                 # as written (fewer multiply-adds than folding kv_b into every query and output)
-                keys = np.matmul(Ct, w_k.transpose(0, 2, 1))                  # [B, nh, S, nope]
-                values = np.matmul(Ct, w_v_t)                                  # [B, nh, S, v]
+                keys = np.matmul(Cs[:, None], w_k.transpose(0, 2, 1))         # [B, nh, S, nope]
+                values = np.matmul(Cs[:, None], w_v_t)                         # [B, nh, S, v]
                 scores = np.matmul(q_nope, keys.transpose(0, 1, 3, 2))
             else:
                 q_lat = (kernels.gguf_heads_matmul(self.k_b.codec, self.k_b.raw, self.k_b.shape, q_nope, w_k)
                          if rounded else np.matmul(q_nope, w_k))               # [B, nh, T, r]
-                scores = np.matmul(q_lat, Ct.transpose(0, 1, 3, 2))
-            scores += np.matmul(q_rot, Kt.transpose(0, 1, 3, 2))
-            scores *= self.softmax_scale                                       # [B, nh, T, S]
-            causal = np.arange(S)[None, :] > (start + np.arange(T))[:, None]
-            scores[..., causal] = -np.inf
-            scores -= scores.max(axis=-1, keepdims=True)
-            probs = np.exp(scores)
-            probs /= probs.sum(axis=-1, keepdims=True)
+                scores = _shared_keys(q_lat, Cs.transpose(0, 2, 1))
+            scores += _shared_keys(q_rot, Ks.transpose(0, 2, 1))               # [B, nh, T, S]
+            kernels.causal_softmax(scores, start, self.softmax_scale)
+            probs = scores
             if expand:
                 o = np.matmul(probs, values)                                   # [B, nh, T, v]
             else:
-                o_lat = np.matmul(probs, Ct)                                   # [B, nh, T, r]
+                o_lat = _shared_keys(probs, Cs)                                # [B, nh, T, r]
                 o = (kernels.gguf_heads_matmul(self.v_b.codec, self.v_b.raw, self.v_b.shape, o_lat, w_v_t)
                      if rounded else np.matmul(o_lat, w_v_t))
         return linear(o.transpose(0, 2, 1, 3).reshape(B * T, nh * cfg.v_head_dim), self.o)
+
+
+def _shared_keys(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a [B, nh, T, n] times b [B, n, m], the same for every head: one product of nh * T rows per
+    sequence (as many small per-head products ran at half BLAS's speed)."""
+    B, nh, T, n = a.shape
+    return np.matmul(a.reshape(B, nh * T, n), b).reshape(B, nh, T, -1)
 
 
 class DenseMLP:

@@ -525,6 +525,31 @@ def test_attend_matches_float64(isa, nh, r, dr, length, context, dtype):
         kernels.set_threads(before)
 
 
+@pytest.mark.parametrize("R,T,S,start", [(16, 64, 64, 0), (3, 5, 9, 4), (2, 7, 40, 33), (1, 1, 1, 0), (4, 33, 70, 37)])
+def test_causal_softmax_matches_float64(isa, R, T, S, start, monkeypatch):
+    """A prompt chunk's scores: row t of each block sees positions 0 .. start + t (scaled, softmax),
+    the rest become 0; on one thread and on several."""
+    rng = np.random.default_rng(R * 100 + S)
+    x = (rng.standard_normal((R, T, S)) * 4).astype(np.float32)
+    want = x.astype(np.float64) * 0.3
+    want[:, np.arange(S)[None, :] > (start + np.arange(T))[:, None]] = -np.inf
+    want = np.exp(want - want.max(axis=-1, keepdims=True))
+    want /= want.sum(axis=-1, keepdims=True)
+    monkeypatch.setattr(kernels, "PARALLEL_MIN_WEIGHTS", 0)          # the pool even for small ones
+    before = kernels._threads
+    try:
+        for threads in (1, 2):
+            kernels.set_threads(threads)
+            got = x.copy()
+            kernels.causal_softmax(got, start, 0.3)
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+            assert (got[:, np.arange(S)[None, :] > (start + np.arange(T))[:, None]] == 0).all()
+    finally:
+        kernels.set_threads(before)
+    with pytest.raises(ValueError):
+        kernels.causal_softmax(x.astype(np.float64), start, 0.3)
+
+
 def test_attend_refuses_mismatched_buffers():
     q, q_rot = np.zeros((4, 32), np.float32), np.zeros((4, 8), np.float32)
     with pytest.raises(ValueError):
