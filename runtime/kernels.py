@@ -634,7 +634,8 @@ def route(scores: np.ndarray, bias: np.ndarray, k: int, n_group: int = 1, topk_g
     outputs, whose sigmoids are taken first: one call less per layer) plus the correction bias,
     limited to the topk_group best groups when n_group > 1: expert ids [T, k] in descending order of
     choice (ties to the lower id) and their weights [T, k] (scores, normalised if `norm`, times
-    `scale`). Equal bit for bit to the numpy formulation it replaces (argsort, take_along_axis, sum)."""
+    `scale`). Given the scores, equal bit for bit to the numpy formulation it replaces (argsort,
+    take_along_axis, sum); the sigmoids of `logits` use C's expf, within an ulp of numpy's exp."""
     scores = np.ascontiguousarray(scores, np.float32)
     idx = np.empty((scores.shape[0], k), np.int64)
     weights = np.empty((scores.shape[0], k), np.float32)
