@@ -1777,6 +1777,21 @@ AVX2 static inline __m256 exp_neg8(__m256 x) {
     return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
+/* silu(g) * u eight at a time: g / (1 + e^-g) with e^-|g| only (exp_neg8's range), as 1 / (1 + a) for
+   g >= 0 and a / (1 + a) below; returns how many it did (the rest are the caller's) */
+AVX2 static int64_t swiglu_avx2(const float *g, const float *u, float *y, int64_t n) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_loadu_ps(g + i);
+        __m256 a = exp_neg8(_mm256_or_ps(x, sign));                          /* e^-|x| */
+        __m256 num = _mm256_blendv_ps(one, a, x);                            /* sign bit set: x < 0 */
+        __m256 sg = _mm256_div_ps(num, _mm256_add_ps(one, a));
+        _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(x, sg), _mm256_loadu_ps(u + i)));
+    }
+    return i;
+}
+
 /* att_softmax_job on AVX2: the maximum, e^(s - max) and their sum eight scores at a time */
 AVX2 static void att_softmax_avx2(float *s, int64_t S) {
     __m256 m8 = _mm256_set1_ps(-INFINITY);
@@ -3129,6 +3144,35 @@ done:
     return ret;
 }
 
+PyDoc_STRVAR(swiglu_doc,
+"swiglu(g, u, out)\n\n"
+"out = silu(g) * u = g / (1 + e^-g) * u elementwise (float32, one size; e^x to about 2e-7 relative on AVX2).");
+
+static PyObject *py_swiglu(PyObject *self, PyObject *args) {
+    PyObject *o[3];
+    if (!PyArg_ParseTuple(args, "OOO", &o[0], &o[1], &o[2])) return NULL;
+    buf_t b[3];
+    memset(b, 0, sizeof b);
+    PyObject *ret = NULL;
+    if (get_buf(o[0], &b[0], 0, 4, "g") || get_buf(o[1], &b[1], 0, 4, "u") || get_buf(o[2], &b[2], 1, 4, "out"))
+        goto done;
+    if (b[1].b.len != b[0].b.len || b[2].b.len != b[0].b.len) {
+        PyErr_SetString(PyExc_ValueError, "swiglu: g, u and out of one size");
+        goto done;
+    }
+    const float *g = b[0].b.buf, *u = b[1].b.buf;
+    float *y = b[2].b.buf;
+    int64_t n = b[0].b.len / 4, i = 0;
+#if HAVE_X86
+    if (use_avx2) i = swiglu_avx2(g, u, y, n);
+#endif
+    for (; i < n; i++) y[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    ret = Py_NewRef(Py_None);
+done:
+    release(b, 3);
+    return ret;
+}
+
 PyDoc_STRVAR(causal_softmax_doc,
 "causal_softmax(scores, T, start, scale, threads)\n\n"
 "A prompt's attention scores (float32 [n, T, S], in place) through a causal softmax: in each block of T\n"
@@ -3173,6 +3217,7 @@ static PyMethodDef methods[] = {
     {"attend", py_attend, METH_VARARGS, attend_doc},
     {"mla_decode", py_mla_decode, METH_VARARGS, mla_decode_doc},
     {"causal_softmax", py_causal_softmax, METH_VARARGS, causal_softmax_doc},
+    {"swiglu", py_swiglu, METH_VARARGS, swiglu_doc},
     {"route", py_route, METH_VARARGS, route_doc},
     {"rope", py_rope, METH_VARARGS, rope_doc},
     {"rms_norm", py_rms_norm, METH_VARARGS, rms_norm_doc},

@@ -550,6 +550,20 @@ def test_causal_softmax_matches_float64(isa, R, T, S, start, monkeypatch):
         kernels.causal_softmax(x.astype(np.float64), start, 0.3)
 
 
+def test_swiglu_matches_float64(isa):
+    """silu(g) * u within float32 rounding, also where e^-g over- or underflows; mismatched shapes refused."""
+    rng = np.random.default_rng(8)
+    g = (rng.standard_normal((5, 203)) * 8).astype(np.float32)
+    g[0, :6] = [0.0, -0.0, 100.0, -100.0, 1e-30, -90.0]
+    u = rng.standard_normal((5, 203)).astype(np.float32)
+    want = g.astype(np.float64) / (1 + np.exp(-g.astype(np.float64))) * u
+    got = kernels.swiglu(g, u)
+    assert got.shape == g.shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-30)
+    with pytest.raises(ValueError):
+        kernels.swiglu(g, u[:, :200])
+
+
 def test_attend_refuses_mismatched_buffers():
     q, q_rot = np.zeros((4, 32), np.float32), np.zeros((4, 8), np.float32)
     with pytest.raises(ValueError):
