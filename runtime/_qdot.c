@@ -3038,7 +3038,11 @@ static uint16_t half_bits(float x) {
     memcpy(&u, &x, 4);
     uint16_t sign = (uint16_t)((u >> 16) & 0x8000);
     uint32_t a = u & 0x7fffffffu;
-    if (a >= 0x7f800000u) return sign | 0x7c00 | (a > 0x7f800000u ? 0x200 | ((a >> 13) & 0x3ff) : 0);
+    if (a > 0x7f800000u) {                                            /* NaN: its payload's top bits, kept a NaN */
+        uint16_t m = (uint16_t)((a >> 13) & 0x3ff);
+        return sign | 0x7c00 | (m ? m : 1);
+    }
+    if (a == 0x7f800000u) return sign | 0x7c00;
     if (a >= 0x477ff000u) return sign | 0x7c00;                       /* 65520 and up round to infinity */
     if (a < 0x38800000u) {                                            /* below 2^-14: a subnormal or zero */
         float m;

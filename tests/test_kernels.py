@@ -318,15 +318,17 @@ def test_latent_attention_equals_its_steps(name, dtype, interleave, threads, isa
 
 def test_latent_attention_rounds_cache_rows_as_numpy():
     """Rows written to a binary16 cache are numpy's conversion of the float32 values: ties to even,
-    subnormals, the largest finite value, overflow to infinity, signed zeros."""
+    subnormals, the largest finite value, overflow to infinity, signed zeros, infinities, NaNs."""
     nope, vdim, r, dr = 16, 8, 32, 64
     raw = encode(get_codec("q8"), weight((nope + vdim, r), seed=3))
     mla = kernels.LatentAttention("q8", raw, (nope + vdim, r), nope, vdim)
     special = np.array([0.0, -0.0, 1.0, 65504, 65519.99, 65520, -1e6, 6.1e-5, 6.0e-5, 2.98e-8, 2.99e-8, 5.96e-8,
                         1e-10, 1.00048828125, 1.000732421875, 1.0009765625 + 2 ** -12, -3.14159, 2 ** -24 * 1.5,
-                        2 ** -24 * 2.5, 1e-40, 7.0e4, 0.1], np.float32)
+                        2 ** -24 * 2.5, 1e-40, 7.0e4, 0.1, np.inf, -np.inf], np.float32)
     k = np.random.default_rng(2).standard_normal(dr).astype(np.float32) * np.float32(1e-5)
     k[:special.size] = special
+    nans = np.array([0x7fc00000, 0xffc00001, 0x7f800001, 0x7fbfe000], np.uint32).view(np.float32)
+    k[special.size:special.size + nans.size] = nans            # quiet, payloads, signalling
     ckv = np.concatenate([np.ones(r, np.float32), k])
     cos, sin = np.ones((1, dr // 2), np.float32), np.zeros((1, dr // 2), np.float32)  # keys pass unrotated
     latent, k_rot = np.zeros((4, r), np.float16), np.zeros((4, dr), np.float16)
