@@ -287,22 +287,23 @@ class Attention:
             else:
                 q_lat = (kernels.gguf_heads_matmul(self.k_b.codec, self.k_b.raw, self.k_b.shape, q_nope, w_k)
                          if rounded else np.matmul(q_nope, w_k))               # [B, nh, T, r]
-                scores = _shared_keys(q_lat, Cs.transpose(0, 2, 1))
-            scores += _shared_keys(q_rot, Ks.transpose(0, 2, 1))               # [B, nh, T, S]
+                scores = _times_shared(q_lat, Cs.transpose(0, 2, 1))
+            scores += _times_shared(q_rot, Ks.transpose(0, 2, 1))               # [B, nh, T, S]
             kernels.causal_softmax(scores, start, self.softmax_scale)
             probs = scores
             if expand:
                 o = np.matmul(probs, values)                                   # [B, nh, T, v]
             else:
-                o_lat = _shared_keys(probs, Cs)                                # [B, nh, T, r]
+                o_lat = _times_shared(probs, Cs)                                # [B, nh, T, r]
                 o = (kernels.gguf_heads_matmul(self.v_b.codec, self.v_b.raw, self.v_b.shape, o_lat, w_v_t)
                      if rounded else np.matmul(o_lat, w_v_t))
         return linear(o.transpose(0, 2, 1, 3).reshape(B * T, nh * cfg.v_head_dim), self.o)
 
 
-def _shared_keys(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """a [B, nh, T, n] times b [B, n, m], the same for every head: one product of nh * T rows per
-    sequence (as many small per-head products ran at half BLAS's speed)."""
+def _times_shared(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a [B, nh, T, n] times b [B, n, m], a matrix every head shares (the rotated keys, the latents):
+    one product of nh * T rows per sequence (as many small per-head products ran at half BLAS's
+    speed)."""
     B, nh, T, n = a.shape
     return np.matmul(a.reshape(B, nh * T, n), b).reshape(B, nh, T, -1)
 
