@@ -64,6 +64,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from kimistream.formats.constants import VERSION
+from kimistream.formats.weightfile import file_version
+
 CACHE_VERSION = 1            # bump when the checkpoint recipe changes, so old caches are not reused
 
 # Runs convert_hf_to_gguf.py unmodified; only an unknown pre-tokenizer hash is answered with "gpt-2".
@@ -416,6 +419,9 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         make_gguf(llama, ckpt, gguf, a.threads, a.keep_bf16_gguf)
         timings["gguf_s"] = round(time.perf_counter() - t, 1)
+    if kst.exists() and (file_version(kst) or 0) < VERSION:
+        log(f"{kst}: written in an older weight-file format; converting again")
+        kst.unlink()
     if not kst.exists():
         t = time.perf_counter()
         make_kst(ckpt, kst)

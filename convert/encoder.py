@@ -87,6 +87,10 @@ def _encode_block(c: BlockCodec, values, importance, moment) -> np.ndarray:
     digits = [np.concatenate([p[4][j] for p in parts]) for j in range(len(parts[0][4]))]
     if H is not None:
         par, digits = _round_with_feedback(c, x, par, sub, g, H, ocol)
+    if g.k:
+        # plane 3 holds each outlier's correction to what its digit decodes to (SPEC.md, "Planes")
+        stored = par.astype("<f2").astype(np.float32)
+        oval = oval - c.values_at(stored, sub, g, digits, ocol)
     return c.pack(g, par, ocol, oval, sub, digits)
 
 

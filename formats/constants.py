@@ -3,7 +3,7 @@
 import re
 
 MAGIC = b"KIMISTRM"
-VERSION = 1
+VERSION = 2                    # 2: outliers stored as corrections to their digits' values (1: the values)
 PREFIX_SIZE = 64
 DEFAULT_ALIGNMENT = 4096
 MAX_ALIGNMENT = 2 * 1024 * 1024

@@ -7,7 +7,7 @@ convert/encoder.py; runtime/kernels.py decodes the same bytes fused with the mat
 
 A weight [rows, cols] is quantised along cols. Every row is cut into 32-weight sub-blocks (64 for
 q2rtn) and 256-weight super-blocks (the last one of a row may be shorter). A tensor is five planes,
-each row-major: f16 block parameters, outlier columns (u16), outlier values (f16), sub-block
+each row-major: f16 block parameters, outlier columns (u16), outlier corrections (f16), sub-block
 parameters (u8) and codes. Codes are packed in chunks of 32 bytes: byte j, field k holds weight
 j + 32k of the chunk, so one SIMD register of 32 bytes yields 32 consecutive weights per shift.
 
@@ -209,8 +209,9 @@ class BlockCodec(Codec):
         return par, ocol, oval, sub, codes
 
     def pack(self, g: Geometry, par, ocol, oval, sub, digits) -> np.ndarray:
-        """The tensor's bytes from its planes: par [rows, nblk, npar] (float32, stored f16), ocol/oval
-        [rows, k], sub [rows, sub_row] (bytes, see pack_sub) and the digit planes [rows, cols]."""
+        """The tensor's bytes from its planes: par [rows, nblk, npar] (float32, stored f16), ocol and
+        the outliers' corrections oval [rows, k], sub [rows, sub_row] (bytes, see pack_sub) and the
+        digit planes [rows, cols]."""
         code_bytes = [pack_fields(d, p, bits) for d, (bits, p) in zip(digits, self.code_planes)]
         buf = np.concatenate([par.astype("<f2").reshape(-1).view(np.uint8),
                               ocol.astype("<u2").reshape(-1).view(np.uint8),
@@ -291,6 +292,20 @@ class BlockCodec(Codec):
                 B = B * s2
         return A, B
 
+    def values_at(self, par, sub, g: Geometry, digits: list, cols: np.ndarray) -> np.ndarray:
+        """What the digits at columns cols [rows, n] decode to before outliers, exactly as decode
+        computes it (par as stored: binary16 values in float32)."""
+        A, B = self.scale_offset(par, sub, g)
+        idx = cols.astype(np.int64)
+        s = idx // self.sub
+        level = np.take_along_axis(self.code_of(digits), idx, axis=1).astype(np.float32)
+        if self.mul != 1:
+            level = level * np.float32(self.mul)
+        if self.zero:
+            level = level - np.float32(self.zero)
+        v = np.take_along_axis(A, s, axis=1) * level
+        return v + np.take_along_axis(B, s, axis=1) if B is not None else v
+
     def affine(self, par, sub, g: Geometry):
         """The value as A·c + B with an integer c in lo..hi, per sub-block: (A, B, lo, hi). c is the
         level (mul·code − zero) where mul is 1, the code itself otherwise."""
@@ -324,7 +339,7 @@ class BlockCodec(Codec):
             v = v + B[..., None]
         v = np.ascontiguousarray(v, dtype=np.float32).reshape(rows, cols)
         if g.k:
-            v[np.arange(rows)[:, None], ocol] = oval
+            v[np.arange(rows)[:, None], ocol] += oval          # plane 3 holds corrections (SPEC.md)
         return v.reshape(shape)
 
     def decode_rows(self, buf, shape, rows_idx):

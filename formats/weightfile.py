@@ -35,6 +35,19 @@ class WeightFileError(ValueError):
     """A weight file is malformed, truncated, changed, or of an unknown version."""
 
 
+def file_version(path) -> int | None:
+    """The format version in a weight file's prefix, or None if `path` is not one (or unreadable):
+    lets a cache tell a copy written by an older build from a broken file."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(12)
+    except OSError:
+        return None
+    if len(head) < 12 or head[:8] != MAGIC:
+        return None
+    return int.from_bytes(head[8:12], "little")
+
+
 def align_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
@@ -393,6 +406,9 @@ class WeightFile:
         magic, version, alignment, hoff, hlen, data_start, file_size, hdigest = _PREFIX.unpack(raw)
         if magic != MAGIC:
             self._fail(f"not a kimi-stream weight file (magic {magic!r})")
+        if 0 < version < VERSION:
+            self._fail(f"written by an older kimi-stream (format version {version}; this build reads {VERSION}): "
+                       f"re-convert it with kimi-convert")
         if version != VERSION:
             self._fail(f"unsupported format version {version} (this build reads version {VERSION})")
         if alignment < 4096 or alignment > MAX_ALIGNMENT or alignment & (alignment - 1):

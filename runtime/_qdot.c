@@ -7,8 +7,8 @@
  * The portable path computes isum per span and then the sum. The AVX2 path first decodes every span's
  * coefficients 8 at a time, then runs one loop per codec: 32 code bytes per load, digits in int16
  * lanes multiplied pairwise with x into int32 lanes (vpmaddwd), turned to float and scaled per span
- * into a float accumulator (see "AVX2 kernels" below). Columns past the last whole code chunk (the tail) are dotted in float, and each stored
- * outlier replaces exactly what the sums above added for its column.
+ * into a float accumulator (see "AVX2 kernels" below). Columns past the last whole code chunk (the tail) are dotted in float, and each
+ * outlier adds its stored correction times x (the sums above already hold its digit's value).
  *
  * Work comes as a list of jobs (tensor offset, geometry, row range, input, output offset), shared
  * out through a small pool of threads the caller also works in: a job is taken with one atomic
@@ -640,13 +640,6 @@ extern int ggml_avx2;
 
 /* ---------------------------------------------------------------------------------------- one row */
 
-/* the quantised x of column col: natural order (portable path) or de-interleaved (AVX2) */
-static inline int xq_at(const int16_t *xq, const int16_t *xp, int64_t col) {
-    if (!use_avx2) return xq[col];
-    int64_t j = col & 31;
-    return xp[(col & ~(int64_t)31) | ((j & 1) ? 16 + (j >> 1) : (j >> 1))];
-}
-
 static const float ones32[32] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
                                  1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
 
@@ -686,18 +679,15 @@ static int64_t outliers_valid(const uint8_t *t, const int64_t *g, int64_t r, ato
 }
 
 /* the tail (columns past the whole chunks, in float) and the outlier corrections of row r for input
-   x: what to add to the whole chunks' sum. cs, es: the span coefficients the AVX2 sums used
-   (A * mul * xsc / digit_scale and B - z * A), or NULL on the portable path */
+   x: what to add to the whole chunks' sum. An outlier's stored value is its correction to the value
+   its digit decodes to, so it only adds correction * x: the sums already hold the digit's part. */
 #if HAVE_X86
 __attribute__((target_clones("avx2", "default")))
 #endif
 static float row_fixups(const uint8_t *t, const int64_t *g, int64_t r, const uint8_t *codes, const float *x,
-                        const int16_t *xq, const int16_t *xp, const float *xsc, const float *cs, const float *es,
                         atomic_int *bad) {
-    int kind = (int)g[G_KIND];
     int64_t cols = g[G_COLS], done = full_cols(g), k = g[G_K];
-    float mul, z, tot = 0;
-    digit_form(kind, &mul, &z);
+    float tot = 0;
     float lev[256];                                             /* a tail is shorter than a chunk */
     if (done < cols) {
         tail_levels(codes, g, done, r + 1 < g[G_ROWS], lev);
@@ -715,23 +705,8 @@ static float row_fixups(const uint8_t *t, const int64_t *g, int64_t r, const uin
     }
     const uint8_t *oc = t + g[G_OFFOCOL] + 2 * r * k, *ov = t + g[G_OFFOVAL] + 2 * r * k;
     int64_t n = outliers_valid(t, g, r, bad);
-    for (int64_t i = 0; i < n; i++) {
-        int64_t col = oc[2 * i] | (oc[2 * i + 1] << 8);
-        float A, B, used;
-        if (col < done) {    /* what the integer sums added for this column */
-            float d = (float)digit_full(kind, codes, col, cols);
-            if (cs) {
-                used = cs[col >> 5] * (d * digit_scale(kind, col >> 5)) * (float)xq_at(xq, xp, col) + es[col >> 5] * x[col];
-            } else {
-                span_ab(t, g, r, col >> 5, &A, &B);
-                used = A * (mul * d * (xsc[col >> 5] * (float)xq[col])) + (B - z * A) * x[col];
-            }
-        } else {
-            span_ab(t, g, r, col >> 5, &A, &B);
-            used = (A * lev[col - done] + B) * x[col];
-        }
-        tot += f16_at(ov + 2 * i) * x[col] - used;
-    }
+    for (int64_t i = 0; i < n; i++)
+        tot += f16_at(ov + 2 * i) * x[oc[2 * i] | (oc[2 * i + 1] << 8)];
     return tot;
 }
 
@@ -747,13 +722,10 @@ static inline void prefetch_next_row(const uint8_t *t, const int64_t *g, int64_t
 }
 
 #if HAVE_X86
-/* row_fixups of the AVX2 path for a row without a tail (the usual case): the outliers only, checked
-   in the same pass (outliers_valid's rule), binary16 values through F16C, the codec a constant in each
-   copy, two partial sums. (Gathers, tried here, were slower: this machine's microcode makes them slow.) */
-AVX2 static inline __attribute__((always_inline)) float outliers_kind(const int kind, const uint8_t *t, const int64_t *g,
-                                                                    int64_t r, const uint8_t *codes, const float *x,
-                                                                    const int16_t *xp, const float *cs, const float *es,
-                                                                    atomic_int *bad) {
+/* row_fixups of the AVX2 paths for a row without a tail (the usual case): the outliers' corrections
+   times x, checked in the same pass (outliers_valid's rule), binary16 through F16C, two partial sums */
+AVX2 static inline __attribute__((always_inline)) float outlier_sum(const uint8_t *t, const int64_t *g, int64_t r,
+                                                                  const float *x, atomic_int *bad) {
     int64_t k = g[G_K], cols = g[G_COLS], prev = -1;
     const uint8_t *oc = t + g[G_OFFOCOL] + 2 * r * k, *ov = t + g[G_OFFOVAL] + 2 * r * k;
     float tot[2] = {0, 0};
@@ -761,16 +733,13 @@ AVX2 static inline __attribute__((always_inline)) float outliers_kind(const int 
         uint16_t cw, vw;
         memcpy(&cw, oc + 2 * i, 2);
         memcpy(&vw, ov + 2 * i, 2);
-        int64_t col = cw, s = col >> 5, j = col & 31;
+        int64_t col = cw;
         if (col >= cols || col <= prev) {
             outliers_valid(t, g, r, bad);             /* flags corrupt data as the general path does */
             break;
         }
         prev = col;
-        float d = (float)digit_full(kind, codes, col, cols) * digit_scale(kind, s);
-        float xq = (float)xp[(col & ~(int64_t)31) | ((j & 1) << 4) | (j >> 1)];
-        float xv = x[col];
-        tot[i & 1] += _cvtsh_ss(vw) * xv - (cs[s] * d * xq + es[s] * xv);
+        tot[i & 1] += _cvtsh_ss(vw) * x[col];
     }
     return tot[0] + tot[1];
 }
@@ -788,8 +757,7 @@ AVX2 static inline __attribute__((always_inline)) void rows_kind(const int kind,
         prefetch_next_row(t, g, r);
         float tot = coefs_kind(kind, t, g, r, xsc, xs, nfs, c, 1);
         tot += hsum8(dot_body(kind == K_Q2RTN ? K_Q2 : kind, spc, codes, done / chunk, lb, xp, c, _mm256_setzero_ps()));
-        if (done == cols) tot += outliers_kind(kind == K_Q2RTN ? K_Q2 : kind, t, g, r, codes, x, xp, c, c + nfs, bad);
-        else tot += row_fixups(t, g, r, codes, x, xq, xp, xsc, c, c + nfs, bad);
+        tot += done == cols ? outlier_sum(t, g, r, x, bad) : row_fixups(t, g, r, codes, x, bad);
         out[r - r0] = tot;
     }
 }
@@ -993,8 +961,8 @@ AVX2 static inline __attribute__((always_inline)) float row_x8(const int kind, c
                                                              const float *x, const int8_t *x8, const float *x8d,
                                                              const float *xs, int32_t *scw, float *cc, float *bs,
                                                              atomic_int *bad) {
-    int64_t cols = g[G_COLS], nq = cols / 128, k = g[G_K], lb = q6_lo_bytes(cols);
-    const uint8_t *so = t + g[G_OFFSUB] + r * g[G_SUBROW], *codes = t + g[G_OFFCODE] + r * g[G_CODEROW];
+    int64_t cols = g[G_COLS], nq = cols / 128, lb = q6_lo_bytes(cols);
+    const uint8_t *codes = t + g[G_OFFCODE] + r * g[G_CODEROW];
     float off = row_x8_setup(kind, t, g, r, scw, cc, bs, x8d, xs);      /* cc: each block's factor */
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int64_t q = 0;
@@ -1006,26 +974,7 @@ AVX2 static inline __attribute__((always_inline)) float row_x8(const int kind, c
     }
     if (q < nq)
         acc0 = _mm256_fmadd_ps(block128_x8(kind, codes, q, 0, lb, x8 + 128 * q, scw + 4 * q), _mm256_broadcast_ss(cc + q), acc0);
-    float tot = hsum8(_mm256_add_ps(acc0, acc1)) + off;
-    /* outliers: their value times x, less what the sums above took for the column */
-    const uint8_t *oc = t + g[G_OFFOCOL] + 2 * r * k, *ov = t + g[G_OFFOVAL] + 2 * r * k;
-    int64_t prev = -1;
-    float fx[2] = {0, 0};
-    for (int64_t i = 0; i < k; i++) {
-        uint16_t cw, vw;
-        memcpy(&cw, oc + 2 * i, 2);
-        memcpy(&vw, ov + 2 * i, 2);
-        int64_t col = cw, s = col >> 5;
-        if (col >= cols || col <= prev) {
-            outliers_valid(t, g, r, bad);
-            break;
-        }
-        prev = col;
-        float used = cc[col >> 7] * (float)(x8_scale(kind, so, s) * digit_full(kind, codes, col, cols) * x8[col]) +
-                     bs[s] * (float)x8[col] * (4 * x8d[col >> 7]);
-        fx[i & 1] += _cvtsh_ss(vw) * x[col] - used;
-    }
-    return tot + fx[0] + fx[1];
+    return hsum8(_mm256_add_ps(acc0, acc1)) + off + outlier_sum(t, g, r, x, bad);
 }
 
 AVX2 static void rows_x8(const uint8_t *t, const int64_t *g, int64_t r0, int64_t r1, const float *x,
@@ -1053,7 +1002,7 @@ static float row_dot(const uint8_t *t, const int64_t *g, int64_t r, const float 
     prefetch_next_row(t, g, r);
     isum_c(codes, g, xq, done, isum);
     float tot = combine_c(t, g, r, xsc, xs, isum, 0, done / 32);
-    return tot + row_fixups(t, g, r, codes, x, xq, xp, xsc, NULL, NULL, bad);
+    return tot + row_fixups(t, g, r, codes, x, bad);
 }
 
 /* ------------------------------------------------------------------------------------ dequantize */
@@ -1121,7 +1070,7 @@ static void deq_row(const uint8_t *t, const int64_t *g, int64_t r, float *out, f
     const uint8_t *oc = t + g[G_OFFOCOL] + 2 * r * k, *ov = t + g[G_OFFOVAL] + 2 * r * k;
     for (int64_t i = 0; i < k; i++) {
         int64_t col = oc[2 * i] | (oc[2 * i + 1] << 8);
-        if (col < cols) out[col] = f16_at(ov + 2 * i);     /* never outside the row, whatever the bytes say */
+        if (col < cols) out[col] += f16_at(ov + 2 * i);    /* never outside the row, whatever the bytes say */
     }
 }
 
@@ -1192,7 +1141,7 @@ AVX2 static inline __attribute__((always_inline)) void x8_tokens(const int kind,
 
 /* rows_job for several tokens with int8 inputs, TOKEN_TILE tokens at a time: row_x8_setup once per row
    and tile, then the tokens four at a time through each 128-column block (its digits taken out once
-   for the four), then per token the offsets' sum and the outliers (decoded once per row). */
+   for the four), then per token the offsets' sum and the outliers' corrections (read once per row). */
 AVX2 static inline __attribute__((always_inline)) void multi_x8_kind(const int kind, task_t *t, const int64_t *job,
                                                                     float *scratch) {
     const int64_t *g = t->geoms + G_LEN * job[1];
@@ -1202,13 +1151,13 @@ AVX2 static inline __attribute__((always_inline)) void multi_x8_kind(const int k
     __m256i *scv = (__m256i *)scratch;
     int32_t *scw = (int32_t *)(scratch + 8 * nfs);
     float *dq = scratch + 9 * nfs + 8, *bs = dq + nq + 8, *cc = bs + nfs + 8;
-    int64_t ocol[256], oint[256];
+    int64_t ocol[256];
     float oval[256];
     /* TOKEN_TILE tokens' inputs at a time (they stay in L2 while every row of the job passes over them) */
     for (int64_t t0 = job[4]; t0 < job[4] + t->ntok; t0 += TOKEN_TILE) {
         int64_t t1 = t0 + TOKEN_TILE < job[4] + t->ntok ? t0 + TOKEN_TILE : job[4] + t->ntok;
         for (int64_t r = job[2]; r < job[3]; r++) {
-            const uint8_t *codes = tensor + g[G_OFFCODE] + r * g[G_CODEROW], *so = tensor + g[G_OFFSUB] + r * g[G_SUBROW];
+            const uint8_t *codes = tensor + g[G_OFFCODE] + r * g[G_CODEROW];
             prefetch_next_row(tensor, g, r);
             if (r + 1 < job[3])                  /* the next row's codes, read while this one serves every token */
                 for (int64_t i = 0; i < g[G_CODEROW]; i += 64) __builtin_prefetch(codes + g[G_CODEROW] + i);
@@ -1219,7 +1168,6 @@ AVX2 static inline __attribute__((always_inline)) void multi_x8_kind(const int k
             for (int64_t i = 0; i < n; i++) {
                 ocol[i] = pc[2 * i] | (pc[2 * i + 1] << 8);
                 oval[i] = f16_at(pv + 2 * i);
-                oint[i] = x8_scale(kind, so, ocol[i] >> 5) * digit_full(kind, codes, ocol[i], cols);
             }
             float *dst = t->out + job[5] + r - job[2];
             for (int64_t x0 = t0; x0 < t1; x0 += 4) {
@@ -1250,17 +1198,10 @@ AVX2 static inline __attribute__((always_inline)) void multi_x8_kind(const int k
                 __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
                 _mm_storeu_ps(sums, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
                 for (int j = 0; j < nt; j++) {
-                    int64_t xi = x0 + j;
-                    const float *x = t->xf + xi * cols, *c = cc + j * nq;
-                    const int8_t *x8 = t->x8 + xi * cols;
-                    const float *x8d = t->x8d + xi * nq;
+                    const float *x = t->xf + (x0 + j) * cols;
                     float tot = sums[j];
-                    for (int64_t i = 0; i < n; i++) {
-                        int64_t col = ocol[i];
-                        tot += oval[i] * x[col] - (c[col >> 7] * (float)(oint[i] * x8[col]) +
-                                                   bs[col >> 5] * (float)x8[col] * (4 * x8d[col >> 7]));
-                    }
-                    dst[(xi - job[4]) * t->ostride] = tot;
+                    for (int64_t i = 0; i < n; i++) tot += oval[i] * x[ocol[i]];
+                    dst[(x0 + j - job[4]) * t->ostride] = tot;
                 }
             }
         }
@@ -1288,7 +1229,7 @@ AVX2 static void multi_job_avx2(task_t *t, const int64_t *job, float *scratch) {
     /* scratch: acc [nr * tt] vectors (32-byte aligned), ce [nr][2 nsp], ones, zeros, C [nr * tt][nsp] */
     __m256 *acc = (__m256 *)scratch;
     float *ce = scratch + 8 * nr * tt, *ones = ce + 2 * nsp * nr, *zeros = ones + nsp, *C = zeros + nsp;
-    float ov[256], od[256];
+    float ov[256];
     int64_t oc[256];
     for (int64_t s = 0; s < nsp; s++) { ones[s] = 1.0f; zeros[s] = 0.0f; }
     for (int64_t i = 0; i < nr; i++)      /* ce[i][s] = A * mul, ce[i][nfs + s] = B - z * A */
@@ -1315,18 +1256,14 @@ AVX2 static void multi_job_avx2(task_t *t, const int64_t *job, float *scratch) {
         for (int64_t i = 0; i < nr; i++) {
             int64_t r = r0 + i;
             const uint8_t *codes = tensor + g[G_OFFCODE] + r * g[G_CODEROW];
-            const float *cei = ce + 2 * nsp * i;
             float *dst = t->out + job[5] + (x0 - job[4]) * t->ostride + i;
             if (k > 256) {                                     /* more outliers than the buffers: the general path */
                 for (int64_t tk = 0; tk < nt; tk++)
-                    dst[tk * t->ostride] =
-                        hsum8(acc[i * nt + tk]) + row_fixups(tensor, g, r, codes, t->xf + (x0 + tk) * cols,
-                                                             t->xq + (x0 + tk) * cols, t->xp + (x0 + tk) * cols,
-                                                             t->xsc + (x0 + tk) * nsp, C + (i * nt + tk) * nsp,
-                                                             cei + nfs, &t->bad);
+                    dst[tk * t->ostride] = hsum8(acc[i * nt + tk]) + row_fixups(tensor, g, r, codes, t->xf + (x0 + tk) * cols,
+                                                                                &t->bad);
                 continue;
             }
-            /* the tail's levels and span parameters, and the outliers, decoded once per row */
+            /* the tail's levels and span parameters, and the outliers, read once per row */
             float lev[256], tA[8], tB[8];
             if (done < cols) {
                 tail_levels(codes, g, done, r + 1 < g[G_ROWS], lev);
@@ -1337,25 +1274,14 @@ AVX2 static void multi_job_avx2(task_t *t, const int64_t *job, float *scratch) {
             for (int64_t q = 0; q < n; q++) {
                 oc[q] = pc[2 * q] | (pc[2 * q + 1] << 8);
                 ov[q] = f16_at(pv + 2 * q);
-                od[q] = oc[q] < done ? (float)digit_full(kind, codes, oc[q], cols) * digit_scale(kind, oc[q] >> 5)
-                                     : lev[oc[q] - done];
             }
             for (int64_t tk = 0; tk < nt; tk++) {
-                const float *x = t->xf + (x0 + tk) * cols, *Ct = C + (i * nt + tk) * nsp;
+                const float *x = t->xf + (x0 + tk) * cols;
                 const float *xs = t->xs + (x0 + tk) * nsp;
-                const int16_t *xp = t->xp + (x0 + tk) * cols;
                 float corr = 0;
                 for (int64_t s = nfs; s < nsp; s++)              /* the tail, in float: A * sum(lev x) + B * sum(x) */
                     corr += tA[s - nfs] * dot32(lev + 32 * (s - nfs), x + 32 * s) + tB[s - nfs] * xs[s];
-                for (int64_t q = 0; q < n; q++) {
-                    int64_t col = oc[q], s = col >> 5, j = col & 31;
-                    if (col < done) {
-                        float xq = (float)xp[(col & ~(int64_t)31) | ((j & 1) ? 16 + (j >> 1) : (j >> 1))];
-                        corr += ov[q] * x[col] - (Ct[s] * od[q] * xq + cei[nfs + s] * x[col]);
-                    } else {
-                        corr += (ov[q] - (tA[s - nfs] * od[q] + tB[s - nfs])) * x[col];
-                    }
-                }
+                for (int64_t q = 0; q < n; q++) corr += ov[q] * x[oc[q]];
                 dst[tk * t->ostride] = hsum8(acc[i * nt + tk]) + corr;
             }
         }
@@ -1571,10 +1497,7 @@ AVX2 static void heads_t_job_avx2(task_t *t, int64_t h, float *scratch) {
 /* row r's tail columns and outliers, times cj, into acc */
 static void heads_t_rest(task_t *t, int64_t r, float cj, float *acc, float *lev) {
     const int64_t *g = t->geoms;
-    int kind = (int)g[G_KIND];
     int64_t cols = g[G_COLS], done = full_cols(g), k = g[G_K];
-    float mul, z;
-    digit_form(kind, &mul, &z);
     const uint8_t *codes = t->raw + g[G_OFFCODE] + r * g[G_CODEROW];
     if (done < cols) {
         tail_levels(codes, g, done, r + 1 < g[G_ROWS], lev);
@@ -1588,16 +1511,12 @@ static void heads_t_rest(task_t *t, int64_t r, float cj, float *acc, float *lev)
     int64_t no = outliers_valid(t->raw, g, r, &t->bad);
     for (int64_t i = 0; i < no; i++) {
         int64_t col = oc[2 * i] | (oc[2 * i + 1] << 8);
-        float A, B;
-        span_ab(t->raw, g, r, col >> 5, &A, &B);
-        float stored = col < done ? A * (mul * (float)digit_full(kind, codes, col, cols) - z) + B
-                                  : A * lev[col - done] + B;
-        acc[col] += cj * (f16_at(ov + 2 * i) - stored);
+        acc[col] += cj * f16_at(ov + 2 * i);
     }
 }
 
 /* a transposed job: out[h] = sum_j v[h, j] * W[h * stride + j] for head h = j, each row taken as
-   A * (mul * digit - z) + B span by span, its outliers exact. With AVX2 the whole chunks run span-major
+   A * (mul * digit - z) + B span by span, plus its outliers' corrections. With AVX2 the whole chunks run span-major
    (heads_t_avx2); the tail and the outliers row by row. */
 static void heads_t_job(task_t *t, int64_t h, float *scratch) {
 #if HAVE_X86

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from kimistream.formats.bundled_data import root
 from kimistream.formats.checksum import sha256_file
+from kimistream.formats.constants import VERSION
+from kimistream.formats.weightfile import file_version
 
 DEFAULT_MODEL = "stdlib-moe"
 
@@ -54,16 +56,23 @@ def verify_checkpoint(name: str = DEFAULT_MODEL) -> str:
 
 
 def default_weights(log) -> Path:
-    """Path of the converted bundled model, converting it first if needed."""
+    """Path of the converted bundled model, converting it first if needed. The name carries the
+    weight file's format version: after an upgrade that changes it the model is converted again, and
+    the copies in older formats (which this build refuses to read) are removed."""
     tag = verify_checkpoint()
-    out = cache_dir() / f"{DEFAULT_MODEL}-f32-{tag}.kst"
+    out = cache_dir() / f"{DEFAULT_MODEL}-f32-v{VERSION}-{tag}.kst"
     if out.is_file():
         return out
     log(f"first run: converting the bundled model {checkpoint_dir()} → {out} (once)")
     out.parent.mkdir(parents=True, exist_ok=True)
+    for old in out.parent.glob(f"{DEFAULT_MODEL}-f32-*.kst"):
+        version = file_version(old)
+        if version is not None and version < VERSION:
+            old.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "kimistream.convert.cli", str(checkpoint_dir()), "-o", str(out),
            "--quant", "f32", "--quiet"]
     proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0 or not out.is_file():
         raise BundledModelError(f"converting the bundled model failed: {proc.stderr.strip()}")
     return out
+

@@ -4,7 +4,7 @@ layout in formats/SPEC.md).
 T = 1 (decode): the C kernel runtime/_qdot.c (integer dot products; AVX2 where the CPU has it, portable
 C otherwise). It quantises x once per call (16-bit integers per 32 values, exact float sums kept),
 multiplies each codec's stored digits by them in int32 lanes, applies each span's scale and offset
-once, and corrects outliers exactly; nothing is dequantized. q2 and q1 weights (the routed experts)
+once, and adds each outlier's stored correction times its input; nothing is dequantized. q2 and q1 weights (the routed experts)
 take x as int8 per 128 values instead (q4/q6 too with `set_activations("int8")`): byte products, the
 sub-block scales applied as integers, one float step per 128 weights. Every caller hands it a list of
 row jobs (a linear, all routed experts of a token, kv_b's heads), shared out over a small thread pool.

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import refmodels
+from kimistream.formats.constants import MAGIC, VERSION
 from kimistream.runtime import bundled
 from kimistream.runtime.generate import generate
 from kimistream.runtime.model import Model
@@ -50,7 +51,15 @@ def test_bundled_matches_transformers(bundled_kst):
 
 
 def test_kimi_run_without_weights_converts_once(tmp_path):
+    """Converted once into the cache; a copy left there by a build with an older weight-file format
+    (which this one refuses to read) is converted again and the stale copy removed; files it does not
+    recognise are left alone."""
     env = dict(os.environ, KIMI_STREAM_CACHE=str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    stale = tmp_path / "cache" / f"{bundled.DEFAULT_MODEL}-f32-0123456789ab.kst"
+    stale.write_bytes(MAGIC + (VERSION - 1).to_bytes(4, "little") + bytes(52))
+    mine = tmp_path / "cache" / f"{bundled.DEFAULT_MODEL}-f32-mine.kst"
+    mine.write_bytes(b"not a weight file")
     cmd = [sys.executable, "-m", "kimistream.runtime.cli", "--prompt", "import os\n", "--max-tokens", "8", "--json"]
     first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert first.returncode == 0, first.stderr
@@ -59,4 +68,5 @@ def test_kimi_run_without_weights_converts_once(tmp_path):
     assert second.returncode == 0 and "converting" not in second.stderr
     a, b = json.loads(first.stdout), json.loads(second.stdout)
     assert a["tokens"] == b["tokens"] and len(a["tokens"]) == 8
-    assert len(list((tmp_path / "cache").glob("*.kst"))) == 1
+    assert not stale.exists() and mine.exists()
+    assert len(list((tmp_path / "cache").glob("*.kst"))) == 2

@@ -122,7 +122,7 @@ def spec_decode(buf, shape, name):
             col = int(np.frombuffer(bytes(raw[o_ocol + 2 * (r * k + i):][:2]), "<u2")[0])
             assert prev < col < cols
             prev = col
-            out[r, col] = f16(raw, o_oval + 2 * (r * k + i))
+            out[r, col] += f16(raw, o_oval + 2 * (r * k + i))     # a correction to the digit's value
     return out
 
 
@@ -236,14 +236,20 @@ def test_adversarial_groups(name):
         encode(c, zeros, importance=np.full(256, -1.0, np.float32))
 
 
+def within_f16(v, target) -> bool:
+    """An outlier decodes to its digit's value plus a binary16 correction: its value up to half a
+    binary16 step (of the correction, at most the value's own)."""
+    return abs(float(v) - target) <= np.spacing(np.float16(target)) / 2
+
+
 @pytest.mark.parametrize("name", ["q2", "t1", "q1"])
-def test_huge_outlier_is_kept_exactly(name):
+def test_huge_outlier_is_kept(name):
     c = get_codec(name)
     x = heavy((4, 2048), seed=3)
-    x[1, 777] = 500.0            # exactly representable in f16
+    x[1, 777] = 500.0
     x[2, 5] = -1234.0
     dec = c.decode(encode(c, x), x.shape)
-    assert dec[1, 777] == 500.0 and dec[2, 5] == -1234.0
+    assert within_f16(dec[1, 777], 500.0) and within_f16(dec[2, 5], -1234.0)
     # the rest of those rows is not wrecked by the outlier: about as good as an untouched row
     def rel(r, rest):
         return np.mean((dec[r, rest] - x[r, rest]) ** 2) / np.mean(x[r, rest] ** 2)
@@ -380,13 +386,13 @@ def test_factor_cache_reuses_the_shared_moment_and_notices_edits(monkeypatch):
     assert len(calls) == 6                 # the edit was noticed (5) and the copy factored anew (6)
 
 
-def test_error_feedback_keeps_outliers_exact_and_baseline_round_to_nearest():
+def test_error_feedback_keeps_outliers_and_baseline_round_to_nearest():
     H = correlated_moment(2048, seed=2)
     x = heavy((4, 2048), seed=3)
     x[1, 777] = 500.0
     c = get_codec("q2")
     dec = c.decode(encode(c, x, moment=H), x.shape)
-    assert dec[1, 777] == 500.0
+    assert within_f16(dec[1, 777], 500.0)
     base = get_codec("q2rtn")
     np.testing.assert_array_equal(encode(base, x, moment=H), encode(base, x))
 

@@ -186,7 +186,7 @@ def test_round_trip(tmp_path, alignment, big_header):
 
     # Prefix, checked independently of the reader.
     raw, f, header = load(path)
-    assert f[F_MAGIC] == MAGIC and f[F_VERSION] == 1 and f[F_ALIGN] == alignment and f[F_HOFF] == 64
+    assert f[F_MAGIC] == MAGIC and f[F_VERSION] == 2 and f[F_ALIGN] == alignment and f[F_HOFF] == 64
     assert f[F_SIZE] == len(raw)
     assert f[F_DATA] % alignment == 0 and f[F_DATA] >= 64 + f[F_HLEN]
     assert f[F_DIGEST] == xxhash.xxh3_128_digest(header)
@@ -389,10 +389,18 @@ def test_wrong_magic(victim):
     expect_error(victim, r"magic|not a kimi-stream")
 
 
-@pytest.mark.parametrize("version", [2, 0, 2 ** 32 - 1])
+@pytest.mark.parametrize("version", [3, 0, 2 ** 32 - 1])
 def test_unknown_version(victim, version):
     write_prefix(victim, version=version)
     expect_error(victim, rf"version\D*{version}\b")
+
+
+def test_older_version_asks_for_a_reconversion(victim):
+    """Version 1 stored outliers' values where version 2 stores corrections: read with today's
+    decoders its weights would be silently wrong, so it is refused with what to do."""
+    write_prefix(victim, version=1)
+    msg = expect_error(victim, r"older kimi-stream \(format version 1\b")
+    assert "re-convert" in msg and "\n" not in msg
 
 
 @pytest.mark.parametrize("alignment", [0, 1000, 4097, 4 << 20])
