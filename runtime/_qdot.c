@@ -1194,15 +1194,23 @@ AVX2 static inline __attribute__((always_inline)) void multi_x8_kind(const int k
                     acc[j] = _mm256_add_ps(acc[j], _mm256_setr_ps(rest, 0, 0, 0, 0, 0, 0, 0));
                 }
                 for (int j = nt; j < 4; j++) acc[j] = _mm256_setzero_ps();
-                /* four horizontal sums at once */
+                /* four horizontal sums at once, then the outliers' corrections for the four tokens at
+                   once (a missing token's lane reads the first token's inputs and is not stored) */
                 __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-                _mm_storeu_ps(sums, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-                for (int j = 0; j < nt; j++) {
-                    const float *x = t->xf + (x0 + j) * cols;
-                    float tot = sums[j];
-                    for (int64_t i = 0; i < n; i++) tot += oval[i] * x[ocol[i]];
-                    dst[(x0 + j - job[4]) * t->ostride] = tot;
+                const float *xa = t->xf + x0 * cols, *xb1 = xa + (nt > 1) * cols, *xb2 = xa + 2 * (nt > 2) * cols,
+                            *xb3 = xa + 3 * (nt > 3) * cols;
+                __m128 o0 = _mm_setzero_ps(), o1 = _mm_setzero_ps();
+                int64_t i = 0;
+                for (; i + 1 < n; i += 2) {
+                    int64_t c0 = ocol[i], c1 = ocol[i + 1];
+                    o0 = _mm_fmadd_ps(_mm_set1_ps(oval[i]), _mm_setr_ps(xa[c0], xb1[c0], xb2[c0], xb3[c0]), o0);
+                    o1 = _mm_fmadd_ps(_mm_set1_ps(oval[i + 1]), _mm_setr_ps(xa[c1], xb1[c1], xb2[c1], xb3[c1]), o1);
                 }
+                if (i < n)
+                    o0 = _mm_fmadd_ps(_mm_set1_ps(oval[i]), _mm_setr_ps(xa[ocol[i]], xb1[ocol[i]], xb2[ocol[i]], xb3[ocol[i]]), o0);
+                _mm_storeu_ps(sums, _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)),
+                                               _mm_add_ps(o0, o1)));
+                for (int j = 0; j < nt; j++) dst[(x0 + j - job[4]) * t->ostride] = sums[j];
             }
         }
     }
