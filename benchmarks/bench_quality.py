@@ -3,7 +3,8 @@ model, on held-out text, converted by kimi-convert as a user runs it: self-calib
 for 1-2-bit presets: text the model samples itself), calibrated on training-split text
 (`--calibration FILE`) and data-free (`--calibration none`); printed as a markdown table.
 
-    python benchmarks/bench_quality.py [--models stdlib-moe manpages-moe] [--chars 30000] [--cal-chars 60000] [--ablation]
+    python benchmarks/bench_quality.py [--models stdlib-moe manpages-moe] [--chars 30000] [--cal-chars 60000]
+                                       [--presets q2 t1 ...] [--fits data-free calibrated ...] [--ablation]
 
 Calibration text comes from the models' training split (never the held-out files), built by
 training/train.py's own corpus functions.
@@ -22,6 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "training"))
 
 PRESETS = ["q2rtn-baseline", "q2", "t1", "q1"]
+FITS = ["self-calibrated", "calibrated", "data-free"]
 
 
 def run(*args) -> str:
@@ -74,6 +76,9 @@ def main():
     ap = quality_arguments(argparse.ArgumentParser())
     ap.add_argument("--self-tokens", type=int, default=16384,
                     help="tokens the model samples for --calibration self (default 16384)")
+    ap.add_argument("--presets", nargs="+", default=PRESETS, choices=PRESETS, help="presets to convert (default: all)")
+    ap.add_argument("--fits", nargs="+", default=FITS, choices=FITS,
+                    help="how each preset is fitted (default: all three; self-calibration is the slowest)")
     ap.add_argument("--ablation", action="store_true",
                     help="also: importance-only calibration (--moment-budget 0) for q2 and t1, and q2 on the "
                          "routed experts alone (everything else f32) data-free / importance only / calibrated")
@@ -88,7 +93,7 @@ def main():
                      "calibrated": ["--calibration", cal, *window],
                      "self-calibrated": ["--self-tokens", args.self_tokens, *window],        # the default
                      "importance only": ["--calibration", cal, *window, "--moment-budget", "0"]}
-            jobs = [(p, m, []) for p in PRESETS for m in ("self-calibrated", "calibrated", "data-free")
+            jobs = [(p, m, []) for p in args.presets for m in args.fits
                     if not (p == "q2rtn-baseline" and m != "data-free")]    # round-to-nearest fits nothing
             if args.ablation:
                 experts_only = ["--override", r"^(?!.*mlp\.experts\.).*=f32"]
