@@ -1,0 +1,78 @@
+"""Two builds of the C kernels (runtime/_qdot.c) on the same weight in one process: this checkout's
+and another compiled extension (e.g. built from an older commit), called in alternation so that the
+machine's drift between minutes falls on both alike. Prints each build's median time per call and
+the speed ratio. Only speed is compared: builds of different weight-file formats read the same
+bytes differently.
+
+    python benchmarks/bench_kernel_ab.py OTHER_QDOT.so [--codec q2] [--shape 2048x7168] [--tokens 1]
+                                         [--threads 2] [--rounds 20]
+
+To build the other side: `git worktree add /tmp/old COMMIT && (cd /tmp/old && python setup.py
+build_ext --inplace)`, then pass /tmp/old/runtime/_qdot.*.so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import time
+
+import kimistream.runtime  # noqa: F401  (first: it sets OpenBLAS's spin before numpy loads)
+import numpy as np
+
+from kimistream.convert.encoder import encode
+from kimistream.formats.codecs import get_codec
+from kimistream.runtime import _qdot, kernels
+
+
+def load_other(path: str):
+    spec = importlib.util.spec_from_file_location("_qdot", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("other", help="the other build's compiled _qdot extension")
+    ap.add_argument("--codec", default="q2")
+    ap.add_argument("--shape", default="2048x7168")
+    ap.add_argument("--tokens", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=20)
+    a = ap.parse_args()
+    other = load_other(a.other)
+    rows, cols = (int(v) for v in a.shape.split("x"))
+    rng = np.random.default_rng(0)
+    _, g, raw = kernels._prepare(a.codec, encode(get_codec(a.codec), (rng.standard_t(4, size=(rows, cols)) * 0.02)
+                                                 .astype(np.float32)), (rows, cols))
+    jobs = kernels._linear_jobs(rows, cols)
+    kernels.set_threads(a.threads)
+    kernels.set_decoding(a.tokens == 1)
+    int8 = sum(1 << get_codec(c).kind for c in kernels._x8_codecs())
+    for mod in (other, _qdot):
+        mod.set_x8(int8)
+        mod.set_spin_us(kernels.SPIN_US if a.tokens == 1 else 0)
+    # one token: cycle copies of the weight so that every call reads memory, not the cache
+    copies = [raw.copy() for _ in range(max(1, (256 << 20) // raw.nbytes))] if a.tokens == 1 else [raw]
+    x = rng.standard_normal((a.tokens, cols)).astype(np.float32)
+    y = np.empty(a.tokens * rows, np.float32)
+    times = {"this checkout": [], "other": []}
+    builds = [("this checkout", _qdot), ("other", other)]
+    for r in range(a.rounds):
+        for name, mod in builds if r % 2 == 0 else builds[::-1]:
+            n, t0 = 0, time.perf_counter()
+            while n < 3 * len(copies) or time.perf_counter() - t0 < 0.15:
+                mod.rows(copies[n % len(copies)], g[None, :], x, jobs, y, a.threads, a.tokens, rows)
+                n += 1
+            times[name].append((time.perf_counter() - t0) / n)
+    print(f"{a.codec} {rows}x{cols}, {a.tokens} token(s), {a.threads} threads, {a.rounds} alternating rounds")
+    for name, ts in times.items():
+        t = float(np.median(ts))
+        print(f"  {name}: {t * 1e3:.3f} ms per call, {raw.nbytes / t / 1e9:.2f} GB/s of packed weights, "
+              f"{2 * a.tokens * rows * cols / t / 1e9:.1f} GFLOP/s")
+    print(f"  speed, this checkout / other: {np.median(times['other']) / np.median(times['this checkout']):.3f}")
+
+
+if __name__ == "__main__":
+    main()
