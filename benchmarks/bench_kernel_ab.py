@@ -51,7 +51,11 @@ def main():
     kernels.set_decoding(a.tokens == 1)
     int8 = sum(1 << get_codec(c).kind for c in kernels._x8_codecs())
     for mod in (other, _qdot):
-        mod.set_x8(int8)
+        try:
+            mod.set_x8(int8)
+        except ValueError:                 # an older build without this codec's int8 kernel: its 16-bit one
+            print(f"(the other build has no int8 kernel for {a.codec}: it runs its 16-bit one)")
+            mod.set_x8(int8 & ~(1 << get_codec(a.codec).kind))
         mod.set_spin_us(kernels.SPIN_US if a.tokens == 1 else 0)
     # one token: cycle copies of the weight so that every call reads memory, not the cache
     copies = [raw.copy() for _ in range(max(1, (256 << 20) // raw.nbytes))] if a.tokens == 1 else [raw]

@@ -633,7 +633,7 @@ AVX2 static void multi_avx2(int kind, const uint8_t *codes, int64_t row_bytes, i
 static int use_avx2;
 /* the codec kinds (bit 1 << kind) whose one-token products take int8 activations (set_x8); row_x8
    serves q2, q4, q6 and q1 */
-#define X8_CAPABLE ((1 << K_Q2) | (1 << K_Q4) | (1 << K_Q6) | (1 << K_Q1))
+#define X8_CAPABLE ((1 << K_Q2) | (1 << K_Q4) | (1 << K_Q6) | (1 << K_Q1) | (1 << K_T1))  /* t1: several tokens */
 static int x8_kinds = 1 << K_Q2;
 static inline int x8_kind(int kind) { return kind >= 0 && kind < 31 && ((x8_kinds >> kind) & 1); }
 extern int ggml_avx2;
@@ -818,7 +818,9 @@ AVX2 static void quantize_x8(const float *x, int64_t cols, int8_t *q, float *qd,
 AVX2 static inline __attribute__((always_inline)) void digits128(const int kind, const uint8_t *codes, int64_t q,
                                                                const int odd, int64_t lo_bytes, __m256i *d) {
     const __m256i k3 = _mm256_set1_epi8(3), k12 = _mm256_set1_epi8(12), k15 = _mm256_set1_epi8(15);
-    if (kind == K_Q1) {                           /* bits 4 odd .. 4 odd + 3 of a 256-column chunk, in place */
+    if (kind == K_T1) {                           /* codes: the row's digits as bytes (t1_row_digits) */
+        for (int k = 0; k < 4; k++) d[k] = LOAD32(codes + 128 * q + 32 * k);
+    } else if (kind == K_Q1) {                           /* bits 4 odd .. 4 odd + 3 of a 256-column chunk, in place */
         __m256i v = LOAD32(codes + 32 * (q >> 1));
         for (int k = 0; k < 4; k++) d[k] = _mm256_and_si256(v, _mm256_set1_epi8((char)(1 << (4 * odd + k))));
     } else if (kind == K_Q2) {
@@ -873,6 +875,7 @@ AVX2 static inline __attribute__((always_inline)) void x8_prefetch(const int kin
 static inline int x8_scale(int kind, const uint8_t *so, int64_t s) {
     switch (kind) {
     case K_Q1: return ((so[s >> 1] >> (4 * (s & 1))) & 15) * 128;
+    case K_T1: return ((so[s >> 1] >> (4 * (s & 1))) & 15) * 4;
     case K_Q2: return (so[s] & 15) * 4;
     case K_Q4: return so[2 * s] * 4;
     default: return so[s] * 4;
@@ -913,6 +916,14 @@ AVX2 static inline __attribute__((always_inline)) float row_x8_setup(const int k
             d = _cvtsh_ss(h);
             sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(so + 8 * b)));
             B = _mm256_mul_ps(_mm256_set1_ps(-32.0f * d), _mm256_cvtepi32_ps(sc));
+        } else if (kind == K_T1) {                /* levels c - 1: the weight at digit 0 is -d * sc */
+            uint16_t h;
+            uint32_t w4;
+            memcpy(&h, po + 2 * b, 2);
+            memcpy(&w4, so + 4 * b, 4);
+            d = _cvtsh_ss(h);
+            sc = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w4), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)), m15);
+            B = _mm256_mul_ps(_mm256_set1_ps(-d), _mm256_cvtepi32_ps(sc));
         } else {
             uint32_t w;
             memcpy(&w, po + 4 * b, 4);
@@ -947,10 +958,11 @@ AVX2 static inline __attribute__((always_inline)) float row_x8_setup(const int k
         int sc = kind == K_Q1 ? x8_scale(kind, so, s) >> (s & 7) : x8_scale(kind, so, s) / 4;
         if (kind == K_Q2 && !(s & 1)) sc *= 4;
         scw[s] = sc | (sc << 16);
-        bs[s] = kind == K_Q6 ? -32.0f * A : kind == K_Q1 ? B - A : B;
+        bs[s] = kind == K_Q6 ? -32.0f * A : kind == K_Q1 ? B - A : kind == K_T1 ? -A : B;
         if (xs) tot += bs[s] * xs[s];
         if ((s & 3) == 0)
-            dq[s / 4] = (kind == K_Q6 ? f16_at(po + 2 * nsb) : f16_at(po + 4 * nsb)) * four * (xs ? x8d[s / 4] : 1.0f);
+            dq[s / 4] = (kind == K_Q6 || kind == K_T1 ? f16_at(po + 2 * nsb) : f16_at(po + 4 * nsb)) * four *
+                        (xs ? x8d[s / 4] : 1.0f);
     }
     return tot;
 }
@@ -1113,6 +1125,29 @@ struct task {
 };
 
 #if HAVE_X86
+/* A t1 row's digits (0, 1, 2) as bytes in column order, for the several-token int8 kernel: five
+   fields per 32-byte chunk in 16-bit lanes (d_f = ((q * 3^f) mod 256) * 3 >> 8, formats/SPEC.md), the
+   tail chunk (columns past the last whole one, laid out with a shorter stride) one by one. Taken out
+   once per row and token tile, they then cost one load per 32 weights and token group. */
+AVX2 static void t1_row_digits(const uint8_t *codes, const int64_t *g, uint8_t *dig) {
+    int64_t cols = g[G_COLS], full = cols / 160;
+    const __m256i zero = _mm256_setzero_si256(), m255 = _mm256_set1_epi16(255);
+    static const short pow3[5] = {1, 3, 9, 27, 81};
+    for (int64_t n = 0; n < full; n++) {
+        __m256i v = LOAD32(codes + 32 * n);
+        __m256i lo = _mm256_unpacklo_epi8(v, zero), hi = _mm256_unpackhi_epi8(v, zero);
+        for (int f = 0; f < 5; f++) {
+            __m256i m = _mm256_set1_epi16(pow3[f]);
+            __m256i tl = _mm256_and_si256(_mm256_mullo_epi16(lo, m), m255), th = _mm256_and_si256(_mm256_mullo_epi16(hi, m), m255);
+            tl = _mm256_srli_epi16(_mm256_add_epi16(_mm256_add_epi16(tl, tl), tl), 8);
+            th = _mm256_srli_epi16(_mm256_add_epi16(_mm256_add_epi16(th, th), th), 8);
+            /* the unpacks and the pack both work within 128-bit lanes: the bytes come back in order */
+            _mm256_storeu_si256((__m256i *)(dig + 160 * n + 32 * f), _mm256_packus_epi16(tl, th));
+        }
+    }
+    for (int64_t col = 160 * full; col < cols; col++) dig[col] = (uint8_t)plane_digit(codes, cols, 5, 0, col);
+}
+
 /* nt tokens' inputs (xb, cols apart) times one row's 128-column blocks, the digits of each block taken
    out once for all of them: acc[j] = token j's 8 partial sums (cc [nt][nq]: each block's factor) */
 AVX2 static inline __attribute__((always_inline)) void x8_tokens(const int kind, const int nt, const uint8_t *codes,
@@ -1151,6 +1186,7 @@ AVX2 static inline __attribute__((always_inline)) void multi_x8_kind(const int k
     __m256i *scv = (__m256i *)scratch;
     int32_t *scw = (int32_t *)(scratch + 8 * nfs);
     float *dq = scratch + 9 * nfs + 8, *bs = dq + nq + 8, *cc = bs + nfs + 8;
+    uint8_t *dig = (uint8_t *)(cc + 4 * nq + 8);              /* t1: the row's digits as bytes */
     int64_t ocol[256];
     float oval[256];
     /* TOKEN_TILE tokens' inputs at a time (they stay in L2 while every row of the job passes over them) */
@@ -1163,6 +1199,11 @@ AVX2 static inline __attribute__((always_inline)) void multi_x8_kind(const int k
                 for (int64_t i = 0; i < g[G_CODEROW]; i += 64) __builtin_prefetch(codes + g[G_CODEROW] + i);
             row_x8_setup(kind, tensor, g, r, scw, dq, bs, NULL, NULL);
             for (int64_t i = 0; i < nfs; i++) _mm256_store_si256(scv + i, _mm256_set1_epi32(scw[i]));
+            const uint8_t *digits = codes;
+            if (kind == K_T1) {
+                t1_row_digits(codes, g, dig);
+                digits = dig;
+            }
             int64_t n = outliers_valid(tensor, g, r, &t->bad);
             const uint8_t *pc = tensor + g[G_OFFOCOL] + 2 * r * k, *pv = tensor + g[G_OFFOVAL] + 2 * r * k;
             for (int64_t i = 0; i < n; i++) {
@@ -1179,10 +1220,10 @@ AVX2 static inline __attribute__((always_inline)) void multi_x8_kind(const int k
                 }
                 __m256 acc[4];
                 switch (nt) {     /* the token count a constant in each copy: the sums stay in registers */
-                case 4: x8_tokens(kind, 4, codes, nq, lb, scv, xb, cols, cc, acc); break;
-                case 3: x8_tokens(kind, 3, codes, nq, lb, scv, xb, cols, cc, acc); break;
-                case 2: x8_tokens(kind, 2, codes, nq, lb, scv, xb, cols, cc, acc); break;
-                default: x8_tokens(kind, 1, codes, nq, lb, scv, xb, cols, cc, acc); break;
+                case 4: x8_tokens(kind, 4, digits, nq, lb, scv, xb, cols, cc, acc); break;
+                case 3: x8_tokens(kind, 3, digits, nq, lb, scv, xb, cols, cc, acc); break;
+                case 2: x8_tokens(kind, 2, digits, nq, lb, scv, xb, cols, cc, acc); break;
+                default: x8_tokens(kind, 1, digits, nq, lb, scv, xb, cols, cc, acc); break;
                 }
                 float sums[4];
                 for (int j = 0; j < nt; j++) {          /* the offsets' sums join each token's lanes */
@@ -1221,6 +1262,7 @@ AVX2 static void multi_x8(task_t *t, const int64_t *job, float *scratch) {
     case K_Q2: multi_x8_kind(K_Q2, t, job, scratch); break;
     case K_Q4: multi_x8_kind(K_Q4, t, job, scratch); break;
     case K_Q1: multi_x8_kind(K_Q1, t, job, scratch); break;
+    case K_T1: multi_x8_kind(K_T1, t, job, scratch); break;
     default: multi_x8_kind(K_Q6, t, job, scratch); break;
     }
 }
@@ -1306,13 +1348,16 @@ static void rows_job(task_t *t, int64_t j, float *scratch) {
     const uint8_t *tensor = t->raw + job[0];
 #if HAVE_X86
     if (use_avx2 && ntok > 1) {
-        if (t->x8 && x8_kind((int)g[G_KIND]) && g[G_COLS] % 128 == 0 && full_cols(g) == g[G_COLS] && g[G_K] <= 256)
+        /* t1's rows take their digits out first, so a tail chunk is no obstacle there */
+        if (t->x8 && x8_kind((int)g[G_KIND]) && g[G_COLS] % 128 == 0 && g[G_K] <= 256 &&
+            (full_cols(g) == g[G_COLS] || g[G_KIND] == K_T1))
             multi_x8(t, job, scratch);
         else
             multi_job_avx2(t, job, scratch);
         return;
     }
-    if (use_avx2 && t->x8 && x8_kind((int)g[G_KIND]) && g[G_COLS] % 128 == 0 && full_cols(g) == g[G_COLS]) {
+    if (use_avx2 && t->x8 && x8_kind((int)g[G_KIND]) && g[G_KIND] != K_T1 && g[G_COLS] % 128 == 0 &&
+        full_cols(g) == g[G_COLS]) {                     /* (one t1 token: its 16-bit kernel is as fast) */
         rows_x8(tensor, g, job[2], job[3], t->xf + x0 * cols, t->x8 + x0 * cols, t->x8d + x0 * ((cols + 127) / 128),
                    t->x8s + x0 * nsp, scratch, t->out + job[5], &t->bad);
         return;
@@ -2115,7 +2160,8 @@ static int quantize_rows(const float *xf, int64_t nx, int64_t cols, int16_t **xq
 }
 
 static inline int64_t rows_scratch(int64_t max_rows, int64_t tile, int64_t nspan) {
-    return max_rows * (8 * tile + (2 + tile) * nspan) + 17 * nspan + 32;      /* (multi_x8: 12 nspan + 24) */
+    /* (multi_x8: 12 nspan + 24, and t1's row of digits as bytes, 8 nspan + 8) */
+    return max_rows * (8 * tile + (2 + tile) * nspan) + 25 * nspan + 40;
 }
 
 static PyObject *py_rows(PyObject *self, PyObject *args) {
@@ -2685,7 +2731,7 @@ static PyObject *py_set_x8(PyObject *self, PyObject *args) {
     int kinds;
     if (!PyArg_ParseTuple(args, "i", &kinds)) return NULL;
     if (kinds & ~X8_CAPABLE) {
-        PyErr_SetString(PyExc_ValueError, "set_x8: int8 activations exist for q2, q4, q6 and q1 only");
+        PyErr_SetString(PyExc_ValueError, "set_x8: int8 activations exist for q2, q4, q6, q1 and t1 only");
         return NULL;
     }
     int old = x8_kinds;

@@ -56,7 +56,7 @@ ACTIVATIONS = ("auto", "int8", "int16")   # kimi-run --activations (set_activati
 _activations = "auto"
 _decoding = True          # Model.forward: one token per sequence (set_decoding)
 X8_BLOCK = 128            # int8 activations: values per float scale (one q2 chunk)
-X8_CODECS = ("q2", "q1", "q4", "q6")    # the codecs with an int8-activation kernel (set_activations)
+X8_CODECS = ("q2", "q1", "t1", "q4", "q6")    # the codecs with an int8-activation kernel (set_activations)
 _threads = int(os.environ.get("KIMI_STREAM_THREADS") or len(os.sched_getaffinity(0)))   # kimi-run --threads
 GGUF_INPUTS = ("llama.cpp", "f32")
 _llama_inputs = True      # kimi-run --gguf-inputs: llama.cpp's 8-bit rounding of GGUF products' inputs
@@ -181,7 +181,7 @@ def decoding() -> bool:
 
 
 def _x8_codecs() -> tuple:
-    return {"auto": ("q2", "q1"), "int8": X8_CODECS, "int16": ()}[_activations]
+    return {"auto": ("q2", "q1", "t1"), "int8": X8_CODECS, "int16": ()}[_activations]
 
 
 def _apply_x8() -> None:
@@ -190,17 +190,21 @@ def _apply_x8() -> None:
 
 def takes_int8(codec: str, cols: int | None = None, tokens: int = 1) -> bool:
     """Whether a product of `tokens` tokens by a `codec` weight (of `cols` columns) rounds its input to
-    int8 now: rows of whole 128-column blocks and whole code chunks only (q1's are 256)."""
+    int8 now: rows of whole 128-column blocks and whole code chunks only (q1's are 256; t1 takes its
+    digits out of the chunks first, and only for several tokens: one token's 16-bit t1 kernel is as
+    fast)."""
     if cols is not None and cols % (256 if codec == "q1" else X8_BLOCK):
+        return False
+    if codec == "t1" and tokens < 2:
         return False
     return tokens < X8_BLAS_MIN_TOKENS and isa() == "avx2" and codec in _x8_codecs()
 
 
-def rounded_input(codec: str, x: np.ndarray) -> np.ndarray:
-    """x [cols] as the integer kernels multiply it by a `codec` weight (float64; exact float sums
-    aside): int8 per X8_BLOCK values where `takes_int8`, else int16 per 32."""
+def rounded_input(codec: str, x: np.ndarray, tokens: int = 1) -> np.ndarray:
+    """x [cols] as the integer kernels multiply it by a `codec` weight in a product of `tokens` tokens
+    (float64; exact float sums aside): int8 per X8_BLOCK values where `takes_int8`, else int16 per 32."""
     x = np.ascontiguousarray(x, dtype=np.float32)
-    if takes_int8(codec, x.shape[0]):
+    if takes_int8(codec, x.shape[0], tokens):
         b = x.reshape(-1, X8_BLOCK)
         amax = np.abs(b).max(axis=1, keepdims=True)
         inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)

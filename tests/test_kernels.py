@@ -5,10 +5,11 @@ every block codec, full and tail chunks, rows with outliers, 1-row weights:
   where the codec takes int8) equals the reference weight times x in float64 to within the rounding
   of x it takes (int8 per 128 values where `kernels.takes_int8`, else 16 bits per 32, in every
   `--activations` mode):
-  |y - W x| <= sum_j |W_j - O_j| |x_j - x^_j| + 1e-5 |W| |x|, where x^ is the
-  rounded activation and O_j, with 16-bit inputs, the value the weight would have with code 0 (the
-  part of each weight that multiplies exact span sums; int8 inputs' offsets take the rounded sums, so
-  O_j = 0 there), outlier columns excluded (they are corrected exactly);
+  |y - W x| <= sum_j |D_j - O_j| |x_j - x^_j| + 1e-5 |W| |x|, where x^ is the
+  rounded activation, D_j what column j's digit decodes to (W_j but at an outlier, whose stored
+  correction multiplies the exact x_j) and O_j, with 16-bit inputs, the value the weight would have
+  with code 0 (the part of each weight that multiplies exact span sums; int8 inputs' offsets take the
+  rounded sums, so O_j = 0 there);
 - more tokens on 16-bit inputs (row blocks + BLAS) to float32 rounding;
 - the fused routed-expert step equals the same experts run one linear at a time;
 float codecs fall back to numpy; corrupt bytes are refused."""
@@ -76,7 +77,7 @@ def activations_mode(mode):
 
 @pytest.mark.parametrize("name", kernels.X8_CODECS)
 def test_int8_activations_round_inputs_per_128(name):
-    """With int8 activations a q2/q1/q4/q6 product, of one token or several (through the same rows,
+    """With int8 activations a q2/q1/t1/q4/q6 product, of one token or several (through the same rows,
     and past BLAS_MIN_TOKENS), is within int8's rounding bound and not within int16's (so the int8
     route really ran); from X8_BLAS_MIN_TOKENS tokens on it is exact (BLAS); q8 keeps int16; "auto"
     takes int8 for q2 and q1 only."""
@@ -85,20 +86,24 @@ def test_int8_activations_round_inputs_per_128(name):
     with activations_mode("auto"):
         assert kernels.takes_int8("q2") and kernels.takes_int8("q1") and not kernels.takes_int8("q4")
         assert not kernels.takes_int8("q1", cols=384) and kernels.takes_int8("q1", cols=512)
+        assert not kernels.takes_int8("t1") and kernels.takes_int8("t1", 1024, 2)    # t1: several tokens
     shape = (16, 1024)
     raw = encode(name, weight(shape, seed=3))
     xs = np.random.default_rng(3).standard_normal((kernels.BLAS_MIN_TOKENS + 5, shape[1])).astype(np.float32)
     ref = get_codec(name).decode(raw, shape).astype(np.float64)
     with activations_mode("int8"):
-        r8 = kernels.rounded_input(name, xs[0])
+        r8 = kernels.rounded_input(name, xs[0], 2)
         assert np.abs(r8 - xs[0]).max() > 100 * np.abs(kernels.rounded_input("q8", xs[0]) - xs[0]).max()
         for x in (xs[:1], xs[:3], xs):
+            T = x.shape[0]
             y = kernels.linear(x, name, raw, shape)
-            for t in range(x.shape[0]):
-                assert_int8_close(y[t], name, raw, shape, x[t])
+            for t in range(T):
+                assert_int8_close(y[t], name, raw, shape, x[t], T)
+            if not kernels.takes_int8(name, shape[1], T):
+                continue                                # one t1 token keeps its 16-bit kernel
             with activations_mode("int16"):
-                assert any((np.abs(y[t] - ref @ x[t]) > int8_bound(name, raw, shape, x[t])).any()
-                           for t in range(x.shape[0]))
+                assert any((np.abs(y[t] - ref @ x[t]) > int8_bound(name, raw, shape, x[t], T)).any()
+                           for t in range(T))
         xb = np.random.default_rng(4).standard_normal((kernels.X8_BLAS_MIN_TOKENS, shape[1])).astype(np.float32)
         assert not kernels.takes_int8(name, shape[1], xb.shape[0])
         assert rel(kernels.linear(xb, name, raw, shape), xb @ ref.T) < 1e-5
@@ -117,29 +122,27 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def int8_bound(name, raw, shape, x):
-    """Per-row bound on |y - W x| from the rounding of x (see the module docstring)."""
+def int8_bound(name, raw, shape, x, tokens=1):
+    """Per-row bound on |y - W x| from the rounding of x in a product of `tokens` tokens (see the
+    module docstring)."""
     c = get_codec(name)
     g = c.geometry(shape)
     ref = c.decode(raw, shape).astype(np.float64)
+    digits = np.array(raw, copy=True)
+    digits[g.off_oval:g.off_sub] = 0                # no corrections: what every digit decodes to
+    dec = c.decode(digits, shape).astype(np.float64)
     off = 0.0
-    if not kernels.takes_int8(name, shape[1]):
-        zero = np.array(raw, copy=True)
-        zero[g.off_code:g.nbytes] = 0               # every code 0 (and outliers out of the way)
-        zero[g.off_oval:g.off_sub] = 0
-        off = c.decode(zero, shape).astype(np.float64)
-    keep = np.ones(shape, bool)
-    if g.k:
-        ocol = np.asarray(raw[g.off_ocol:g.off_oval]).view("<u2").reshape(g.rows, g.k).astype(np.int64)
-        np.put_along_axis(keep, ocol, False, axis=1)
-    xq = kernels.rounded_input(name, x)
-    return (np.abs(ref - off) * keep) @ np.abs(x - xq) + 1e-5 * (np.abs(ref) @ np.abs(x)) + 1e-30
+    if not kernels.takes_int8(name, shape[1], tokens):
+        digits[g.off_code:g.nbytes] = 0             # every code 0
+        off = c.decode(digits, shape).astype(np.float64)
+    xq = kernels.rounded_input(name, x, tokens)
+    return np.abs(dec - off) @ np.abs(x - xq) + 1e-5 * (np.abs(ref) @ np.abs(x)) + 1e-30
 
 
-def assert_int8_close(y, name, raw, shape, x):
+def assert_int8_close(y, name, raw, shape, x, tokens=1):
     ref = get_codec(name).decode(raw, shape).astype(np.float64)
     err = np.abs(y - ref @ x.astype(np.float64))
-    bound = int8_bound(name, raw, shape, x)
+    bound = int8_bound(name, raw, shape, x, tokens)
     assert (err <= bound).all(), (name, shape, float((err / bound).max()))
 
 
@@ -168,13 +171,13 @@ def test_dequantize_bit_exact_and_linear_matches(name, shape, parallel, isa, act
         y = kernels.linear(x, name, raw, shape)
         assert y.shape == (T, shape[0]) and y.dtype == np.float32
         for t in range(T):
-            assert_int8_close(y[t], name, raw, shape, x[t])
+            assert_int8_close(y[t], name, raw, shape, x[t], T)
         assert rel(y, x @ ref.T) < 0.05                 # and the bound is not vacuous
     x = rng.standard_normal((kernels.BLAS_MIN_TOKENS, shape[1])).astype(np.float32)
     y = kernels.linear(x, name, raw, shape)
     if kernels.takes_int8(name, shape[1], x.shape[0]):  # the int8 kernel holds out longer than BLAS_MIN_TOKENS
         for t in range(x.shape[0]):
-            assert_int8_close(y[t], name, raw, shape, x[t])
+            assert_int8_close(y[t], name, raw, shape, x[t], x.shape[0])
     else:                                               # row blocks + BLAS
         assert rel(y, x @ ref.T) < 1e-5
     x1 = rng.standard_normal(shape[1]).astype(np.float32)
