@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the integer kernels round a product's input (decode steps, and prompt products "
                         "of fewer than 64 tokens; more multiply exactly): "
                         "auto (the default) rounds it to int8 per 128 values for q2 and q1 weights (routed "
-                        "experts) and to 16 bits per 32 values elsewhere; int8 also for q4/q6 weights (faster, "
+                        "experts; t1 too for several tokens) and to 16 bits per 32 values elsewhere; int8 also for q4/q6 weights (faster, "
                         "a little more KL); int16 everywhere")
     p.add_argument("--max-context", type=int, default=None,
                    help="KV cache length in tokens (default: min(4096, the model's maximum), shortened when "
