@@ -224,6 +224,31 @@ def test_outlier_rows(name, isa, activations):
     assert abs(y[3] - ref[3] @ x) < 1e-3 * abs(ref[3, 100] * x[100])
 
 
+@pytest.mark.parametrize("name", ["q2", "t1", "q1"])
+@pytest.mark.parametrize("at", [3, 9, -1])
+def test_kernels_refuse_corrupt_outlier_columns_themselves(name, at, isa, activations):
+    """Bytes that reach the C kernel unchecked (an expert read from disk): a column that does not
+    increase, in the first eight outliers, the next eight or the last few, is refused whatever the
+    route (one token or several); the same bytes intact pass."""
+    shape = (3, 7168)
+    c = get_codec(name)
+    raw = encode(c, weight(shape, seed=5)).copy()
+    g = c.geometry(shape)
+    at = at % g.k
+    assert g.k >= 11 and at > 0
+    _, geom, _ = kernels._prepare(name, raw, shape)
+    jobs = kernels._linear_jobs(*shape)
+    for T in (1, 3):
+        x = np.random.default_rng(T).standard_normal((T, shape[1])).astype(np.float32)
+        kernels._run(raw, geom[None, :], x, jobs, np.empty(T * shape[0], np.float32), 0, name, T, shape[0])
+    ocol = raw[g.off_ocol:g.off_oval].view("<u2").reshape(g.rows, g.k)
+    ocol[1, at] = ocol[1, at - 1]
+    for T in (1, 3):
+        x = np.random.default_rng(T).standard_normal((T, shape[1])).astype(np.float32)
+        with pytest.raises(CodecError, match="outlier"):
+            kernels._run(raw, geom[None, :], x, jobs, np.empty(T * shape[0], np.float32), 0, name, T, shape[0])
+
+
 @pytest.mark.parametrize("name", ["f32", "f16", "bf16"])
 def test_float_codecs_fall_back_to_numpy(name):
     assert not kernels.has_kernel(name)
