@@ -905,11 +905,12 @@ static inline int x8_scale(int kind, const uint8_t *so, int64_t s) {
     }
 }
 
-/* Row r's constants for int8 inputs (no tail, cols a multiple of 128; q2, q4, q6 or q1): each span's
-   integer scale in both int16 halves (scw [nfs]), its offset coefficient (bs [nfs]: the weight at digit
-   0, to multiply the sums of x per span), and per 128 columns the float factor dq [nfs / 4] = d / (the
-   scales' factor), to multiply by each input's quarter step. With one token's x8d and sums xs (not
-   NULL: a constant in each inlined copy) dq comes out times x8d, and the offsets' sum is returned. */
+/* Row r's constants for int8 inputs (cols a multiple of 128; q2, q4, q6, q1, or t1 whose digits are taken
+   out beforehand): each span's integer scale in both int16 halves (scw [nfs]), its offset coefficient
+   (bs [nfs]: the weight at digit 0, to multiply the sums of x per span), and per 128 columns the float
+   factor dq [nfs / 4] = d / (the scales' factor), to multiply by each input's quarter step. With one
+   token's x8d and sums xs (not NULL: a constant in each inlined copy) dq comes out times x8d and the
+   offsets' sum is returned instead of bs (only a last, shorter super-block's bs are written). */
 AVX2 static inline __attribute__((always_inline)) float row_x8_setup(const int kind, const uint8_t *t, const int64_t *g,
                                                                    int64_t r, int32_t *scw, float *dq, float *bs,
                                                                    const float *x8d, const float *xs) {
@@ -965,12 +966,12 @@ AVX2 static inline __attribute__((always_inline)) float row_x8_setup(const int k
             B = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)), _mm256_cvtepi32_ps(mc));
         }
         _mm256_storeu_si256((__m256i *)(scw + 8 * b), _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16)));
-        _mm256_storeu_ps(bs + 8 * b, B);
-        if (xs) {
+        if (xs) {                                 /* one token: the offsets summed here, bs not kept */
             off = _mm256_fmadd_ps(B, _mm256_loadu_ps(xs + 8 * b), off);
-            dq[2 * b] = d * four * x8d[2 * b];
-            dq[2 * b + 1] = d * four * x8d[2 * b + 1];
+            __m128 q2x = _mm_castpd_ps(_mm_load_sd((const double *)(x8d + 2 * b)));
+            _mm_store_sd((double *)(dq + 2 * b), _mm_castps_pd(_mm_mul_ps(_mm_set1_ps(d * four), q2x)));
         } else {
+            _mm256_storeu_ps(bs + 8 * b, B);
             dq[2 * b] = dq[2 * b + 1] = d * four;
         }
     }
