@@ -5,9 +5,10 @@ T = 1 (decode): the C kernel runtime/_qdot.c (integer dot products; AVX2 where t
 C otherwise). It quantises x once per call (16-bit integers per 32 values, exact float sums kept),
 multiplies each codec's stored digits by them in int32 lanes, applies each span's scale and offset
 once, and adds each outlier's stored correction times its input; nothing is dequantized. q2 and q1
-weights (the routed experts; t1's for several tokens) take x as int8 per 128 values instead (q4/q6 too with `set_activations("int8")`): byte products, the
-sub-block scales applied as integers, one float step per 128 weights. Every caller hands it a list of
-row jobs (a linear, all routed experts of a token, kv_b's heads), shared out over a small thread pool.
+weights (the routed experts; t1's for several tokens) take x as int8 per 128 values instead (q4/q6
+too with `set_activations("int8")`): byte products, the sub-block scales applied as integers, one
+float step per 128 weights. Every caller hands it a list of row jobs (a linear, all routed experts of
+a token, kv_b's heads), shared out over a small thread pool.
 A decode step's attention from the projections to the heads' values is one call (LatentAttention),
 and so is a token's MoE layer once its experts' offsets are known (MoEStep).
 Several tokens (prefill, or the tokens routed to one expert): the same kernel takes each block's
@@ -148,9 +149,10 @@ def quantize_activations(x: np.ndarray):
 
 def set_activations(mode: str) -> None:
     """How the integer kernels round a product's input: "auto" (the default) takes int8 per 128 values
-    for q2 and q1 weights (routed experts: byte products, vpmaddubsw, one float step per 128 weights),
-    and t1's in products of several tokens, and 16-bit integers per 32 values for every other codec; "int8" takes int8 for q4 and q6 as well
-    (attention, shared experts, lm_head: faster, at a measurable KL cost, see benchmarks/RESULTS.md);
+    for q2 and q1 weights (routed experts: byte products, vpmaddubsw, one float step per 128 weights)
+    and for t1's in products of several tokens, and 16-bit integers per 32 values for every other
+    codec; "int8" takes int8 for q4 and q6 as well (attention, shared experts, lm_head: faster, at a
+    measurable KL cost, see benchmarks/RESULTS.md);
     "int16" keeps 16 bits everywhere. Products of fewer than X8_BLAS_MIN_TOKENS tokens (a decode
     step, a short prompt, the tokens a prompt routes to most experts) take these inputs; more tokens
     multiply dequantized blocks by BLAS, exactly. Calibration observes with 16-bit inputs
