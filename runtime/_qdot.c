@@ -1172,13 +1172,28 @@ AVX2 static void t1_row_digits(const uint8_t *codes, const int64_t *g, uint8_t *
     for (int64_t col = 160 * full; col < cols; col++) dig[col] = (uint8_t)plane_digit(codes, cols, 5, 0, col);
 }
 
+/* The offsets' sums of nt tokens (xs, nsp apart) over a row's whole groups of eight spans, as the
+   starting lanes of each token's sums: one chain per token (a single one waited on the multiply-add's
+   latency at every step) */
+#define X8_OFFSETS(nt, bs, xs, nsp, nfs, a0, a1, a2, a3)                                                      \
+    for (int64_t i = 0; i + 8 <= (nfs); i += 8) {                                                              \
+        __m256 b = _mm256_loadu_ps((bs) + i);                                                                  \
+        a0 = _mm256_fmadd_ps(b, _mm256_loadu_ps((xs) + i), a0);                                                \
+        if ((nt) > 1) a1 = _mm256_fmadd_ps(b, _mm256_loadu_ps((xs) + (nsp) + i), a1);                         \
+        if ((nt) > 2) a2 = _mm256_fmadd_ps(b, _mm256_loadu_ps((xs) + 2 * (nsp) + i), a2);                     \
+        if ((nt) > 3) a3 = _mm256_fmadd_ps(b, _mm256_loadu_ps((xs) + 3 * (nsp) + i), a3);                     \
+    }
+
 /* nt tokens' inputs (xb, cols apart) times one row's 128-column blocks, the digits of each block taken
-   out once for all of them: acc[j] = token j's 8 partial sums (cc [nt][nq]: each block's factor) */
+   out once for all of them: acc[j] = token j's 8 partial sums (cc [nt][nq]: each block's factor), the
+   offsets' sums over whole groups of eight spans included (q4, q6 with --activations int8) */
 AVX2 static inline __attribute__((always_inline)) void x8_tokens(const int kind, const int nt, const uint8_t *codes,
                                                                 int64_t nq, int64_t lb, const __m256i *scv,
                                                                 const int8_t *xb, int64_t cols, const float *cc,
+                                                                const float *bs, const float *xs, int64_t nsp,
                                                                 __m256 *acc) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    X8_OFFSETS(nt, bs, xs, nsp, 4 * nq, a0, a1, a2, a3)
     for (int64_t q = 0; q < nq; q++) {
         __m256i d[4];
         digits128(kind, codes, q, (int)(q & 1), lb, d);
@@ -1194,6 +1209,70 @@ AVX2 static inline __attribute__((always_inline)) void x8_tokens(const int kind,
         }
         X8_TOKEN(0, a0) X8_TOKEN(1, a1) X8_TOKEN(2, a2) X8_TOKEN(3, a3)
 #undef X8_TOKEN
+    }
+    acc[0] = a0; acc[1] = a1; acc[2] = a2; acc[3] = a3;
+}
+
+/* Whether the several-token kernel multiplies a kind's row as bytes of digit x span scale (q2: at most
+   3 x 15, t1: 2 x 15, q1: 1 x 15): their byte products' pair sums stay far inside int16, so the scales
+   leave the token loop, and two spans' (q2) or four spans' (t1, q1) pair sums add up in int16 before
+   one vpmaddwd widens them */
+#define X8_SCALED(kind) ((kind) == K_Q2 || (kind) == K_T1 || (kind) == K_Q1)
+
+/* A row's digits times their spans' integer scales, as bytes in column order (wb: cols bytes, 32-byte
+   aligned), from the stored codes (q2, q1) or t1_row_digits' bytes, and scw as row_x8_setup wrote it.
+   The scale words carry the factors of digits kept in place (q2's spans 1 and 3 are 4x the digit, q1's
+   bits sit at their position): each product comes out as digit x scale. Returns what the integer sums
+   of these bytes must be multiplied by to equal those of the stored digits and scale words. */
+AVX2 static inline __attribute__((always_inline)) float x8_scaled_row(const int kind, const uint8_t *digits, int64_t nq,
+                                                                    const int32_t *scw, uint8_t *wb) {
+    const __m256i k1 = _mm256_set1_epi8(1), k63 = _mm256_set1_epi8(63);
+    for (int64_t q = 0; q < nq; q++) {
+        __m256i d[4];
+        if (kind == K_Q1) {
+            __m256i v = LOAD32(digits + 32 * (q >> 1));
+            for (int k = 0; k < 4; k++) {
+                int pos = 4 * (int)(q & 1) + k;           /* span 4q + k's bit in each byte; its scale v << (7 - pos) */
+                d[k] = _mm256_mullo_epi16(_mm256_and_si256(_mm256_srli_epi16(v, pos), k1),
+                                          _mm256_set1_epi16((short)((scw[4 * q + k] & 0xffff) >> (7 - pos))));
+            }
+        } else {
+            digits128(kind, digits, q, (int)(q & 1), 0, d);
+            for (int k = 0; k < 4; k++) {
+                /* 16-bit lanes of two bytes: each byte's product stays below 256, so none carries */
+                __m256i m = _mm256_mullo_epi16(d[k], _mm256_set1_epi16((short)(scw[4 * q + k] & 0xffff)));
+                d[k] = kind == K_Q2 ? _mm256_and_si256(_mm256_srli_epi16(m, 2), k63) : m;   /* q2: 4 digit x scale */
+            }
+        }
+        for (int k = 0; k < 4; k++) _mm256_store_si256((__m256i *)(wb + 128 * q + 32 * k), d[k]);
+    }
+    return kind == K_Q2 ? 4.0f : kind == K_Q1 ? 128.0f : 1.0f;
+}
+
+/* x8_tokens for X8_SCALED kinds, over x8_scaled_row's bytes: per token and 128 columns four
+   vpmaddubsw, the spans' pair sums added in int16, then one (t1, q1) or two (q2) vpmaddwd by ones */
+AVX2 static inline __attribute__((always_inline)) void x8s_tokens(const int kind, const int nt, const uint8_t *wb,
+                                                                 int64_t nq, const int8_t *xb, int64_t cols,
+                                                                 const float *cc, const float *bs, const float *xs,
+                                                                 int64_t nsp, __m256 *acc) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    X8_OFFSETS(nt, bs, xs, nsp, 4 * nq, a0, a1, a2, a3)
+    for (int64_t q = 0; q < nq; q++) {
+        const __m256i *w = (const __m256i *)(wb + 128 * q);
+        const __m256i w0 = _mm256_load_si256(w), w1 = _mm256_load_si256(w + 1), w2 = _mm256_load_si256(w + 2),
+                      w3 = _mm256_load_si256(w + 3);
+#define X8S_TOKEN(j, a)                                                                                           \
+        if (nt > j) {                                                                                             \
+            const int8_t *xc = xb + j * cols + 128 * q;                                                           \
+            __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(w0, LOAD32(xc)), _mm256_maddubs_epi16(w1, LOAD32(xc + 32))); \
+            __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(w2, LOAD32(xc + 64)), _mm256_maddubs_epi16(w3, LOAD32(xc + 96))); \
+            __m256i p = kind == K_Q2 ? _mm256_add_epi32(_mm256_madd_epi16(s01, ones), _mm256_madd_epi16(s23, ones))   \
+                                     : _mm256_madd_epi16(_mm256_add_epi16(s01, s23), ones);                       \
+            a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(cc + j * nq + q), a);                 \
+        }
+        X8S_TOKEN(0, a0) X8S_TOKEN(1, a1) X8S_TOKEN(2, a2) X8S_TOKEN(3, a3)
+#undef X8S_TOKEN
     }
     acc[0] = a0; acc[1] = a1; acc[2] = a2; acc[3] = a3;
 }
@@ -1216,17 +1295,25 @@ AVX2 static inline __attribute__((always_inline)) void multi_x8_kind(const int k
     /* TOKEN_TILE tokens' inputs at a time (they stay in L2 while every row of the job passes over them) */
     for (int64_t t0 = job[4]; t0 < job[4] + t->ntok; t0 += TOKEN_TILE) {
         int64_t t1 = t0 + TOKEN_TILE < job[4] + t->ntok ? t0 + TOKEN_TILE : job[4] + t->ntok;
+        /* measured: the bytes of digit x scale pay from three tokens a row (t1 from two: it takes its
+           digits out of the chunks anyway) */
+        const int scaled = X8_SCALED(kind) && (kind == K_T1 || t1 - t0 >= 3);
         for (int64_t r = job[2]; r < job[3]; r++) {
             const uint8_t *codes = tensor + g[G_OFFCODE] + r * g[G_CODEROW];
             prefetch_next_row(tensor, g, r);
             if (r + 1 < job[3])                  /* the next row's codes, read while this one serves every token */
                 for (int64_t i = 0; i < g[G_CODEROW]; i += 64) __builtin_prefetch(codes + g[G_CODEROW] + i);
             row_x8_setup(kind, tensor, g, r, scw, dq, bs, NULL, NULL);
-            for (int64_t i = 0; i < nfs; i++) _mm256_store_si256(scv + i, _mm256_set1_epi32(scw[i]));
             const uint8_t *digits = codes;
             if (kind == K_T1) {
                 t1_row_digits(codes, g, dig);
                 digits = dig;
+            }
+            if (scaled) {                    /* the row's bytes of digit x scale, where scv would be */
+                float f = x8_scaled_row(kind, digits, nq, scw, (uint8_t *)scv);
+                for (int64_t q = 0; q < nq; q++) dq[q] *= f;
+            } else {
+                for (int64_t i = 0; i < nfs; i++) _mm256_store_si256(scv + i, _mm256_set1_epi32(scw[i]));
             }
             int64_t n = outliers_valid(tensor, g, r, &t->bad);
             const uint8_t *pc = tensor + g[G_OFFOCOL] + 2 * r * k, *pv = tensor + g[G_OFFOVAL] + 2 * r * k;
@@ -1243,21 +1330,24 @@ AVX2 static inline __attribute__((always_inline)) void multi_x8_kind(const int k
                     for (int64_t q = 0; q < nq; q++) cc[j * nq + q] = dq[q] * x8d[q];
                 }
                 __m256 acc[4];
+                const float *xs = t->x8s + x0 * nsp;
+                const uint8_t *wb = (const uint8_t *)scv;
+#define X8_CALL(n) (scaled ? x8s_tokens(kind, n, wb, nq, xb, cols, cc, bs, xs, nsp, acc)                   \
+                                    : x8_tokens(kind, n, digits, nq, lb, scv, xb, cols, cc, bs, xs, nsp, acc))
                 switch (nt) {     /* the token count a constant in each copy: the sums stay in registers */
-                case 4: x8_tokens(kind, 4, digits, nq, lb, scv, xb, cols, cc, acc); break;
-                case 3: x8_tokens(kind, 3, digits, nq, lb, scv, xb, cols, cc, acc); break;
-                case 2: x8_tokens(kind, 2, digits, nq, lb, scv, xb, cols, cc, acc); break;
-                default: x8_tokens(kind, 1, digits, nq, lb, scv, xb, cols, cc, acc); break;
+                case 4: X8_CALL(4); break;
+                case 3: X8_CALL(3); break;
+                case 2: X8_CALL(2); break;
+                default: X8_CALL(1); break;
                 }
+#undef X8_CALL
                 float sums[4];
-                for (int j = 0; j < nt; j++) {          /* the offsets' sums join each token's lanes */
-                    const float *xs = t->x8s + (x0 + j) * nsp;
-                    int64_t i = 0;
-                    for (; i + 8 <= nfs; i += 8) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(bs + i), _mm256_loadu_ps(xs + i), acc[j]);
-                    float rest = 0;
-                    for (; i < nfs; i++) rest += bs[i] * xs[i];
-                    acc[j] = _mm256_add_ps(acc[j], _mm256_setr_ps(rest, 0, 0, 0, 0, 0, 0, 0));
-                }
+                if (nfs & 7)                            /* the offsets past the last whole group of eight */
+                    for (int j = 0; j < nt; j++) {
+                        float rest = 0;
+                        for (int64_t i = nfs & ~(int64_t)7; i < nfs; i++) rest += bs[i] * xs[j * nsp + i];
+                        acc[j] = _mm256_add_ps(acc[j], _mm256_setr_ps(rest, 0, 0, 0, 0, 0, 0, 0));
+                    }
                 for (int j = nt; j < 4; j++) acc[j] = _mm256_setzero_ps();
                 /* four horizontal sums at once, then the outliers' corrections for the four tokens at
                    once (a missing token's lane reads the first token's inputs and is not stored) */

@@ -42,10 +42,11 @@ from kimistream.runtime import _qdot
 PARALLEL_MIN_WEIGHTS = 1 << 20
 # From this many tokens on, dequantized row blocks + BLAS beat the several-token kernel on 16-bit
 # inputs (benchmarks/RESULTS.md: at 24 tokens q2 2048x7168 takes 10 ms against 25; at 48 they are
-# even). With int8 inputs the kernel is about twice as fast and holds out to 64 tokens (benchmarks/
-# RESULTS.md: q2 1024x1024 at 24 tokens 0.46 ms against 0.77, at 64 even, at 256 5.5 against 3.4).
+# even). With int8 inputs, rows multiplied as bytes of digit x scale, the kernel holds out past a
+# 256-token batch (benchmarks/RESULTS.md: q2 1024x1024 at 256 tokens 4.1 ms against 4.8, 2048x7168
+# 52 against 56; at 512 BLAS wins on the larger shape).
 BLAS_MIN_TOKENS = 32
-X8_BLAS_MIN_TOKENS = 64
+X8_BLAS_MIN_TOKENS = 320
 BLOCK_BYTES = 2 << 20    # float32 bytes per dequantized block of rows (at least 64 rows): fewer, larger
                           # products (BLAS packs the tokens again for each; measured: 256 tokens x 1024
                           # columns prefill +15-20 % with 512-row blocks against 64)

@@ -89,12 +89,14 @@ def test_int8_activations_round_inputs_per_128(name):
         assert not kernels.takes_int8("t1") and kernels.takes_int8("t1", 1024, 2)    # t1: several tokens
     shape = (16, 1024)
     raw = encode(name, weight(shape, seed=3))
-    xs = np.random.default_rng(3).standard_normal((kernels.BLAS_MIN_TOKENS + 5, shape[1])).astype(np.float32)
+    # 34 tokens: a tile of 32 and one of 2 (q2 and q1 multiply a row's digits and scales apart below
+    # three tokens a tile, as bytes of digit x scale from three on)
+    xs = np.random.default_rng(3).standard_normal((kernels.BLAS_MIN_TOKENS + 2, shape[1])).astype(np.float32)
     ref = get_codec(name).decode(raw, shape).astype(np.float64)
     with activations_mode("int8"):
         r8 = kernels.rounded_input(name, xs[0], 2)
         assert np.abs(r8 - xs[0]).max() > 100 * np.abs(kernels.rounded_input("q8", xs[0]) - xs[0]).max()
-        for x in (xs[:1], xs[:3], xs):
+        for x in (xs[:1], xs[:2], xs[:3], xs):
             T = x.shape[0]
             y = kernels.linear(x, name, raw, shape)
             for t in range(T):
