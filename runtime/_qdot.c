@@ -1132,6 +1132,8 @@ struct task {
     const int8_t *x8;                                     /* rows jobs: x as int8 per 128 values (or NULL) */
     const float *x8d;                                     /* ... and their scales (quarter steps) */
     const float *x8s;                                     /* ... and the rounded values' sums per 32 */
+    const float *xT;                                      /* several tokens, int8: xf transposed [cols][nxT] */
+    int64_t nxT;
     int64_t cols, nspan, n, stride;
     int64_t ntok, ostride;                                /* rows jobs: tokens per job, output stride */
     int64_t njobs_rows;                                   /* ggml jobs: rows of the tensor */
@@ -1321,6 +1323,23 @@ AVX2 static inline __attribute__((always_inline)) void multi_x8_kind(const int k
                 ocol[i] = pc[2 * i] | (pc[2 * i + 1] << 8);
                 oval[i] = f16_at(pv + 2 * i);
             }
+            /* the outliers' corrections for every token of the tile: each outlier's column of inputs is
+               one contiguous run in xT (a token's row apiece, in L2 or beyond, cost a miss per token) */
+            float ocorr[TOKEN_TILE];
+            {
+                __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+                int64_t ntile = t1 - t0;
+                for (int64_t i = 0; i < n; i++) {      /* (lanes past the tile read padding or other tokens) */
+                    const float *p = t->xT + ocol[i] * t->nxT + t0;
+                    __m256 v = _mm256_set1_ps(oval[i]);
+                    c0 = _mm256_fmadd_ps(v, _mm256_loadu_ps(p), c0);
+                    if (ntile > 8) c1 = _mm256_fmadd_ps(v, _mm256_loadu_ps(p + 8), c1);
+                    if (ntile > 16) c2 = _mm256_fmadd_ps(v, _mm256_loadu_ps(p + 16), c2);
+                    if (ntile > 24) c3 = _mm256_fmadd_ps(v, _mm256_loadu_ps(p + 24), c3);
+                }
+                _mm256_storeu_ps(ocorr, c0); _mm256_storeu_ps(ocorr + 8, c1);
+                _mm256_storeu_ps(ocorr + 16, c2); _mm256_storeu_ps(ocorr + 24, c3);
+            }
             float *dst = t->out + job[5] + r - job[2];
             for (int64_t x0 = t0; x0 < t1; x0 += 4) {
                 int nt = t1 - x0 < 4 ? (int)(t1 - x0) : 4;
@@ -1349,22 +1368,10 @@ AVX2 static inline __attribute__((always_inline)) void multi_x8_kind(const int k
                         acc[j] = _mm256_add_ps(acc[j], _mm256_setr_ps(rest, 0, 0, 0, 0, 0, 0, 0));
                     }
                 for (int j = nt; j < 4; j++) acc[j] = _mm256_setzero_ps();
-                /* four horizontal sums at once, then the outliers' corrections for the four tokens at
-                   once (a missing token's lane reads the first token's inputs and is not stored) */
+                /* four horizontal sums at once, and the tokens' outlier corrections */
                 __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-                const float *xa = t->xf + x0 * cols, *xb1 = xa + (nt > 1) * cols, *xb2 = xa + 2 * (nt > 2) * cols,
-                            *xb3 = xa + 3 * (nt > 3) * cols;
-                __m128 o0 = _mm_setzero_ps(), o1 = _mm_setzero_ps();
-                int64_t i = 0;
-                for (; i + 1 < n; i += 2) {
-                    int64_t c0 = ocol[i], c1 = ocol[i + 1];
-                    o0 = _mm_fmadd_ps(_mm_set1_ps(oval[i]), _mm_setr_ps(xa[c0], xb1[c0], xb2[c0], xb3[c0]), o0);
-                    o1 = _mm_fmadd_ps(_mm_set1_ps(oval[i + 1]), _mm_setr_ps(xa[c1], xb1[c1], xb2[c1], xb3[c1]), o1);
-                }
-                if (i < n)
-                    o0 = _mm_fmadd_ps(_mm_set1_ps(oval[i]), _mm_setr_ps(xa[ocol[i]], xb1[ocol[i]], xb2[ocol[i]], xb3[ocol[i]]), o0);
                 _mm_storeu_ps(sums, _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)),
-                                               _mm_add_ps(o0, o1)));
+                                               _mm_loadu_ps(ocorr + (x0 - t0))));
                 for (int j = 0; j < nt; j++) dst[(x0 + j - job[4]) * t->ostride] = sums[j];
             }
         }
@@ -2273,6 +2280,15 @@ static int quantize_rows(const float *xf, int64_t nx, int64_t cols, int16_t **xq
     return 0;
 }
 
+/* x [nx][cols] into xT [cols][nx], in runs of 64 columns (the 64 destination rows stay in L1) */
+static void transpose_rows(const float *x, int64_t nx, int64_t cols, float *xT) {
+    for (int64_t c0 = 0; c0 < cols; c0 += 64) {
+        int64_t c1 = c0 + 64 < cols ? c0 + 64 : cols;
+        for (int64_t i = 0; i < nx; i++)
+            for (int64_t c = c0; c < c1; c++) xT[c * nx + i] = x[i * cols + c];
+    }
+}
+
 static inline int64_t rows_scratch(int64_t max_rows, int64_t tile, int64_t nspan) {
     /* (multi_x8: 12 nspan + 24, and t1's row of digits as bytes, 8 nspan + 8) */
     return max_rows * (8 * tile + (2 + tile) * nspan) + 25 * nspan + 40;
@@ -2290,7 +2306,7 @@ static PyObject *py_rows(PyObject *self, PyObject *args) {
     PyObject *ret = NULL;
     int16_t *xq = NULL;
     int8_t *x8 = NULL;
-    float *xsc = NULL, *xs = NULL, *x8d = NULL;
+    float *xsc = NULL, *xs = NULL, *x8d = NULL, *xT = NULL;
     if (get_buf(o[0], &b[0], 0, 1, "raw") || get_buf(o[1], &b[1], 0, 8 * G_LEN, "geoms") ||
         get_buf(o[2], &b[2], 0, 4, "xf") || get_buf(o[3], &b[3], 0, 8 * JOB_LEN, "jobs") ||
         get_buf(o[4], &b[4], 1, 4, "out"))
@@ -2325,14 +2341,21 @@ static PyObject *py_rows(PyObject *self, PyObject *args) {
     int any_x8 = 0;
     for (int64_t i = 0; i < ng; i++) any_x8 |= x8_kind((int)geoms[G_LEN * i + G_KIND]);
     if (quantize_rows(b[2].b.buf, nx, cols, &xq, &xsc, &xs, any_x8 ? &x8 : NULL, &x8d)) goto done;
+    if (x8 && ntok > 1) {             /* multi_x8 reads each outlier's inputs for a run of tokens at once */
+        xT = malloc(sizeof(float) * (nx * cols + TOKEN_TILE));
+        if (!xT) { PyErr_NoMemory(); goto done; }
+        transpose_rows(b[2].b.buf, nx, cols, xT);
+        memset(xT + nx * cols, 0, sizeof(float) * TOKEN_TILE);
+    }
     task_t t = {.job = rows_job, .raw = b[0].b.buf, .geoms = geoms, .xf = b[2].b.buf, .xsc = xsc, .xs = xs,
                 .xq = xq, .xp = xq + nxf, .x8 = x8, .x8d = x8d, .x8s = x8d ? x8d + nx * ((cols + 127) / 128) : NULL,
+                .xT = xT, .nxT = nx,
                 .cols = cols, .nspan = nspan, .jobs = jobs, .njobs = njobs, .out = b[4].b.buf, .ntok = ntok,
                 .ostride = ostride, .scratch_floats = rows_scratch(max_rows, tile, nspan)};
     int bad = run_unlocked(&t, threads);
     if (bad >= 0) ret = PyLong_FromLong(bad);
 done:
-    free(xq); free(xsc); free(xs); free(x8); free(x8d);
+    free(xq); free(xsc); free(xs); free(x8); free(x8d); free(xT);
     release(b, 5);
     return ret;
 }
