@@ -15,9 +15,11 @@ with the same geometry skips straight to the measurements):
 2. llama.cpp: `convert_hf_to_gguf.py --outtype bf16`, then `llama-quantize ... Q2_K` (its Q2_K mix:
    Q2_K experts, Q3_K down projections, higher types for attention and the output layer);
 3. kimi-stream: `kimi-convert CHECKPOINT -o OUT.kst --quant q2 --calibration none`;
-4. `llama-bench -m Q2_K.gguf -t T -p P -n G -r 1 -o json` (pp and tg tok/s; it warms up itself)
-   and `kimi-run --weights OUT.kst --prompt TEXT --max-tokens G --json --threads T --quiet`, after
-   one run of each to warm the page cache: R rounds of one run of each,
+4. `llama-bench -m Q2_K.gguf -t T -p P -n G -r 1 -o json` (pp and tg tok/s; before its measured
+   test it runs the prompt and one token in the same process) and `kimi-run --weights OUT.kst
+   --prompt TEXT --max-tokens G --json --threads T --quiet --warm-up` (the same warm-up), after one
+   run of each to warm the page cache (--cold: neither warms up in-process, `llama-bench
+   --no-warmup` and kimi-run without --warm-up: first-touch costs counted): R rounds of one run of each,
    alternating, so load from elsewhere on the machine falls on both alike; mean, sd and median of
    the R samples. kimi-run's prefill = prompt tokens / prefill seconds, its decode = decode steps /
    decode seconds (the first generated token belongs to the prefill), as it reports them. llama-bench's
@@ -246,7 +248,7 @@ class LlamaBench:
 
     def __init__(self, llama: Path, gguf: Path, a):
         self.cmd = [find_tool(llama, "llama-bench"), "-m", gguf, "-t", a.threads, "-p", a.prompt_tokens,
-                    "-n", a.gen_tokens, "-r", 1, "-o", "json"]
+                    "-n", a.gen_tokens, "-r", 1, "-o", "json"] + (["--no-warmup"] if a.cold else [])
         if a.llama_depth:
             self.cmd += ["-d", a.llama_depth]
         self.shown = shlex.join(str(x) for x in self.cmd)
@@ -284,7 +286,8 @@ class KimiRun:
         self.prompt = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(a.prompt_tokens))
         self.a = a
         self.cmd = [sys.executable, "-m", "kimistream.runtime.cli", "--weights", kst, "--prompt", self.prompt,
-                    "--max-tokens", a.gen_tokens, "--json", "--threads", a.threads, "--quiet", *a.kimi_arg]
+                    "--max-tokens", a.gen_tokens, "--json", "--threads", a.threads, "--quiet",
+                    *([] if a.cold else ["--warm-up"]), *a.kimi_arg]
         self.shown = shlex.join(["kimi-run", "--weights", str(kst), "--prompt", f"<{a.prompt_tokens} letters>"]
                                 + [str(x) for x in self.cmd[7:]])
         self.info = {}
@@ -361,6 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="measured runs of each engine (default 3)")
     p.add_argument("--llama-depth", type=int, default=0,
                    help="llama-bench -d: KV depth for its tests (default 0; kimi-run decodes after the prompt)")
+    p.add_argument("--cold", action="store_true",
+                   help="no in-process warm-up on either side (llama-bench --no-warmup, kimi-run without --warm-up)")
     p.add_argument("--kimi-arg", action="append", default=[], metavar="ARG",
                    help="extra kimi-run argument (repeatable), e.g. --kimi-arg=--prefill-batch-size=128")
     p.add_argument("--keep-bf16-gguf", action="store_true", help="keep the intermediate bf16 GGUF")

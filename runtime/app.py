@@ -81,6 +81,8 @@ def run(args) -> int:
             plot_trace(args.plot_trace, args.output)
             log(f"wrote {args.output}")
             return 0
+        if args.warm_up and (args.plan_config or args.perplexity or args.calibration or args.serve or args.prompt is None):
+            raise RunError("--warm-up applies to a run of one --prompt")
         if args.plan_config:
             from .planconfig import plan_config
             return plan_config(args, log)
@@ -272,8 +274,13 @@ def _generate(args, log) -> int:
             np.save(tmp, np.ascontiguousarray(all_logits, dtype=np.float32))
             os.replace(tmp, target)
 
-    telemetry = Telemetry(weights.pager, args.trace)
     stop_ids = {i for i in (tok.eos_id, *cfg.eos_token_ids) if i is not None}
+    if args.warm_up:            # greedy, its own sampler: the measured run's draws stay as without it
+        for _ in generate(model, prompt_ids, 1, Sampler(0.0, 1.0, None), args.prefill_batch_size, stop_ids):
+            pass
+        model.reset()
+        log("warmed up: the prompt and one token ran once, untimed")
+    telemetry = Telemetry(weights.pager, args.trace)
     stream = TextStream(tok)
     out = None if args.json else sys.stdout
     try:
@@ -309,6 +316,7 @@ def _generate(args, log) -> int:
         "prefetch_policy": weights.prefetch_policy,
         "page_cache_policy": weights.pager.page_cache_policy,
         "activations": kernels.activations(),
+        "warm_up": bool(args.warm_up),
         **tele,
     }
     if args.json:

@@ -43,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "without shrinking the expert cache by more than a tenth, else 64 or the largest "
                         "that fits)")
     p.add_argument("--json", action="store_true", help="print one JSON object with ids, text and stats")
+    p.add_argument("--warm-up", action="store_true",
+                   help="run the prompt and one token through the model first, untimed and unprinted, so "
+                        "the reported speeds are warm (every expert and kernel touched once, as "
+                        "llama-bench measures); the output is the same")
     p.add_argument("--dump-logits", metavar="PATH", help="save the prompt's logits [n_prompt, vocab] as float32 .npy")
     p.add_argument("--quiet", action="store_true", help="no startup log")
     m = p.add_argument_group("memory and I/O")

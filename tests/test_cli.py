@@ -75,6 +75,20 @@ def test_run_json_stream_and_logits(tiny_ckpt, tiny_kst, tmp_path):
     assert plain.stdout.rstrip("\n") == rep["text"]
 
 
+def test_warm_up_leaves_the_output_and_its_seeded_draws_alone(tiny_kst, tmp_path):
+    args = ("--weights", tiny_kst, "--prompt", "def f(x):", "--max-tokens", 8, "--temperature", 1.0,
+            "--seed", 3, "--json")
+    cold, warm = kimi_run(*args), kimi_run(*args, "--warm-up")
+    rc, rw = json.loads(cold.stdout), json.loads(warm.stdout)
+    assert rw["tokens"] == rc["tokens"] and len(rw["tokens"]) == 8
+    assert rw["stats"]["warm_up"] is True and rc["stats"]["warm_up"] is False
+    assert "warmed up" in warm.stderr and "warmed up" not in cold.stderr
+    text = tmp_path / "t.txt"
+    text.write_text("some text to score\n")
+    bad = kimi_run("--weights", tiny_kst, "--warm-up", "--perplexity", text, check=False)
+    assert bad.returncode != 0 and bad.stderr.strip() == "kimi-run: error: --warm-up applies to a run of one --prompt"
+
+
 def test_chat_uses_template(tiny_kst):
     rep = json.loads(kimi_run("--weights", tiny_kst, "--prompt", "hi", "--chat", "--max-tokens", 2, "--json").stdout)
     assert rep["prompt_tokens"][0] == 2  # <|im_start|>
