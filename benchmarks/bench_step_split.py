@@ -6,6 +6,11 @@ between the calls (the unprofiled step less the kernels).
 
     python benchmarks/bench_step_split.py WEIGHTS.kst [--steps 32] [--prompt-tokens 256]
                                           [--prefill-batch 256] [--threads 2] [--gguf-inputs llama.cpp|f32]
+                                          [--no-keep-heap]
+
+The prefill is timed after a warm-up prefill in the same process (as `kimi-run --warm-up`), with its
+minor page faults and kernel CPU seconds; freed temporaries are kept mapped as kimi-run keeps them
+(`kernels.keep_heap` with the memory plan's room for one chunk's temporaries) unless --no-keep-heap.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import argparse
 import cProfile
 import os
 import pstats
+import resource
 import time
 
 
@@ -26,6 +32,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--gguf-inputs", default="llama.cpp", choices=("llama.cpp", "f32"),
                     help="as kimi-run's flag: how products by llama.cpp's blocks take their input")
+    ap.add_argument("--no-keep-heap", action="store_true", help="leave glibc's allocator thresholds alone")
     args = ap.parse_args()
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "KIMI_STREAM_THREADS"):
         os.environ[var] = str(args.threads)
@@ -38,14 +45,20 @@ def main():
     kernels.set_gguf_inputs(args.gguf_inputs)
     w = ModelWeights(args.weights)
     w.load_resident()
-    m = Model(w, args.prompt_tokens + 3 * args.steps + 16)     # three passes of decode steps
+    context = args.prompt_tokens + 3 * args.steps + 16          # three passes of decode steps
+    m = Model(w, context)
+    if not args.no_keep_heap:
+        from kimistream.formats.memplan import activation_bytes
+        kernels.keep_heap(activation_bytes(m.cfg, min(args.prefill_batch, context), context, 0))
     ids = [int(i) for i in np.random.default_rng(0).integers(0, m.cfg.vocab_size, args.prompt_tokens)]
-    m.prefill(ids[:16], 16)            # warm: kernels compiled or loaded, pages mapped
+    m.prefill(ids, args.prefill_batch)           # warm: every expert and kernel touched once
     m.forward([1])
     m.reset()
-    t = time.perf_counter()
+    r0, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     m.prefill(ids, args.prefill_batch)
     prefill = args.prompt_tokens / (time.perf_counter() - t)
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    faults, system = r1.ru_minflt - r0.ru_minflt, r1.ru_stime - r0.ru_stime
 
     def decode():
         for _ in range(args.steps):
@@ -68,7 +81,9 @@ def main():
              "attention (projections, kv_b, scores)": attention,
              "dense layer, lm_head, norms, embedding, Python glue": total - moe - attention}
     print(f"{args.weights}: prefill {args.prompt_tokens} tokens in batches of {args.prefill_batch}: "
-          f"{prefill:.1f} tok/s; decode {1 / dt:.2f} tok/s ({dt * 1e3:.1f} ms/token), {args.threads} threads "
+          f"{prefill:.1f} tok/s ({faults} minor page faults, {system:.3f} s of kernel CPU time"
+          f"{', freed heap not kept' if args.no_keep_heap else ''}); "
+          f"decode {1 / dt:.2f} tok/s ({dt * 1e3:.1f} ms/token), {args.threads} threads "
           f"(split below from a profiled second pass: {total / args.steps * 1e3:.1f} ms/token)")
     print("| part of a decode step | ms/token | share |\n| --- | --- | --- |")
     for k, v in parts.items():

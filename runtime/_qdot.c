@@ -25,6 +25,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 
 #include "_ggml.h"
 
@@ -3318,6 +3321,29 @@ done:
     return ret;
 }
 
+PyDoc_STRVAR(keep_heap_doc,
+"keep_heap(nbytes) -> int\n\n"
+"Let glibc serve blocks up to nbytes from its heap and keep up to nbytes of freed heap mapped (nbytes\n"
+"clamped to 32 MiB, glibc's ceiling); below 128 KiB, or without glibc, nothing changes. Returns the\n"
+"bytes applied (0: nothing changed).");
+
+static PyObject *py_keep_heap(PyObject *self, PyObject *args) {
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "n", &n)) return NULL;
+    long applied = 0;
+#ifdef __GLIBC__
+    /* By default glibc maps blocks above a threshold it raises only to the largest block freed so far,
+       and returns the freed top of its heap past twice that: a prefill's temporaries (MiBs each, every
+       layer) came from fresh pages each time (a 256-token prefill of a 2.4 B model: 57 000 page
+       faults, 0.3 s of kernel time). */
+    if (n >= (128 << 10)) {
+        applied = n < (32 << 20) ? (long)n : (32 << 20);
+        if (!mallopt(M_MMAP_THRESHOLD, (int)applied) || !mallopt(M_TRIM_THRESHOLD, (int)applied)) applied = 0;
+    }
+#endif
+    return PyLong_FromLong(applied);
+}
+
 static PyMethodDef methods[] = {
     {"rows", py_rows, METH_VARARGS, rows_doc},
     {"ggml_rows", py_ggml_rows, METH_VARARGS, ggml_rows_doc},
@@ -3330,6 +3356,7 @@ static PyMethodDef methods[] = {
     {"moe", py_moe, METH_VARARGS, moe_doc},
     {"attend", py_attend, METH_VARARGS, attend_doc},
     {"mla_decode", py_mla_decode, METH_VARARGS, mla_decode_doc},
+    {"keep_heap", py_keep_heap, METH_VARARGS, keep_heap_doc},
     {"causal_softmax", py_causal_softmax, METH_VARARGS, causal_softmax_doc},
     {"swiglu", py_swiglu, METH_VARARGS, swiglu_doc},
     {"route", py_route, METH_VARARGS, route_doc},

@@ -169,6 +169,7 @@ def open_session(args, log, weights_path=None, describe: bool = True, hold_back:
     refuse_if_unfit(plan, replan, args)
     if args.dry_run:
         return None
+    kernels.keep_heap(plan.activations)     # freed temporaries stay mapped, inside the plan's room for them
     # the room beyond the minimum cache: all of it for experts, or a share left to the caller
     free = plan.expert_cache - plan.min_cache_experts * plan.expert_bytes
     held_back = int(max(0, free) * hold_back)

@@ -708,6 +708,14 @@ class LatentAttention:
         return out
 
 
+def keep_heap(nbytes: int) -> int:
+    """Let the C allocator (glibc) serve blocks up to `nbytes` from its heap and keep up to `nbytes` of
+    freed heap mapped, at most 32 MiB: a prefill's temporaries then reuse pages instead of faulting in
+    fresh ones at every layer. The caller sizes it to memory its plan already holds for temporaries.
+    Returns the bytes applied (0: unchanged, e.g. under 128 KiB or without glibc)."""
+    return _qdot.keep_heap(int(nbytes))
+
+
 def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """silu(gate) * up elementwise, float32, in one pass (numpy takes four over the tensor); e^x is
     the softmax's polynomial on AVX2 (relative error about 2e-7, as float32 rounding)."""
