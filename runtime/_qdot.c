@@ -2292,13 +2292,43 @@ static int quantize_rows(const float *xf, int64_t nx, int64_t cols, int16_t **xq
     return 0;
 }
 
-/* x [nx][cols] into xT [cols][nx], in runs of 64 columns (the 64 destination rows stay in L1) */
-static void transpose_rows(const float *x, int64_t nx, int64_t cols, float *xT) {
-    for (int64_t c0 = 0; c0 < cols; c0 += 64) {
-        int64_t c1 = c0 + 64 < cols ? c0 + 64 : cols;
-        for (int64_t i = 0; i < nx; i++)
-            for (int64_t c = c0; c < c1; c++) xT[c * nx + i] = x[i * cols + c];
+#if HAVE_X86
+/* xT [c0 .. c0 + 8][i0 .. i0 + 8] = x [i0 .. i0 + 8][c0 .. c0 + 8], in registers */
+AVX2 static void transpose8(const float *x, int64_t cols, float *xT, int64_t nx) {
+    __m256 r[8], t[8];
+    for (int k = 0; k < 8; k++) r[k] = _mm256_loadu_ps(x + k * cols);
+    for (int k = 0; k < 8; k += 2) {
+        t[k] = _mm256_unpacklo_ps(r[k], r[k + 1]);
+        t[k + 1] = _mm256_unpackhi_ps(r[k], r[k + 1]);
     }
+    for (int k = 0; k < 8; k += 4)
+        for (int m = 0; m < 2; m++) {
+            r[k + m] = _mm256_shuffle_ps(t[k + m], t[k + m + 2], 0x44);
+            r[k + m + 2] = _mm256_shuffle_ps(t[k + m], t[k + m + 2], 0xEE);
+        }
+    /* r[0] columns 0 | 4, r[2] 1 | 5, r[1] 2 | 6, r[3] 3 | 7 of rows 0-3 (low halves) and 4-7 (high) */
+    static const int order[4] = {0, 2, 1, 3};
+    for (int m = 0; m < 4; m++) {
+        __m256 a = r[order[m]], b = r[4 + order[m]];
+        _mm256_storeu_ps(xT + m * nx, _mm256_permute2f128_ps(a, b, 0x20));
+        _mm256_storeu_ps(xT + (m + 4) * nx, _mm256_permute2f128_ps(a, b, 0x31));
+    }
+}
+#endif
+
+/* x [nx][cols] into xT [cols][nx]: 8 x 8 blocks in registers (AVX2), the edges one by one */
+static void transpose_rows(const float *x, int64_t nx, int64_t cols, float *xT) {
+    int64_t i8 = 0, c8 = 0;
+#if HAVE_X86
+    if (use_avx2) {
+        i8 = nx / 8 * 8;
+        c8 = cols / 8 * 8;
+        for (int64_t c = 0; c < c8; c += 8)
+            for (int64_t i = 0; i < i8; i += 8) transpose8(x + i * cols + c, cols, xT + c * nx + i, nx);
+    }
+#endif
+    for (int64_t c = 0; c < cols; c++)
+        for (int64_t i = c < c8 ? i8 : 0; i < nx; i++) xT[c * nx + i] = x[i * cols + c];
 }
 
 static inline int64_t rows_scratch(int64_t max_rows, int64_t tile, int64_t nspan) {

@@ -762,3 +762,21 @@ def test_keep_heap_stops_temporaries_faulting_in_fresh_pages():
     unchanged, default = faults(0)
     assert applied == 32 << 20 and unchanged == 0
     assert default > 5000 and kept * 5 < default, (default, kept)
+
+
+@pytest.mark.parametrize("name", ["q2", "q1"])
+@pytest.mark.parametrize("rows,cols,tokens", [(40, 1024, 19), (24, 2048, 37), (8, 7168, 9)])
+def test_several_tokens_equal_one_token_at_a_time(name, rows, cols, tokens):
+    """With int8 inputs the several-token kernel (rows as bytes of digit x scale, outlier corrections
+    from a transposed copy of the inputs, tiles of 32 with a ragged last one) gives each token what
+    the one-token kernel gives it, to float32 summation order: same rounding, same corrections."""
+    if kernels.isa() != "avx2":
+        pytest.skip("int8 activations are an AVX2 route")
+    rng = np.random.default_rng(rows + tokens)
+    raw = encode(name, (rng.standard_t(2.5, size=(rows, cols)) * 0.02).astype(np.float32))
+    assert get_codec(name).geometry((rows, cols)).k > 0           # rows with outliers
+    x = (rng.standard_normal((tokens, cols)) * 3).astype(np.float32)
+    with activations_mode("auto"):
+        several = kernels.linear(x, name, raw, (rows, cols))
+        one = np.stack([kernels.linear(x[t], name, raw, (rows, cols)) for t in range(tokens)])
+    assert np.abs(several - one).max() <= 2e-6 * np.abs(one).max()
