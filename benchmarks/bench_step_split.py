@@ -89,6 +89,23 @@ def main():
     for k, v in parts.items():
         print(f"| {k} | {v / args.steps * 1e3:.1f} | {v / total:.0%} |")
 
+    # the prefill: the same parts, and the products through dequantized blocks + BLAS apart
+    m.reset()
+    prof = cProfile.Profile()
+    prof.runcall(m.prefill, ids, args.prefill_batch)
+    m.reset()
+    m.prefill(ids, args.prefill_batch)         # (leave the cache as the decode passes below expect)
+    st = pstats.Stats(prof)
+    total = st.total_tt
+    moe, route, attention, blas = (cum(MoE.forward), cum(MoE.route), cum(Attention.forward),
+                                   cum(kernels._dequantized_matmul))
+    print(f"\n| part of a {args.prompt_tokens}-token prefill (profiled: {total:.2f} s) | s | share |\n| --- | --- | --- |")
+    for k, v in {"routed and shared experts (MoE.forward, less routing)": moe - route,
+                 "routing": route, "attention (projections, scores over the prompt)": attention,
+                 "dense layer, norms, embedding, lm_head, Python glue": total - moe - attention,
+                 "(of all the above: products through dequantized blocks + BLAS)": blas}.items():
+        print(f"| {k} | {v:.3f} | {v / total:.0%} |")
+
     spent = {}
     qdot = kernels._qdot
     kernels._qdot = _Timed(qdot, spent)
