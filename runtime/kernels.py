@@ -47,6 +47,9 @@ PARALLEL_MIN_WEIGHTS = 1 << 20
 # 52 against 56; at 512 BLAS wins on the larger shape).
 BLAS_MIN_TOKENS = 32
 X8_BLAS_MIN_TOKENS = 320
+# t1 takes its digits out again for every tile of 32 tokens: on 1024-wide rows BLAS wins from about
+# 192 tokens (benchmarks/RESULTS.md: 256 tokens 8.0 ms against 5.9; 128 tokens 3.5 against 3.9)
+T1_BLAS_MIN_TOKENS = 192
 BLOCK_BYTES = 2 << 20    # float32 bytes per dequantized block of rows (at least 64 rows): fewer, larger
                           # products (BLAS packs the tokens again for each; measured: 256 tokens x 1024
                           # columns prefill +15-20 % with 512-row blocks against 64)
@@ -200,7 +203,8 @@ def takes_int8(codec: str, cols: int | None = None, tokens: int = 1) -> bool:
         return False
     if codec == "t1" and tokens < 2:
         return False
-    return tokens < X8_BLAS_MIN_TOKENS and isa() == "avx2" and codec in _x8_codecs()
+    limit = T1_BLAS_MIN_TOKENS if codec == "t1" else X8_BLAS_MIN_TOKENS
+    return tokens < limit and isa() == "avx2" and codec in _x8_codecs()
 
 
 def rounded_input(codec: str, x: np.ndarray, tokens: int = 1) -> np.ndarray:

@@ -90,6 +90,9 @@ def test_int8_activations_round_inputs_per_128(name):
         assert kernels.takes_int8("q2") and kernels.takes_int8("q1") and not kernels.takes_int8("q4")
         assert not kernels.takes_int8("q1", cols=384) and kernels.takes_int8("q1", cols=512)
         assert not kernels.takes_int8("t1") and kernels.takes_int8("t1", 1024, 2)    # t1: several tokens
+        T1 = kernels.T1_BLAS_MIN_TOKENS                 # ... and BLAS sooner than the others
+        assert kernels.takes_int8("t1", 1024, T1 - 1) and not kernels.takes_int8("t1", 1024, T1)
+        assert kernels.takes_int8("q2", 1024, T1) and T1 < kernels.X8_BLAS_MIN_TOKENS
     shape = (16, 1024)
     raw = encode(name, weight(shape, seed=3))
     # 34 tokens: a tile of 32 and one of 2 (q2 and q1 multiply a row's digits and scales apart below
