@@ -13,8 +13,8 @@ A decode step's attention from the projections to the heads' values is one call 
 and so is a token's MoE layer once its experts' offsets are known (MoEStep).
 Several tokens (prefill, or the tokens routed to one expert): the same kernel takes each block's
 digits out once and multiplies them by four tokens at a time. From BLAS_MIN_TOKENS tokens on
-(X8_BLAS_MIN_TOKENS with int8 inputs) rows are dequantized one block at a time (BLOCK_BYTES, bit for
-bit as the reference decoder) and BLAS multiplies.
+(X8_BLAS_MIN_TOKENS with int8 inputs, T1_BLAS_MIN_TOKENS for t1) rows are dequantized one block at
+a time (BLOCK_BYTES, bit for bit as the reference decoder) and BLAS multiplies.
 `dequantize` equals the numpy reference decoder bit for bit (no fastmath there); tests hold it to it.
 llama.cpp's block types kept from a GGUF file (codecs `gguf-<type>`) have their own C decoders
 (runtime/_ggml.c, equal bit for bit to the gguf package's dequantizer): a product decodes one block at
@@ -157,9 +157,9 @@ def set_activations(mode: str) -> None:
     and for t1's in products of several tokens, and 16-bit integers per 32 values for every other
     codec; "int8" takes int8 for q4 and q6 as well (attention, shared experts, lm_head: faster, at a
     measurable KL cost, see benchmarks/RESULTS.md);
-    "int16" keeps 16 bits everywhere. Products of fewer than X8_BLAS_MIN_TOKENS tokens (a decode
-    step, a short prompt, the tokens a prompt routes to most experts) take these inputs; more tokens
-    multiply dequantized blocks by BLAS, exactly. Calibration observes with 16-bit inputs
+    "int16" keeps 16 bits everywhere. Products of fewer than X8_BLAS_MIN_TOKENS tokens (t1:
+    T1_BLAS_MIN_TOKENS; a decode step, a short prompt, the tokens a prompt routes to most experts) take
+    these inputs; more tokens multiply dequantized blocks by BLAS, exactly. Calibration observes with 16-bit inputs
     (quality.observing)."""
     global _activations
     if mode not in ACTIVATIONS:
