@@ -23,7 +23,13 @@ with the same geometry skips straight to the measurements):
    alternating, so load from elsewhere on the machine falls on both alike; mean, sd and median of
    the R samples. kimi-run's prefill = prompt tokens / prefill seconds, its decode = decode steps /
    decode seconds (the first generated token belongs to the prefill), as it reports them. llama-bench's
-   tg starts from an empty KV cache (--llama-depth P puts both its tests after P tokens instead).
+   tg starts from an empty KV cache (--llama-depth P puts both its tests after P tokens instead);
+5. the memory bound of decode, in the same run: after every round the memory read bandwidth on T
+   threads (a C loop summing a 512 MiB buffer as 64-bit words, `_qdot.read_sum`), and each file's
+   bytes read per decode token from its tensor directory: every weight but the embedding table
+   (one row of it), the routed experts' share k / E of theirs, and the KV cache's latent rows (f16,
+   both engines) at the mean decode position. Bound tok/s = bandwidth / bytes per token; each
+   engine's decode tok/s over its own bound is its fraction of the bound.
 
 The tokenizer: a byte-level BPE tokenizer.json like `kimistream.convert.synthetic.byte_tokenizer`
 (256 byte tokens), plus one merge, two spaces (id 256; llama.cpp refuses a BPE vocabulary without
@@ -67,7 +73,7 @@ import time
 from pathlib import Path
 
 from kimistream.formats.constants import VERSION
-from kimistream.formats.weightfile import file_version
+from kimistream.formats.weightfile import WeightFile, file_version
 
 CACHE_VERSION = 1            # bump when the checkpoint recipe changes, so old caches are not reused
 
@@ -309,6 +315,54 @@ class KimiRun:
         return st["prefill_tokens_per_s"], st["decode_tokens_per_s"]
 
 
+def read_bandwidth(threads: int, seconds: float = 1.0) -> float:
+    """Memory read GB/s on `threads` threads: a 512 MiB buffer summed as 64-bit words, repeatedly."""
+    import numpy as np
+
+    from kimistream.runtime import _qdot
+    buf = np.ones(512 << 20, np.uint8)
+    _qdot.read_sum(buf, threads)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        _qdot.read_sum(buf, threads)
+        n += 1
+    return n * buf.nbytes / (time.perf_counter() - t0) / 1e9
+
+
+def kv_bytes_per_token(c: dict, position: float) -> float:
+    """The latent cache rows (kv_lora_rank + rope dims, binary16) one decode step reads at `position`."""
+    return position * c["num_hidden_layers"] * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * 2
+
+
+def kst_bytes_per_token(kst: Path, c: dict) -> int:
+    """Weight bytes one decode step of kimi-run reads: the k routed experts of each MoE layer, every
+    other tensor but the embedding table, and one row of that."""
+    wf = WeightFile(kst)
+    k, E, n = c["num_experts_per_tok"], c["n_routed_experts"], 0
+    for t in wf.tensors.values():
+        if t.cls == "routed_experts":
+            n += t.nbytes * k / E
+        elif t.cls == "embeddings":
+            n += t.nbytes / t.shape[0]
+        else:
+            n += t.nbytes
+    return int(n)
+
+
+def gguf_bytes_per_token(gguf_path: Path, c: dict) -> int:
+    """The same for llama.cpp's file: its expert tensors hold all E experts of a layer."""
+    from gguf import GGUFReader
+    k, E, n = c["num_experts_per_tok"], c["n_routed_experts"], 0
+    for t in GGUFReader(gguf_path).tensors:
+        if "_exps." in t.name:
+            n += int(t.n_bytes) * k / E
+        elif t.name.startswith("token_embd."):
+            n += int(t.n_bytes) / c["vocab_size"]
+        else:
+            n += int(t.n_bytes)
+    return int(n)
+
+
 def summarise(samples: list[tuple[float, float]]) -> dict:
     out = {}
     for i, phase in enumerate(("prefill", "decode")):
@@ -320,14 +374,15 @@ def summarise(samples: list[tuple[float, float]]) -> dict:
     return out
 
 
-def measure(theirs: LlamaBench, ours: KimiRun, repeats: int) -> tuple[dict, dict]:
-    """A warm-up run of each (page cache), then the two engines alternately,
-    one run each per round, so that load from elsewhere on the machine falls on both alike."""
+def measure(theirs: LlamaBench, ours: KimiRun, repeats: int, threads: int) -> tuple[dict, dict, list]:
+    """A warm-up run of each (page cache), then the two engines alternately, one run each per round,
+    so that load from elsewhere on the machine falls on both alike; the memory read bandwidth after
+    each round."""
     log(f"kimi-run warm-up: {ours.shown}")
     ours.once()
     log(f"llama.cpp warm-up: {theirs.shown}")
     theirs.once()
-    a_samples, b_samples = [], []
+    a_samples, b_samples, bandwidth = [], [], []
     for i in range(repeats):
         a_samples.append(theirs.once())
         log(f"round {i + 1}/{repeats} llama.cpp:   prefill {a_samples[-1][0]:8.2f} tok/s, "
@@ -335,8 +390,11 @@ def measure(theirs: LlamaBench, ours: KimiRun, repeats: int) -> tuple[dict, dict
         b_samples.append(ours.once())
         log(f"round {i + 1}/{repeats} kimi-stream: prefill {b_samples[-1][0]:8.2f} tok/s, "
             f"decode {b_samples[-1][1]:8.2f} tok/s (load {os.getloadavg()[0]:.2f})")
+        bandwidth.append(read_bandwidth(threads))
+        log(f"round {i + 1}/{repeats} memory read: {bandwidth[-1]:.2f} GB/s on {threads} threads")
     return ({**summarise(a_samples), "command": theirs.shown + f"  (warm-up + x{repeats}, alternating)", **theirs.info},
-            {**summarise(b_samples), "command": ours.shown + f"  (warm-up + x{repeats}, alternating)", **ours.info})
+            {**summarise(b_samples), "command": ours.shown + f"  (warm-up + x{repeats}, alternating)", **ours.info},
+            bandwidth)
 
 
 # ------------------------------------------------------------------------------------ main
@@ -433,8 +491,14 @@ def main(argv=None) -> int:
         timings["kst_s"] = round(time.perf_counter() - t, 1)
 
     load_before = os.getloadavg()
-    theirs, ours = measure(LlamaBench(llama, gguf, a), KimiRun(kst, a), a.repeats)
+    theirs, ours, bandwidth = measure(LlamaBench(llama, gguf, a), KimiRun(kst, a), a.repeats, a.threads)
     load_after = os.getloadavg()
+    gbps = statistics.mean(bandwidth)
+    for r, weights, start in ((theirs, gguf_bytes_per_token(gguf, c), a.llama_depth),
+                              (ours, kst_bytes_per_token(kst, c), a.prompt_tokens)):
+        r["bytes_per_decode_token"] = int(weights + kv_bytes_per_token(c, start + a.gen_tokens / 2))
+        r["bound_tok_s"] = gbps * 1e9 / r["bytes_per_decode_token"]
+        r["decode_over_bound"] = r["decode_tok_s"] / r["bound_tok_s"]
     result = {
         "command": shlex.join([sys.executable, *sys.argv]),
         "model": {"params": params, "config": c, "workdir": str(work)},
@@ -443,6 +507,7 @@ def main(argv=None) -> int:
         "kimi_stream": {**ours, "file": str(kst), "file_bytes": kst.stat().st_size, "quant": "q2"},
         "ratio_prefill_ours_over_llamacpp": ours["prefill_tok_s"] / theirs["prefill_tok_s"],
         "ratio_decode_ours_over_llamacpp": ours["decode_tok_s"] / theirs["decode_tok_s"],
+        "memory_read_gb_s": gbps, "memory_read_samples": [round(x, 2) for x in bandwidth],
         "loadavg_before": load_before, "loadavg_after": load_after, "preparation_seconds": timings,
     }
     if a.json:
@@ -458,6 +523,13 @@ def main(argv=None) -> int:
               f"| {r['decode_tok_s']:.2f} ± {r['decode_stddev']:.2f} |")
     print(f"| **ours / llama.cpp** | | {result['kimi_stream']['file_bytes'] / result['llama_cpp']['file_bytes']:.3f}x "
           f"| **{result['ratio_prefill_ours_over_llamacpp']:.3f}x** | **{result['ratio_decode_ours_over_llamacpp']:.3f}x** |")
+    print(f"\nDecode against the memory bound (read bandwidth {gbps:.2f} GB/s on {a.threads} threads, mean of "
+          f"{len(bandwidth)}, one after each round: {', '.join(f'{x:.1f}' for x in bandwidth)}):\n")
+    print("| engine | bytes read per decode token | bound tok/s | decode tok/s | decode / bound |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, r in (("llama.cpp", result["llama_cpp"]), ("kimi-stream", result["kimi_stream"])):
+        print(f"| {name} | {r['bytes_per_decode_token'] / 1e6:.1f} MB | {r['bound_tok_s']:.1f} | "
+              f"{r['decode_tok_s']:.2f} | {r['decode_over_bound']:.3f} |")
     for name, r in (("llama.cpp", result["llama_cpp"]), ("kimi-stream", result["kimi_stream"])):
         print(f"\n{name} samples, prefill: {r['prefill_samples']}, decode: {r['decode_samples']} (medians "
               f"{r['prefill_median']:.2f} / {r['decode_median']:.2f})", end="")
