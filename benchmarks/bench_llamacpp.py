@@ -318,15 +318,8 @@ class KimiRun:
 def read_bandwidth(threads: int, seconds: float = 1.0) -> float:
     """Memory read GB/s on `threads` threads: a 512 MiB buffer summed as 64-bit words, repeatedly."""
     import numpy as np
-
-    from kimistream.runtime import _qdot
-    buf = np.ones(512 << 20, np.uint8)
-    _qdot.read_sum(buf, threads)
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        _qdot.read_sum(buf, threads)
-        n += 1
-    return n * buf.nbytes / (time.perf_counter() - t0) / 1e9
+    from bench_kernels import read_gbps           # (this directory is on sys.path when run as a script)
+    return read_gbps(np.ones(512 << 20, np.uint8), seconds, threads)
 
 
 def kv_bytes_per_token(c: dict, position: float) -> float:
