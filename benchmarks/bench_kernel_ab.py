@@ -5,7 +5,11 @@ the speed ratio. Only speed is compared: builds of different weight-file formats
 bytes differently.
 
     python benchmarks/bench_kernel_ab.py OTHER_QDOT.so [--codec q2] [--shape 2048x7168] [--tokens 1]
-                                         [--threads 2] [--rounds 20]
+                                         [--threads 2] [--rounds 20] [--heads NH:NOPE:V]
+
+--heads NH:NOPE:V times the transposed product of absorbed attention instead (`heads_t`: each
+head's NOPE query values times its NOPE key rows of kv_b, a weight of NH * (NOPE + V) rows; the
+columns are --shape's, e.g. `--codec q4 --shape 0x512 --heads 64:128:128` for Kimi K2's kv_b).
 
 To build the other side: `git worktree add /tmp/old COMMIT && (cd /tmp/old && python setup.py
 build_ext --inplace)`, then pass /tmp/old/runtime/_qdot.*.so.
@@ -40,9 +44,14 @@ def main():
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--heads", default=None, metavar="NH:NOPE:V",
+                    help="time heads_t on a kv_b of NH heads (the rows of --shape are ignored)")
     a = ap.parse_args()
     other = load_other(a.other)
     rows, cols = (int(v) for v in a.shape.split("x"))
+    if a.heads:
+        nh, nope, vdim = (int(v) for v in a.heads.split(":"))
+        rows = nh * (nope + vdim)
     rng = np.random.default_rng(0)
     _, g, raw = kernels._prepare(a.codec, encode(get_codec(a.codec), (rng.standard_t(4, size=(rows, cols)) * 0.02)
                                                  .astype(np.float32)), (rows, cols))
@@ -61,20 +70,31 @@ def main():
     copies = [raw.copy() for _ in range(max(1, (256 << 20) // raw.nbytes))] if a.tokens == 1 else [raw]
     x = rng.standard_normal((a.tokens, cols)).astype(np.float32)
     y = np.empty(a.tokens * rows, np.float32)
+    if a.heads:
+        v = rng.standard_normal((nh, nope)).astype(np.float32)
+        y = np.empty((nh, cols), np.float32)
+
+        def call(mod, w):
+            mod.heads_t(w, g, v, nope + vdim, y, a.threads)
+    else:
+        def call(mod, w):
+            mod.rows(w, g[None, :], x, jobs, y, a.threads, a.tokens, rows)
     times = {"this checkout": [], "other": []}
     builds = [("this checkout", _qdot), ("other", other)]
     for r in range(a.rounds):
         for name, mod in builds if r % 2 == 0 else builds[::-1]:
             n, t0 = 0, time.perf_counter()
             while n < 3 * len(copies) or time.perf_counter() - t0 < 0.15:
-                mod.rows(copies[n % len(copies)], g[None, :], x, jobs, y, a.threads, a.tokens, rows)
+                call(mod, copies[n % len(copies)])
                 n += 1
             times[name].append((time.perf_counter() - t0) / n)
-    print(f"{a.codec} {rows}x{cols}, {a.tokens} token(s), {a.threads} threads, {a.rounds} alternating rounds")
+    what = f"heads_t of {nh} heads x {nope} rows" if a.heads else f"{a.tokens} token(s)"
+    print(f"{a.codec} {rows}x{cols}, {what}, {a.threads} threads, {a.rounds} alternating rounds")
+    flops = 2 * nh * nope * cols if a.heads else 2 * a.tokens * rows * cols
     for name, ts in times.items():
         t = float(np.median(ts))
-        print(f"  {name}: {t * 1e3:.3f} ms per call, {raw.nbytes / t / 1e9:.2f} GB/s of packed weights, "
-              f"{2 * a.tokens * rows * cols / t / 1e9:.1f} GFLOP/s")
+        print(f"  {name}: {t * 1e3:.3f} ms per call, {raw.nbytes / t / 1e9:.2f} GB/s of packed weights "
+              f"(the whole tensor), {flops / t / 1e9:.1f} GFLOP/s")
     print(f"  speed, this checkout / other: {np.median(times['other']) / np.median(times['this checkout']):.3f}")
 
 

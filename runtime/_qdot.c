@@ -1644,6 +1644,100 @@ AVX2 static inline __attribute__((always_inline)) void heads_t_body(const int ki
     }
 }
 
+/* The same with the span coefficients as 16-bit integers (heads_t_int): pairs of rows at a time,
+   their digits interleaved column by column so that one vpmaddwd by the pair's coefficients adds both
+   rows into 32-bit sums; span by span, so four accumulators are all the registers a span needs. The
+   float form above costs two conversions per weight; this one about a quarter of the instructions. */
+AVX2 static inline __attribute__((always_inline)) void heads_t_int_body(const int kind, const int spc,
+                                                                      const uint8_t *codes0, int64_t code_row,
+                                                                      int64_t n, const int32_t *P, const float *alpha,
+                                                                      int64_t nsp, int64_t nch, int64_t lo_bytes,
+                                                                      float *out) {
+    __m256i ev[8], od[8], ev1[8], od1[8];
+    for (int k = 0; k < 8; k++) ev[k] = od[k] = ev1[k] = od1[k] = _mm256_setzero_si256();
+    for (int64_t ch = 0; ch < nch; ch++) {
+#pragma GCC unroll 8
+        for (int k = 0; k < spc; k++) {       /* unrolled: k constant, so only span k's digits are taken out */
+            int64_t s = ch * spc + k;
+            __m256i e_lo = _mm256_setzero_si256(), e_hi = e_lo, o_lo = e_lo, o_hi = e_lo;
+            for (int64_t j = 0; j < n; j += 2) {
+                chunk_digits(kind, codes0 + j * code_row, ch, lo_bytes, ev, od);
+                chunk_digits(kind, codes0 + (j + 1 < n ? j + 1 : j) * code_row, ch, lo_bytes, ev1, od1);
+                __m256i c = _mm256_set1_epi32(P[(j >> 1) * nsp + s]);
+                e_lo = _mm256_add_epi32(e_lo, _mm256_madd_epi16(_mm256_unpacklo_epi16(ev[k], ev1[k]), c));
+                e_hi = _mm256_add_epi32(e_hi, _mm256_madd_epi16(_mm256_unpackhi_epi16(ev[k], ev1[k]), c));
+                o_lo = _mm256_add_epi32(o_lo, _mm256_madd_epi16(_mm256_unpacklo_epi16(od[k], od1[k]), c));
+                o_hi = _mm256_add_epi32(o_hi, _mm256_madd_epi16(_mm256_unpackhi_epi16(od[k], od1[k]), c));
+            }
+            /* e_lo: columns 0 2 4 6 | 16 18 20 22, e_hi 8 .. 14 | 24 .. 30, o_*: the odd ones */
+            __m256 a = _mm256_set1_ps(alpha[s]);
+            __m256 El = _mm256_mul_ps(a, _mm256_cvtepi32_ps(e_lo)), Eh = _mm256_mul_ps(a, _mm256_cvtepi32_ps(e_hi));
+            __m256 Ol = _mm256_mul_ps(a, _mm256_cvtepi32_ps(o_lo)), Oh = _mm256_mul_ps(a, _mm256_cvtepi32_ps(o_hi));
+            __m256 X = _mm256_unpacklo_ps(El, Ol), Y = _mm256_unpackhi_ps(El, Ol);   /* 0-3 | 16-19, 4-7 | 20-23 */
+            __m256 Z = _mm256_unpacklo_ps(Eh, Oh), W = _mm256_unpackhi_ps(Eh, Oh);   /* 8-11 | 24-27, 12-15 | 28-31 */
+            float *dst = out + 32 * s;
+            _mm256_storeu_ps(dst, _mm256_permute2f128_ps(X, Y, 0x20));
+            _mm256_storeu_ps(dst + 8, _mm256_permute2f128_ps(Z, W, 0x20));
+            _mm256_storeu_ps(dst + 16, _mm256_permute2f128_ps(X, Y, 0x31));
+            _mm256_storeu_ps(dst + 24, _mm256_permute2f128_ps(Z, W, 0x31));
+        }
+    }
+}
+
+/* Whether a codec's transposed products take integer coefficients: its digits come out of a chunk by
+   masks alone (t1's take a chain of multiplies per digit, which span by span would repeat) */
+static inline int heads_t_int_kind(int kind) { return kind != K_T1; }
+
+/* a[j * nsp + s] (n rows, the nfs whole spans) as 16-bit integers times one scale per span, in pairs of rows for
+   heads_t_int_body: P[(j / 2) * nsp + s] holds row j's integer in its low half, row j + 1's in its high
+   half (0 past the last row). The largest magnitude of a span is A = min(32767, (2^31 - 1) / (n' 512)),
+   n' = n rounded up to even, so no 32-bit sum can overflow (a digit in its lane is below 512). */
+AVX2 static void heads_t_int_coefs(const float *a, int64_t n, int64_t nsp, int64_t nfs, int32_t *P, float *alpha) {
+    int64_t ne = (n + 1) & ~(int64_t)1;
+    double lim = 2147483647.0 / ((double)ne * 512.0);
+    float A = lim < 32767.0 ? (float)floor(lim) : 32767.0f;
+    float *inv = alpha + nsp;                       /* (scratch: nsp more floats) */
+    for (int64_t s = 0; s < nfs; s++) alpha[s] = 0.0f;
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t s = 0; s < nfs; s++) {
+            float v = fabsf(a[j * nsp + s]);
+            alpha[s] = v > alpha[s] ? v : alpha[s];
+        }
+    for (int64_t s = 0; s < nfs; s++) {
+        float m = alpha[s];
+        inv[s] = m > 0 ? A / m : 0.0f;
+        alpha[s] = m > 0 ? m / A : 0.0f;
+    }
+    const __m256i lo16 = _mm256_set1_epi32(0xFFFF);
+    for (int64_t j = 0; j < ne; j += 2) {
+        const float *r0 = a + j * nsp, *r1 = j + 1 < n ? r0 + nsp : NULL;
+        int32_t *dst = P + (j >> 1) * nsp;
+        int64_t s = 0;
+        for (; s + 8 <= nfs; s += 8) {
+            __m256 iv = _mm256_loadu_ps(inv + s);
+            __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(r0 + s), iv));
+            __m256i q1 = r1 ? _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(r1 + s), iv)) : _mm256_setzero_si256();
+            _mm256_storeu_si256((__m256i *)(dst + s), _mm256_or_si256(_mm256_and_si256(q0, lo16), _mm256_slli_epi32(q1, 16)));
+        }
+        for (; s < nfs; s++) {
+            int32_t q0 = (int32_t)lrintf(r0[s] * inv[s]), q1 = r1 ? (int32_t)lrintf(r1[s] * inv[s]) : 0;
+            dst[s] = (int32_t)(((uint32_t)(uint16_t)(int16_t)q1 << 16) | (uint16_t)(int16_t)q0);
+        }
+    }
+}
+
+AVX2 static void heads_t_int_avx2(int kind, const uint8_t *codes0, int64_t code_row, int64_t n, const int32_t *P,
+                                  const float *alpha, int64_t nsp, int64_t done, int64_t cols, float *out) {
+    int64_t lb = q6_lo_bytes(cols);
+    switch (kind) {
+    case K_Q2: case K_Q2RTN: heads_t_int_body(K_Q2, 4, codes0, code_row, n, P, alpha, nsp, done / 128, lb, out); break;
+    case K_Q4: heads_t_int_body(K_Q4, 2, codes0, code_row, n, P, alpha, nsp, done / 64, lb, out); break;
+    case K_Q8: heads_t_int_body(K_Q8, 1, codes0, code_row, n, P, alpha, nsp, done / 32, lb, out); break;
+    case K_Q6: heads_t_int_body(K_Q6, 4, codes0, code_row, n, P, alpha, nsp, done / 128, lb, out); break;
+    default: heads_t_int_body(K_Q1, 8, codes0, code_row, n, P, alpha, nsp, done / 256, lb, out); break;
+    }
+}
+
 AVX2 static void heads_t_avx2(int kind, const uint8_t *codes0, int64_t code_row, int64_t n, const float *a,
                               int64_t nsp, int64_t done, int64_t cols, float *out) {
     int64_t lb = q6_lo_bytes(cols);
@@ -1657,6 +1751,10 @@ AVX2 static void heads_t_avx2(int kind, const uint8_t *codes0, int64_t code_row,
     }
 }
 #endif
+
+/* scratch floats of a transposed job of n rows and nsp spans: the span coefficients, their integer
+   pairs and scales (heads_t_int_coefs), a row's coefficients and sums */
+#define HEADS_T_SCRATCH(n, nsp) (((n) + 5) * (nsp) + ((n) + 1) / 2 * (nsp) + 2 * (nsp) + 16)
 
 #if HAVE_X86
 static void heads_t_rest(task_t *t, int64_t r, float cj, float *acc, float *lev);
@@ -1677,8 +1775,15 @@ AVX2 static void heads_t_job_avx2(task_t *t, int64_t h, float *scratch) {
         }
     }
     memset(acc + done, 0, sizeof(float) * (cols - done));
-    heads_t_avx2(kind, t->raw + g[G_OFFCODE] + h * t->stride * g[G_CODEROW], g[G_CODEROW], n, a, nsp, done,
-                 cols, acc);
+    const uint8_t *codes0 = t->raw + g[G_OFFCODE] + h * t->stride * g[G_CODEROW];
+    if (heads_t_int_kind(kind)) {
+        int32_t *P = (int32_t *)(zeros + nsp);
+        float *alpha = (float *)(P + ((n + 1) / 2) * nsp);
+        heads_t_int_coefs(a, n, nsp, nfs, P, alpha);
+        heads_t_int_avx2(kind, codes0, g[G_CODEROW], n, P, alpha, nsp, done, cols, acc);
+    } else {
+        heads_t_avx2(kind, codes0, g[G_CODEROW], n, a, nsp, done, cols, acc);
+    }
     for (int64_t s = 0; s < nfs; s++)
         for (int i = 0; i < 32; i++) acc[32 * s + i] += bacc[s];
     for (int64_t j = 0; j < n; j++)
@@ -2695,7 +2800,7 @@ static PyObject *py_heads_t(PyObject *self, PyObject *args) {
     }
     task_t t = {.job = heads_t_job, .raw = b[0].b.buf, .geoms = g, .xf = b[2].b.buf, .cols = cols,
                 .nspan = cols / 32, .n = n, .stride = stride, .njobs = nh, .out = b[3].b.buf,
-                .scratch_floats = (n + 5) * (cols / 32) + 16};
+                .scratch_floats = HEADS_T_SCRATCH(n, cols / 32)};
     int bad = run_unlocked(&t, threads);
     if (bad >= 0) ret = PyLong_FromLong(bad);
 done:
@@ -3278,7 +3383,7 @@ static PyObject *py_mla_decode(PyObject *self, PyObject *args) {
     }
     /* q_nope folded into the latent: kv_b's key rows, transposed */
     task_t t1 = {.job = heads_t_job, .raw = b[7].b.buf, .geoms = g, .xf = qn, .cols = r, .nspan = nspan, .n = nope,
-                 .stride = stride, .njobs = nh, .out = qlat, .scratch_floats = (nope + 5) * nspan + 16};
+                 .stride = stride, .njobs = nh, .out = qlat, .scratch_floats = HEADS_T_SCRATCH(nope, nspan)};
     int bad = run_unlocked(&t1, nh * nope * r >= min_weights ? threads : 1);
     if (bad < 0) goto done;
     att_t a = {.q = qlat, .qr = qr, .C = b[5].b.buf, .K = b[6].b.buf, .half = half, .S = S, .r = r, .dr = dr,
