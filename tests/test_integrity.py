@@ -49,6 +49,29 @@ def test_corrupted_expert_is_caught_before_use(tiny_kst, tmp_path, io):
     assert any(n in proc.stderr for n in names)
 
 
+def test_experts_read_ahead_are_checked_on_the_read_thread(tiny_kst, tmp_path):
+    """The mmap pager hashes an expert it reads ahead of certain use on the read's own thread (off the
+    computing thread); a corrupted one read that way still stops get() before its bytes are used."""
+    from kimistream.runtime.pager import ExpertReadError, MmapPager
+    from kimistream.runtime.weights import ModelWeights
+    bad = tmp_path / "bad.kst"
+    names = corrupt(tiny_kst, bad, EXTENT_EXPERT)
+    layer, e = (int(v) for v in names[0].split(".")[1:])
+    for path, intact in ((tiny_kst, True), (bad, False)):
+        w = ModelWeights(path)
+        p = w.pager
+        assert isinstance(p, MmapPager)
+        p.fetch_ahead(layer, [e])
+        p._inflight[(layer, e)].ready.wait()
+        assert ((layer, e) in p._verified) == intact
+        if intact:
+            p.get(layer, e)
+        else:
+            with pytest.raises(ExpertReadError, match=f"expert.{layer}.{e} fails its checksum"):
+                p.get(layer, e)
+        w.close()
+
+
 def test_corrupted_resident_extent_is_caught_at_load(tiny_kst, tmp_path):
     bad = tmp_path / "bad.kst"
     names = corrupt(tiny_kst, bad, EXTENT_RESIDENT)
