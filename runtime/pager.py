@@ -276,6 +276,16 @@ class ExpertPager:
             self.drop_evicted = share < RELOAD_MIN_CACHED
             self.page_cache_policy = (f"{'drop' if self.drop_evicted else 'keep'} evicted experts (auto: {share:.0%} "
                                       f"of {st.reloads} evicted experts were still cached when needed again)")
+            if self.drop_evicted:
+                # what the trial kept goes now, as a drop from the start would have let it go: under
+                # a cap that counts the page cache those pages pressed on the experts in use for the
+                # rest of the run (measured at a quarter of the file: 7.3 tok/s against 9.5 for an
+                # explicit drop)
+                for k in self._evicted:
+                    with self._lock:
+                        held = k in self._cache or k in self._inflight
+                    if not held:
+                        self._evicted_pages(k, *self.extent(k))
             self._evicted.clear()
 
     def _in_page_cache(self, off: int, n: int) -> bool:

@@ -484,13 +484,29 @@ def test_page_cache_drop_gives_the_same_output_and_drops_evicted_pages(synthetic
 def test_auto_page_cache_decides_from_what_the_page_cache_kept(synthetic, monkeypatch, share, decision):
     """--page-cache auto scores the misses of evicted experts after the first RELOAD_SKIP (how much of
     each the page cache still held) and, after RELOAD_TRIAL of them, keeps or drops evicted experts
-    for the rest of the run; the report says which and why."""
+    for the rest of the run (a drop also drops what the trial had kept); the report says which and
+    why."""
     from kimistream.runtime import pager as P
     monkeypatch.setattr(P, "RELOAD_SKIP", 2)
     monkeypatch.setattr(P, "RELOAD_TRIAL", 4)
     w = ModelWeights(synthetic, cache_bytes=2 * ModelWeights(synthetic).expert_extent_bytes)
-    w.pager.cached_share = lambda off, n: share
-    assert not w.pager.drop_evicted and "deciding" in w.pager.page_cache_policy
+    p = w.pager
+    p.cached_share = lambda off, n: share
+    assert not p.drop_evicted and "deciding" in p.page_cache_policy
+    at_decision, dropped = [], []
+
+    class Noted(set):                  # what the trial left evicted, and what was held, when it decides
+        def clear(self):
+            at_decision.append((set(self), set(p._cache) | set(p._inflight)))
+            super().clear()
+    p._evicted = Noted()
+    note = p._evicted_pages
+
+    def recorded(key, off, n):
+        if p.drop_evicted:
+            dropped.append(key)
+        note(key, off, n)
+    p._evicted_pages = recorded
     w.load_resident()
     m = Model(w, 64)
     m.prefill(PROMPT, 8)
@@ -498,6 +514,10 @@ def test_auto_page_cache_decides_from_what_the_page_cache_kept(synthetic, monkey
         m.forward([5])
     assert w.pager.stats.reloads == 4
     assert w.pager.drop_evicted == (decision == "drop")
+    # a drop decision lets go at once of what the trial kept (evicted experts not read again)
+    (left, held), = at_decision
+    assert left - held
+    assert (left - held <= set(dropped)) == (decision == "drop")
     assert w.pager.page_cache_policy == f"{decision} evicted experts (auto: {share:.0%} of 4 evicted experts " \
                                         f"were still cached when needed again)"
     w.close()
