@@ -148,16 +148,17 @@ class ModelWeights(ExpertProvider):
         """(guess the next layer's experts, the decision in words) for --prefetch."""
         if self.prefetch != "auto":
             return self.prefetch == "next-layer", self.prefetch
-        k = self.config.num_experts_per_tok
+        # Guesses only where none can evict an expert: with a cache short of the whole file, a wrong
+        # guess pushes out one that is used again soon and spends disk bandwidth, and next-layer lost
+        # to off in every measurement (benchmarks/RESULTS.md: 0.80-0.92 at half the file with 89 of
+        # 704 experts cached, 15-50 % under tighter caps, 0.995x on a trained model at a quarter).
         per = self.expert_extent_bytes
         cached = cache_bytes // per if per else 0
-        need = (len(self.config.moe_layers) + 1) * k
-        if cached < need:
-            return False, f"off: the cache holds {cached} experts, guesses pay from {need} (auto)"
         total = len(self._extents(EXTENT_EXPERT))
-        room = "all experts" if cached >= total else f"{cached} experts"
-        return True, f"next-layer: the cache holds {room} (auto; pauses while reads come from the page cache, " \
-                     f"stops if fewer than {GUESS_MIN_RECALL:.0%} of guesses are used)"
+        if cached < total:
+            return False, f"off: the cache holds {cached} of {total} experts (auto: guesses only when it holds all)"
+        return True, "next-layer: the cache holds all experts (auto; pauses while reads come from the page " \
+                     f"cache, stops if fewer than {GUESS_MIN_RECALL:.0%} of guesses are used)"
 
     def _extents(self, kind):
         return [e for e in self.file.extents if e.kind == kind]

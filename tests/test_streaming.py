@@ -216,18 +216,20 @@ def test_tight_budget_run_works_with_default_flags(synthetic):
     assert json.loads(run.stdout)["stats"]["peak_rss_bytes"] <= budget
 
 
-def test_auto_prefetch_guesses_only_when_the_cache_keeps_a_token(synthetic, monkeypatch):
-    """--prefetch auto (the default): no guesses when the cache cannot keep a token's experts of every
-    layer (each would evict an expert about to be used); guesses with a roomy cache; the choice is
-    in the run's report. (The fresh file is in the page cache: pausing is tested below.)"""
+def test_auto_prefetch_guesses_only_when_the_cache_holds_every_expert(synthetic, monkeypatch):
+    """--prefetch auto (the default): no guesses when the cache cannot hold every expert (a wrong guess
+    would evict one used again soon); guesses with a cache that holds them all; the choice is in the
+    run's report. (The fresh file is in the page cache: pausing is tested below.)"""
     from kimistream.runtime import weights as W
     monkeypatch.setattr(W, "GUESS_IDLE_READS", 1 << 30)
     w = ModelWeights(synthetic)
-    expert, cfg = w.expert_extent_bytes, w.config
+    expert, total = w.expert_extent_bytes, len(w._extents("expert"))
     w.close()
-    need = (len(cfg.moe_layers) + 1) * cfg.num_experts_per_tok
-    _, _, small = _run(synthetic, cache_bytes=(need - 1) * expert, prefetch="auto")
+    _, _, small = _run(synthetic, cache_bytes=(total - 1) * expert, prefetch="auto")
     assert small.prefetched == 0 and small.routed_checked == 0
+    w = ModelWeights(synthetic, cache_bytes=(total - 1) * expert, prefetch="auto")
+    assert w.prefetch_policy == f"off: the cache holds {total - 1} of {total} experts (auto: guesses only when it holds all)"
+    w.close()
     _, _, roomy = _run(synthetic, prefetch="auto")
     assert roomy.routed_checked > 0
     proc = kimi_run("--weights", synthetic, "--prompt", "hello", "--max-tokens", 4, "--json",
