@@ -41,18 +41,18 @@ PAGE_CACHE_MODES = ("auto", "keep", "drop")
 # machine, or a memory cgroup, hardly larger than the budget) the kernel must reclaim them again under
 # pressure, taking pages of experts still in use along, and reads slow down (measured under a cgroup
 # cap that counts the page cache, 0.8 GB file: at 193 MiB, 5.1-5.5 tok/s keeping against 8.4-9.3
-# dropping them; at 256 MiB and 385 MiB keeping wins, 12.7-13.6 against 9.5-9.7 and 17-18 against 10).
+# dropping them; at 385 MiB keeping wins, 17-18 against 10; at 256 MiB the verdict has varied: keeping
+# won 12.7-13.6 against 9.5-9.7 in older builds on a slower disk, dropping won by 7-33 % in five runs
+# of the current one, benchmarks/RESULTS.md).
 # --page-cache auto watches how much of each evicted expert is still cached when it is needed again
 # and drops evicted experts from then on if little is. The first misses are not scored: the prompt
 # churns the cache. Measured on the 0.8 GB bench model, share still cached by windows of 64 misses
 # of evicted experts: at ½ of the file 0.76, 0.91, 0.92, ...; at 256 MiB 0, 0, 0.39, 0.64, 0.85, ...;
 # at ¼ 0, 0, 0, 0, 0.01, 0.09, 0.32, ... (where dropping is ~1.5x faster). Scoring misses 128-255
-# separates them early (about 0.9, 0.5 and 0).
+# separates them early (about 0.9, 0.4-0.5 and 0); the bar at half sends 256 MiB to dropping.
 RELOAD_SKIP = 128              # misses of evicted experts not scored
 RELOAD_TRIAL = 128             # misses of evicted experts scored before deciding
 RELOAD_MIN_CACHED = 0.5        # below this share of their pages still cached, evicted experts are dropped
-# (at 256 MiB for the 0.8 GB bench model about 42 % were still cached, and dropping was 7-33 % faster in
-# four runs of bench_memory_cap; at half the file 80-84 %, where keeping was faster)
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
