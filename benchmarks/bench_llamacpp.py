@@ -72,7 +72,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kimistream.formats.constants import VERSION
+from kimistream.formats.constants import EMBEDDINGS, ROUTED_EXPERTS, VERSION
 from kimistream.formats.weightfile import WeightFile, file_version
 
 CACHE_VERSION = 1            # bump when the checkpoint recipe changes, so old caches are not reused
@@ -330,15 +330,15 @@ def kv_bytes_per_token(c: dict, position: float) -> float:
 def kst_bytes_per_token(kst: Path, c: dict) -> int:
     """Weight bytes one decode step of kimi-run reads: the k routed experts of each MoE layer, every
     other tensor but the embedding table, and one row of that."""
-    wf = WeightFile(kst)
     k, E, n = c["num_experts_per_tok"], c["n_routed_experts"], 0
-    for t in wf.tensors.values():
-        if t.cls == "routed_experts":
-            n += t.nbytes * k / E
-        elif t.cls == "embeddings":
-            n += t.nbytes / t.shape[0]
-        else:
-            n += t.nbytes
+    with WeightFile(kst) as wf:
+        for t in wf.tensors.values():
+            if t.cls == ROUTED_EXPERTS:
+                n += t.nbytes * k / E
+            elif t.cls == EMBEDDINGS:
+                n += t.nbytes / t.shape[0]
+            else:
+                n += t.nbytes
     return int(n)
 
 
