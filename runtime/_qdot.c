@@ -357,9 +357,41 @@ static float combine_c(const uint8_t *t, const int64_t *g, int64_t r, const floa
  * int32 lanes are turned to float and scaled by the span's coefficient c[s] = A * mul * xsc (a
  * broadcast from memory) into one float accumulator: nothing is summed across lanes until the row
  * ends. */
+static int use_vnni;     /* see dp_bytes */
 #if HAVE_X86
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define LOAD32(p) _mm256_loadu_si256((const __m256i *)(p))
+
+/* The VNNI instructions where the CPU has them (use_vnni: 0 none, 1 AVX-VNNI's VEX form, 2 AVX512-VNNI's
+   EVEX form on 256-bit registers), written as inline assembly so that one AVX2 build serves every CPU
+   (no target attribute to keep apart); each integer kernel that takes int8 inputs is instantiated for
+   each level. The results are the same integers as the AVX2 sequences they replace: vpmaddubsw's pair
+   sums never saturate here (digits and digit x scale bytes are at most 45) and vpmaddwd's never
+   overflow, so the three paths agree bit for bit (tests/test_kernels.py). */
+/* acc + the byte products u (unsigned) x s (signed), four adjacent ones summed into each int32 lane */
+AVX2 static inline __attribute__((always_inline)) __m256i dp_bytes(const int vn, __m256i acc, __m256i u, __m256i s) {
+    if (vn == 1) {
+        __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
+        return acc;
+    }
+    if (vn == 2) {
+        __asm__("vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
+        return acc;
+    }
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+/* acc + the int16 products a x b, two adjacent ones summed into each int32 lane */
+AVX2 static inline __attribute__((always_inline)) __m256i dp_words(const int vn, __m256i acc, __m256i a, __m256i b) {
+    if (vn == 1) {
+        __asm__("%{vex%} vpdpwssd %2, %1, %0" : "+x"(acc) : "x"(a), "x"(b));
+        return acc;
+    }
+    if (vn == 2) {
+        __asm__("vpdpwssd %2, %1, %0" : "+x"(acc) : "x"(a), "x"(b));
+        return acc;
+    }
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+}
 
 AVX2 static inline float hmax8(__m256 v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -868,12 +900,19 @@ AVX2 static inline __attribute__((always_inline)) void digits128(const int kind,
 }
 
 /* 128 weights times their int8 inputs, each span's byte products widened and scaled by its integer
-   scale in one vpmaddwd, as 8 floats */
-AVX2 static inline __attribute__((always_inline)) __m256 block128_x8(const int kind, const uint8_t *codes, int64_t q,
-                                                                   const int odd, int64_t lo_bytes, const int8_t *xc,
-                                                                   const int32_t *sw) {
+   scale in one vpmaddwd (with VNNI: vpdpwssd, which adds as it goes), as 8 floats */
+AVX2 static inline __attribute__((always_inline)) __m256 block128_x8(const int kind, const int vn, const uint8_t *codes,
+                                                                   int64_t q, const int odd, int64_t lo_bytes,
+                                                                   const int8_t *xc, const int32_t *sw) {
     __m256i d[4];
     digits128(kind, codes, q, odd, lo_bytes, d);
+    if (vn) {
+        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(d[0], LOAD32(xc)), _mm256_set1_epi32(sw[0]));
+        p = dp_words(vn, p, _mm256_maddubs_epi16(d[1], LOAD32(xc + 32)), _mm256_set1_epi32(sw[1]));
+        __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(d[2], LOAD32(xc + 64)), _mm256_set1_epi32(sw[2]));
+        p2 = dp_words(vn, p2, _mm256_maddubs_epi16(d[3], LOAD32(xc + 96)), _mm256_set1_epi32(sw[3]));
+        return _mm256_cvtepi32_ps(_mm256_add_epi32(p, p2));
+    }
     __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(d[0], LOAD32(xc)), _mm256_set1_epi32(sw[0]));
     __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(d[1], LOAD32(xc + 32)), _mm256_set1_epi32(sw[1]));
     __m256i p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(d[2], LOAD32(xc + 64)), _mm256_set1_epi32(sw[2]));
@@ -996,7 +1035,7 @@ AVX2 static inline __attribute__((always_inline)) float row_x8_setup(const int k
 
 /* Row r (no tail, cols a multiple of 128) of a q2, q4, q6 or q1 tensor times x (x8, x8d: int8 per 128;
    xs: the rounded inputs' sums per 32), with row_x8_setup's constants. Scratch: scw [nfs], cc [nfs / 4], bs [nfs]. */
-AVX2 static inline __attribute__((always_inline)) float row_x8(const int kind, const uint8_t *t, const int64_t *g, int64_t r,
+AVX2 static inline __attribute__((always_inline)) float row_x8(const int kind, const int vn, const uint8_t *t, const int64_t *g, int64_t r,
                                                              const float *x, const int8_t *x8, const float *x8d,
                                                              const float *xs, int32_t *scw, float *cc, float *bs,
                                                              atomic_int *bad) {
@@ -1007,29 +1046,30 @@ AVX2 static inline __attribute__((always_inline)) float row_x8(const int kind, c
     int64_t q = 0;
     for (; q + 1 < nq; q += 2) {              /* two blocks per step: two independent accumulators */
         x8_prefetch(kind, codes, q, lb);
-        acc0 = _mm256_fmadd_ps(block128_x8(kind, codes, q, 0, lb, x8 + 128 * q, scw + 4 * q), _mm256_broadcast_ss(cc + q), acc0);
-        acc1 = _mm256_fmadd_ps(block128_x8(kind, codes, q + 1, 1, lb, x8 + 128 * q + 128, scw + 4 * q + 4),
+        acc0 = _mm256_fmadd_ps(block128_x8(kind, vn, codes, q, 0, lb, x8 + 128 * q, scw + 4 * q), _mm256_broadcast_ss(cc + q), acc0);
+        acc1 = _mm256_fmadd_ps(block128_x8(kind, vn, codes, q + 1, 1, lb, x8 + 128 * q + 128, scw + 4 * q + 4),
                                _mm256_broadcast_ss(cc + q + 1), acc1);
     }
     if (q < nq)
-        acc0 = _mm256_fmadd_ps(block128_x8(kind, codes, q, 0, lb, x8 + 128 * q, scw + 4 * q), _mm256_broadcast_ss(cc + q), acc0);
+        acc0 = _mm256_fmadd_ps(block128_x8(kind, vn, codes, q, 0, lb, x8 + 128 * q, scw + 4 * q), _mm256_broadcast_ss(cc + q), acc0);
     float sum = hsum8(_mm256_add_ps(acc0, acc1)) + off;
     return g[G_K] >= 8 ? sum : sum + outlier_sum(t, g, r, x, bad);    /* eight or more: rows_x8's second pass */
 }
 
-AVX2 static void rows_x8(const uint8_t *t, const int64_t *g, int64_t r0, int64_t r1, const float *x,
-                         const int8_t *x8, const float *x8d, const float *xs, float *scratch, float *out,
-                         atomic_int *bad) {
+AVX2 static inline __attribute__((always_inline)) void rows_x8_vn(const int vn, const uint8_t *t, const int64_t *g,
+                                                               int64_t r0, int64_t r1, const float *x, const int8_t *x8,
+                                                               const float *x8d, const float *xs, float *scratch,
+                                                               float *out, atomic_int *bad) {
     int64_t nfs = g[G_COLS] / 32;
     int32_t *scw = (int32_t *)scratch;
     float *cc = scratch + nfs + 8, *bs = cc + nfs / 4 + 8;
     for (int64_t r = r0; r < r1; r++) {
         prefetch_next_row(t, g, r);
         switch ((int)g[G_KIND]) {
-        case K_Q2: out[r - r0] = row_x8(K_Q2, t, g, r, x, x8, x8d, xs, scw, cc, bs, bad); break;
-        case K_Q4: out[r - r0] = row_x8(K_Q4, t, g, r, x, x8, x8d, xs, scw, cc, bs, bad); break;
-        case K_Q1: out[r - r0] = row_x8(K_Q1, t, g, r, x, x8, x8d, xs, scw, cc, bs, bad); break;
-        default: out[r - r0] = row_x8(K_Q6, t, g, r, x, x8, x8d, xs, scw, cc, bs, bad); break;
+        case K_Q2: out[r - r0] = row_x8(K_Q2, vn, t, g, r, x, x8, x8d, xs, scw, cc, bs, bad); break;
+        case K_Q4: out[r - r0] = row_x8(K_Q4, vn, t, g, r, x, x8, x8d, xs, scw, cc, bs, bad); break;
+        case K_Q1: out[r - r0] = row_x8(K_Q1, vn, t, g, r, x, x8, x8d, xs, scw, cc, bs, bad); break;
+        default: out[r - r0] = row_x8(K_Q6, vn, t, g, r, x, x8, x8d, xs, scw, cc, bs, bad); break;
         }
     }
     /* rows of eight outliers or more: their corrections in a pass of their own, so that no row waits
@@ -1037,6 +1077,16 @@ AVX2 static void rows_x8(const uint8_t *t, const int64_t *g, int64_t r0, int64_t
        q1 1.09-1.14x, q2 even) and those of several rows are in flight at once */
     if (g[G_K] >= 8)
         for (int64_t r = r0; r < r1; r++) out[r - r0] += outlier_sum(t, g, r, x, bad);
+}
+
+AVX2 static void rows_x8(const uint8_t *t, const int64_t *g, int64_t r0, int64_t r1, const float *x,
+                         const int8_t *x8, const float *x8d, const float *xs, float *scratch, float *out,
+                         atomic_int *bad) {
+    switch (use_vnni) {
+    case 1: rows_x8_vn(1, t, g, r0, r1, x, x8, x8d, xs, scratch, out, bad); break;
+    case 2: rows_x8_vn(2, t, g, r0, r1, x, x8, x8d, xs, scratch, out, bad); break;
+    default: rows_x8_vn(0, t, g, r0, r1, x, x8, x8d, xs, scratch, out, bad); break;
+    }
 }
 #endif
 
@@ -1198,7 +1248,7 @@ AVX2 static void t1_row_digits(const uint8_t *codes, const int64_t *g, uint8_t *
 /* nt tokens' inputs (xb, cols apart) times one row's 128-column blocks, the digits of each block taken
    out once for all of them: acc[j] = token j's 8 partial sums (cc [nt][nq]: each block's factor), the
    offsets' sums over whole groups of eight spans included (q4, q6 with --activations int8) */
-AVX2 static inline __attribute__((always_inline)) void x8_tokens(const int kind, const int nt, const uint8_t *codes,
+AVX2 static inline __attribute__((always_inline)) void x8_tokens(const int kind, const int vn, const int nt, const uint8_t *codes,
                                                                 int64_t nq, int64_t lb, const __m256i *scv,
                                                                 const int8_t *xb, int64_t cols, const float *cc,
                                                                 const float *bs, const float *xs, int64_t nsp,
@@ -1213,9 +1263,9 @@ AVX2 static inline __attribute__((always_inline)) void x8_tokens(const int kind,
         if (nt > j) {                                                                                             \
             const int8_t *xc = xb + j * cols + 128 * q;                                                           \
             __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(d[0], LOAD32(xc)), _mm256_load_si256(sq));        \
-            p = _mm256_add_epi32(p, _mm256_madd_epi16(_mm256_maddubs_epi16(d[1], LOAD32(xc + 32)), _mm256_load_si256(sq + 1))); \
-            p = _mm256_add_epi32(p, _mm256_madd_epi16(_mm256_maddubs_epi16(d[2], LOAD32(xc + 64)), _mm256_load_si256(sq + 2))); \
-            p = _mm256_add_epi32(p, _mm256_madd_epi16(_mm256_maddubs_epi16(d[3], LOAD32(xc + 96)), _mm256_load_si256(sq + 3))); \
+            p = dp_words(vn, p, _mm256_maddubs_epi16(d[1], LOAD32(xc + 32)), _mm256_load_si256(sq + 1));          \
+            p = dp_words(vn, p, _mm256_maddubs_epi16(d[2], LOAD32(xc + 64)), _mm256_load_si256(sq + 2));          \
+            p = dp_words(vn, p, _mm256_maddubs_epi16(d[3], LOAD32(xc + 96)), _mm256_load_si256(sq + 3));          \
             a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(cc + j * nq + q), a);                 \
         }
         X8_TOKEN(0, a0) X8_TOKEN(1, a1) X8_TOKEN(2, a2) X8_TOKEN(3, a3)
@@ -1262,7 +1312,7 @@ AVX2 static inline __attribute__((always_inline)) float x8_scaled_row(const int 
 
 /* x8_tokens for X8_SCALED kinds, over x8_scaled_row's bytes: per token and 128 columns four
    vpmaddubsw, the spans' pair sums added in int16, then one (t1, q1) or two (q2) vpmaddwd by ones */
-AVX2 static inline __attribute__((always_inline)) void x8s_tokens(const int kind, const int nt, const uint8_t *wb,
+AVX2 static inline __attribute__((always_inline)) void x8s_tokens(const int kind, const int vn, const int nt, const uint8_t *wb,
                                                                  int64_t nq, const int8_t *xb, int64_t cols,
                                                                  const float *cc, const float *bs, const float *xs,
                                                                  int64_t nsp, __m256 *acc) {
@@ -1276,10 +1326,16 @@ AVX2 static inline __attribute__((always_inline)) void x8s_tokens(const int kind
 #define X8S_TOKEN(j, a)                                                                                           \
         if (nt > j) {                                                                                             \
             const int8_t *xc = xb + j * cols + 128 * q;                                                           \
-            __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(w0, LOAD32(xc)), _mm256_maddubs_epi16(w1, LOAD32(xc + 32))); \
-            __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(w2, LOAD32(xc + 64)), _mm256_maddubs_epi16(w3, LOAD32(xc + 96))); \
-            __m256i p = kind == K_Q2 ? _mm256_add_epi32(_mm256_madd_epi16(s01, ones), _mm256_madd_epi16(s23, ones))   \
-                                     : _mm256_madd_epi16(_mm256_add_epi16(s01, s23), ones);                       \
+            __m256i p;                                                                                            \
+            if (vn) {                          /* four vpdpbusd: the pair sums and their widening in one */       \
+                p = dp_bytes(vn, dp_bytes(vn, _mm256_setzero_si256(), w0, LOAD32(xc)), w1, LOAD32(xc + 32));     \
+                p = dp_bytes(vn, dp_bytes(vn, p, w2, LOAD32(xc + 64)), w3, LOAD32(xc + 96));                     \
+            } else {                                                                                              \
+                __m256i s01 = _mm256_add_epi16(_mm256_maddubs_epi16(w0, LOAD32(xc)), _mm256_maddubs_epi16(w1, LOAD32(xc + 32))); \
+                __m256i s23 = _mm256_add_epi16(_mm256_maddubs_epi16(w2, LOAD32(xc + 64)), _mm256_maddubs_epi16(w3, LOAD32(xc + 96))); \
+                p = kind == K_Q2 ? _mm256_add_epi32(_mm256_madd_epi16(s01, ones), _mm256_madd_epi16(s23, ones))     \
+                                 : _mm256_madd_epi16(_mm256_add_epi16(s01, s23), ones);                           \
+            }                                                                                                     \
             a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(cc + j * nq + q), a);                 \
         }
         X8S_TOKEN(0, a0) X8S_TOKEN(1, a1) X8S_TOKEN(2, a2) X8S_TOKEN(3, a3)
@@ -1291,7 +1347,7 @@ AVX2 static inline __attribute__((always_inline)) void x8s_tokens(const int kind
 /* rows_job for several tokens with int8 inputs, TOKEN_TILE tokens at a time: row_x8_setup once per row
    and tile, then the tokens four at a time through each 128-column block (its digits taken out once
    for the four), then per token the offsets' sum and the outliers' corrections (read once per row). */
-AVX2 static inline __attribute__((always_inline)) void multi_x8_kind(const int kind, task_t *t, const int64_t *job,
+AVX2 static inline __attribute__((always_inline)) void multi_x8_kind(const int kind, const int vn, task_t *t, const int64_t *job,
                                                                     float *scratch) {
     const int64_t *g = t->geoms + G_LEN * job[1];
     int64_t cols = t->cols, nfs = cols / 32, nq = cols / 128, nsp = t->nspan, k = g[G_K], lb = q6_lo_bytes(cols);
@@ -1360,8 +1416,8 @@ AVX2 static inline __attribute__((always_inline)) void multi_x8_kind(const int k
                 __m256 acc[4];
                 const float *xs = t->x8s + x0 * nsp;
                 const uint8_t *wb = (const uint8_t *)scv;
-#define X8_CALL(n) (scaled ? x8s_tokens(kind, n, wb, nq, xb, cols, cc, bs, xs, nsp, acc)                   \
-                                    : x8_tokens(kind, n, digits, nq, lb, scv, xb, cols, cc, bs, xs, nsp, acc))
+#define X8_CALL(n) (scaled ? x8s_tokens(kind, vn, n, wb, nq, xb, cols, cc, bs, xs, nsp, acc)               \
+                                    : x8_tokens(kind, vn, n, digits, nq, lb, scv, xb, cols, cc, bs, xs, nsp, acc))
                 switch (nt) {     /* the token count a constant in each copy: the sums stay in registers */
                 case 4: X8_CALL(4); break;
                 case 3: X8_CALL(3); break;
@@ -1387,13 +1443,22 @@ AVX2 static inline __attribute__((always_inline)) void multi_x8_kind(const int k
     }
 }
 
-AVX2 static void multi_x8(task_t *t, const int64_t *job, float *scratch) {
+AVX2 static inline __attribute__((always_inline)) void multi_x8_vn(const int vn, task_t *t, const int64_t *job,
+                                                                  float *scratch) {
     switch ((int)t->geoms[G_LEN * job[1] + G_KIND]) {
-    case K_Q2: multi_x8_kind(K_Q2, t, job, scratch); break;
-    case K_Q4: multi_x8_kind(K_Q4, t, job, scratch); break;
-    case K_Q1: multi_x8_kind(K_Q1, t, job, scratch); break;
-    case K_T1: multi_x8_kind(K_T1, t, job, scratch); break;
-    default: multi_x8_kind(K_Q6, t, job, scratch); break;
+    case K_Q2: multi_x8_kind(K_Q2, vn, t, job, scratch); break;
+    case K_Q4: multi_x8_kind(K_Q4, vn, t, job, scratch); break;
+    case K_Q1: multi_x8_kind(K_Q1, vn, t, job, scratch); break;
+    case K_T1: multi_x8_kind(K_T1, vn, t, job, scratch); break;
+    default: multi_x8_kind(K_Q6, vn, t, job, scratch); break;
+    }
+}
+
+AVX2 static void multi_x8(task_t *t, const int64_t *job, float *scratch) {
+    switch (use_vnni) {
+    case 1: multi_x8_vn(1, t, job, scratch); break;
+    case 2: multi_x8_vn(2, t, job, scratch); break;
+    default: multi_x8_vn(0, t, job, scratch); break;
     }
 }
 
@@ -3041,6 +3106,28 @@ static PyObject *py_set_isa(PyObject *self, PyObject *args) {
     return Py_NewRef(Py_None);
 }
 
+/* whether this CPU runs VNNI level `level` (see dp_bytes), and the best it runs */
+static int vnni_runs(int level) {
+#if HAVE_X86
+    if (level == 1) return __builtin_cpu_supports("avxvnni");
+    if (level == 2) return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+#endif
+    return level == 0;
+}
+
+static int vnni_available(void) { return vnni_runs(1) ? 1 : vnni_runs(2) ? 2 : 0; }
+
+static PyObject *py_set_vnni(PyObject *self, PyObject *args) {
+    int level;
+    if (!PyArg_ParseTuple(args, "i", &level)) return NULL;
+    if (!vnni_runs(level)) return PyErr_Format(PyExc_ValueError, "VNNI level %d is not available here", level);
+    int old = use_vnni;
+    use_vnni = level;
+    return PyLong_FromLong(old);
+}
+
+static PyObject *py_vnni(PyObject *self, PyObject *noargs) { return PyLong_FromLong(use_vnni); }
+
 static PyObject *py_isa(PyObject *self, PyObject *noargs) {
     return PyUnicode_FromString(use_avx2 ? "avx2" : "generic");
 }
@@ -3518,6 +3605,8 @@ static PyMethodDef methods[] = {
     {"set_x8", py_set_x8, METH_VARARGS, "set_x8(kinds): the codec kinds (a bit mask of 1 << kind) whose products take int8 activations (per 128 values); returns the old mask"},
     {"set_isa", py_set_isa, METH_VARARGS, "set_isa('avx2' | 'generic'): the kernels' instruction set"},
     {"isa", py_isa, METH_NOARGS, "the instruction set in use"},
+    {"vnni", py_vnni, METH_NOARGS, "the VNNI form the int8 kernels use (0 none, 1 AVX-VNNI, 2 AVX512-VNNI)"},
+    {"set_vnni", py_set_vnni, METH_VARARGS, "set_vnni(level) -> the previous level (ValueError where the CPU lacks it)"},
     {"set_spin_us", py_set_spin, METH_VARARGS, "how long idle workers spin before they sleep"},
     {NULL, NULL, 0, NULL},
 };
@@ -3531,6 +3620,7 @@ PyMODINIT_FUNC PyInit__qdot(void) {
 #if HAVE_X86
     __builtin_cpu_init();
     use_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    use_vnni = vnni_available();
 #endif
     ggml_avx2 = use_avx2;
     ggml_init();

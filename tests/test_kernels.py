@@ -117,6 +117,32 @@ def test_int8_activations_round_inputs_per_128(name):
         assert rel(kernels.linear(xb, name, raw, shape), xb @ ref.T) < 1e-5
 
 
+@pytest.mark.parametrize("name", kernels.X8_CODECS)
+def test_vnni_equals_the_avx2_sequence_bit_for_bit(name):
+    """Where the CPU has VNNI, the int8 kernels' vpdpbusd / vpdpwssd give the very integers of the
+    vpmaddubsw + vpmaddwd sequences they replace: one token, two, three (the two forms of several
+    tokens) and 34 (a whole tile and a ragged one), outliers included, equal to the last bit."""
+    if kernels.isa() != "avx2" or _qdot.vnni() == 0:
+        pytest.skip("no VNNI on this machine")
+    shape = (16, 1024)
+    raw = encode(name, weight(shape, seed=5))
+    xs = np.random.default_rng(5).standard_normal((34, shape[1])).astype(np.float32)
+    level = _qdot.vnni()
+    with activations_mode("int8"):
+        for T in (1, 2, 3, 34):
+            if not kernels.takes_int8(name, shape[1], T):
+                continue
+            got = kernels.linear(xs[:T], name, raw, shape)
+            _qdot.set_vnni(0)
+            try:
+                want = kernels.linear(xs[:T], name, raw, shape)
+            finally:
+                _qdot.set_vnni(level)
+            np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="VNNI level 3"):
+        _qdot.set_vnni(3)
+
+
 def weight(shape, seed):
     rng = np.random.default_rng(seed)
     w = (rng.standard_t(3, size=shape) * 0.02).astype(np.float32)
