@@ -357,7 +357,7 @@ static float combine_c(const uint8_t *t, const int64_t *g, int64_t r, const floa
  * int32 lanes are turned to float and scaled by the span's coefficient c[s] = A * mul * xsc (a
  * broadcast from memory) into one float accumulator: nothing is summed across lanes until the row
  * ends. */
-static int use_vnni;     /* see dp_bytes */
+static int use_vnni;     /* see vnni_dot */
 #if HAVE_X86
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define LOAD32(p) _mm256_loadu_si256((const __m256i *)(p))
@@ -367,31 +367,22 @@ static int use_vnni;     /* see dp_bytes */
    (no target attribute to keep apart); each integer kernel that takes int8 inputs is instantiated for
    each level. The results are the same integers as the AVX2 sequences they replace: vpmaddubsw's pair
    sums never saturate here (digits and digit x scale bytes are at most 45) and vpmaddwd's never
-   overflow, so the three paths agree bit for bit (tests/test_kernels.py). */
-/* acc + the byte products u (unsigned) x s (signed), four adjacent ones summed into each int32 lane */
-AVX2 static inline __attribute__((always_inline)) __m256i dp_bytes(const int vn, __m256i acc, __m256i u, __m256i s) {
-    if (vn == 1) {
-        __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
-        return acc;
-    }
-    if (vn == 2) {
-        __asm__("vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
-        return acc;
-    }
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+   overflow, so the three paths agree bit for bit (tests/test_kernels.py).
+   vnni_dot: acc + a x b with VNNI where vn says so: words 0 multiplies bytes (a unsigned, b signed) and sums four
+   adjacent products into each int32 lane (vpdpbusd), words 1 int16s and sums two (vpdpwssd); vn 0 is
+   the AVX2 sequence with the same result */
+AVX2 static inline __attribute__((always_inline)) __m256i vnni_dot(const int vn, const int words, __m256i acc,
+                                                                  __m256i a, __m256i b) {
+    if (vn == 1 && words) __asm__("%{vex%} vpdpwssd %2, %1, %0" : "+x"(acc) : "x"(a), "x"(b));
+    else if (vn == 1) __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(a), "x"(b));
+    else if (vn == 2 && words) __asm__("vpdpwssd %2, %1, %0" : "+x"(acc) : "x"(a), "x"(b));
+    else if (vn == 2) __asm__("vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(a), "x"(b));
+    else if (words) acc = _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+    else acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)));
+    return acc;
 }
-/* acc + the int16 products a x b, two adjacent ones summed into each int32 lane */
-AVX2 static inline __attribute__((always_inline)) __m256i dp_words(const int vn, __m256i acc, __m256i a, __m256i b) {
-    if (vn == 1) {
-        __asm__("%{vex%} vpdpwssd %2, %1, %0" : "+x"(acc) : "x"(a), "x"(b));
-        return acc;
-    }
-    if (vn == 2) {
-        __asm__("vpdpwssd %2, %1, %0" : "+x"(acc) : "x"(a), "x"(b));
-        return acc;
-    }
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
-}
+#define dp_bytes(vn, acc, u, s) vnni_dot(vn, 0, acc, u, s)
+#define dp_words(vn, acc, a, b) vnni_dot(vn, 1, acc, a, b)
 
 AVX2 static inline float hmax8(__m256 v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
