@@ -1498,15 +1498,13 @@ AVX2 static inline __attribute__((always_inline)) void tiled_rows(const int kind
 AVX2 static inline __attribute__((always_inline)) void multi_x8_kind(const int kind, const int vn, task_t *t, const int64_t *job,
                                                                     float *scratch) {
     const int64_t *g = t->geoms + G_LEN * job[1];
-    int64_t cols = t->cols, nfs = cols / 32, nq = cols / 128, nsp = t->nspan, k = g[G_K], lb = q6_lo_bytes(cols);
+    int64_t cols = t->cols, nfs = cols / 32, nq = cols / 128, nsp = t->nspan, lb = q6_lo_bytes(cols);
     const uint8_t *tensor = t->raw + job[0];
     /* scratch: scv [nfs] 32-byte vectors (the scratch is 32-byte aligned), scw [nfs], dq, bs, cc [4][nq] */
     __m256i *scv = (__m256i *)scratch;
     int32_t *scw = (int32_t *)(scratch + 8 * nfs);
     float *dq = scratch + 9 * nfs + 8, *bs = dq + nq + 8, *cc = bs + nfs + 8;
     uint8_t *dig = (uint8_t *)(cc + 4 * nq + 8);              /* t1: the row's digits as bytes */
-    int64_t ocol[256];
-    float oval[256];
     /* TOKEN_TILE tokens' inputs at a time (they stay in L2 while every row of the job passes over them) */
     for (int64_t t0 = job[4]; t0 < job[4] + t->ntok; t0 += TOKEN_TILE) {
         int64_t t1 = t0 + TOKEN_TILE < job[4] + t->ntok ? t0 + TOKEN_TILE : job[4] + t->ntok;
@@ -1534,29 +1532,8 @@ AVX2 static inline __attribute__((always_inline)) void multi_x8_kind(const int k
             } else {
                 for (int64_t i = 0; i < nfs; i++) _mm256_store_si256(scv + i, _mm256_set1_epi32(scw[i]));
             }
-            int64_t n = outliers_valid(tensor, g, r, &t->bad);
-            const uint8_t *pc = tensor + g[G_OFFOCOL] + 2 * r * k, *pv = tensor + g[G_OFFOVAL] + 2 * r * k;
-            for (int64_t i = 0; i < n; i++) {
-                ocol[i] = pc[2 * i] | (pc[2 * i + 1] << 8);
-                oval[i] = f16_at(pv + 2 * i);
-            }
-            /* the outliers' corrections for every token of the tile: each outlier's column of inputs is
-               one contiguous run in xT (a token's row apiece, in L2 or beyond, cost a miss per token) */
             float ocorr[TOKEN_TILE];
-            {
-                __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
-                int64_t ntile = t1 - t0;
-                for (int64_t i = 0; i < n; i++) {      /* (lanes past the tile read padding or other tokens) */
-                    const float *p = t->xT + ocol[i] * t->nxT + t0;
-                    __m256 v = _mm256_set1_ps(oval[i]);
-                    c0 = _mm256_fmadd_ps(v, _mm256_loadu_ps(p), c0);
-                    if (ntile > 8) c1 = _mm256_fmadd_ps(v, _mm256_loadu_ps(p + 8), c1);
-                    if (ntile > 16) c2 = _mm256_fmadd_ps(v, _mm256_loadu_ps(p + 16), c2);
-                    if (ntile > 24) c3 = _mm256_fmadd_ps(v, _mm256_loadu_ps(p + 24), c3);
-                }
-                _mm256_storeu_ps(ocorr, c0); _mm256_storeu_ps(ocorr + 8, c1);
-                _mm256_storeu_ps(ocorr + 16, c2); _mm256_storeu_ps(ocorr + 24, c3);
-            }
+            tile_outliers(t, tensor, g, r, t0, t1, ocorr);
             float *dst = t->out + job[5] + r - job[2];
             for (int64_t x0 = t0; x0 < t1; x0 += 4) {
                 int nt = t1 - x0 < 4 ? (int)(t1 - x0) : 4;
