@@ -119,28 +119,41 @@ def test_int8_activations_round_inputs_per_128(name):
 
 @pytest.mark.parametrize("name", kernels.X8_CODECS)
 def test_vnni_equals_the_avx2_sequence_bit_for_bit(name):
-    """Where the CPU has VNNI, the int8 kernels' vpdpbusd / vpdpwssd give the very integers of the
-    vpmaddubsw + vpmaddwd sequences they replace: one token, two, three (the two forms of several
-    tokens) and 34 (a whole tile and a ragged one), outliers included, equal to the last bit."""
+    """Every VNNI form the CPU runs (1: AVX-VNNI, 2: AVX512-VNNI on 256-bit registers, 3: and 512-bit
+    ones for several tokens) gives the very integers of the vpmaddubsw + vpmaddwd sequences, and so the
+    very floats: one token, two, three (one row at a time), 8 and 34 (eight or sixteen rows at a time,
+    a whole tile and a ragged one), outliers included, equal to the last bit; rows 40, so that a group
+    of rows is cut short."""
     if kernels.isa() != "avx2" or _qdot.vnni() == 0:
         pytest.skip("no VNNI on this machine")
-    shape = (16, 1024)
+    shape = (40, 1024)
     raw = encode(name, weight(shape, seed=5))
     xs = np.random.default_rng(5).standard_normal((34, shape[1])).astype(np.float32)
-    level = _qdot.vnni()
+    default = _qdot.vnni()
+    levels = []
+    for level in (0, 1, 2, 3):
+        try:
+            _qdot.set_vnni(level)
+            levels.append(level)
+        except ValueError:
+            pass
+    _qdot.set_vnni(default)
+    assert default in levels and len(levels) >= 2
     with activations_mode("int8"):
-        for T in (1, 2, 3, 34):
+        for T in (1, 2, 3, 8, 34):
             if not kernels.takes_int8(name, shape[1], T):
                 continue
-            got = kernels.linear(xs[:T], name, raw, shape)
-            _qdot.set_vnni(0)
+            got = {}
             try:
-                want = kernels.linear(xs[:T], name, raw, shape)
+                for level in levels:
+                    _qdot.set_vnni(level)
+                    got[level] = kernels.linear(xs[:T], name, raw, shape)
             finally:
-                _qdot.set_vnni(level)
-            np.testing.assert_array_equal(got, want)
-    with pytest.raises(ValueError, match="VNNI level 3"):
-        _qdot.set_vnni(3)
+                _qdot.set_vnni(default)
+            for level in levels[1:]:
+                np.testing.assert_array_equal(got[level], got[0], err_msg=f"level {level}, {T} tokens")
+    with pytest.raises(ValueError, match="VNNI level 4"):
+        _qdot.set_vnni(4)
 
 
 def weight(shape, seed):
