@@ -1480,7 +1480,27 @@ tiled_tokens_z(int nt, const uint8_t *pw, int64_t nq, const int8_t *xb, int64_t 
 #undef T_DOT
 #undef T_SCALE
 
-AVX2 static void transpose8(const float *x, int64_t cols, float *xT, int64_t nx);
+/* an 8 x 8 block of x (rows cols apart) into xT transposed (rows nx apart) */
+AVX2 static inline __attribute__((always_inline)) void transpose8(const float *x, int64_t cols, float *xT, int64_t nx) {
+    __m256 r[8], t[8];
+    for (int k = 0; k < 8; k++) r[k] = _mm256_loadu_ps(x + k * cols);
+    for (int k = 0; k < 8; k += 2) {
+        t[k] = _mm256_unpacklo_ps(r[k], r[k + 1]);
+        t[k + 1] = _mm256_unpackhi_ps(r[k], r[k + 1]);
+    }
+    for (int k = 0; k < 8; k += 4)
+        for (int m = 0; m < 2; m++) {
+            r[k + m] = _mm256_shuffle_ps(t[k + m], t[k + m + 2], 0x44);
+            r[k + m + 2] = _mm256_shuffle_ps(t[k + m], t[k + m + 2], 0xEE);
+        }
+    /* r[0] columns 0 | 4, r[2] 1 | 5, r[1] 2 | 6, r[3] 3 | 7 of rows 0-3 (low halves) and 4-7 (high) */
+    static const int order[4] = {0, 2, 1, 3};
+    for (int m = 0; m < 4; m++) {
+        __m256 a = r[order[m]], b = r[4 + order[m]];
+        _mm256_storeu_ps(xT + m * nx, _mm256_permute2f128_ps(a, b, 0x20));
+        _mm256_storeu_ps(xT + (m + 4) * nx, _mm256_permute2f128_ps(a, b, 0x31));
+    }
+}
 
 /* multi_x8_kind's tile of tokens t0 .. t1-1 over the job's rows, eight rows at a time (tiled_tokens);
    scratch as multi_x8_kind's, then pw [8 cols bytes], D [8 nq], BS [8 nfs], OC [8 TOKEN_TILE] */
@@ -1496,33 +1516,41 @@ AVX2 static inline __attribute__((always_inline)) void tiled_rows(const int kind
     const int G = vn == 3 && job[3] - job[2] >= TILED_Z ? TILED_Z : 8;
     uint8_t *pw = (uint8_t *)more;
     float *D = more + G * cols / 4, *BST = D + G * nq, *OC = BST + G * nfs;
+    float *DR = OC + G * TOKEN_TILE, *BSR = DR + G * nq;         /* D and BST row by row, before transposing */
     /* the rows' bytes one after another (32-byte aligned: x8_scaled_row's stores), then interleaved */
-    uint8_t *rb = (uint8_t *)(((uintptr_t)(OC + G * TOKEN_TILE) + 31) & ~(uintptr_t)31);
+    uint8_t *rb = (uint8_t *)(((uintptr_t)(BSR + G * nfs) + 31) & ~(uintptr_t)31);
     for (int64_t r0 = job[2]; r0 < job[3]; r0 += G) {
         int nr = job[3] - r0 < G ? (int)(job[3] - r0) : G;
         for (int i = 0; i < G; i++) {
             if (i >= nr) {                       /* rows past the job: zero bytes, zero factors */
                 memset(rb + i * cols, 0, cols);
-                for (int64_t q = 0; q < nq; q++) D[G * q + i] = 0;
-                for (int64_t sp = 0; sp < nfs; sp++) BST[G * sp + i] = 0;
+                memset(DR + nq * i, 0, sizeof(float) * nq);
+                memset(BSR + nfs * i, 0, sizeof(float) * nfs);
                 continue;
             }
             int64_t r = r0 + i;
             const uint8_t *codes = tensor + g[G_OFFCODE] + r * g[G_CODEROW];
-            row_x8_setup(kind, tensor, g, r, scw, dq, bs, NULL, NULL);
-            for (int64_t sp = 0; sp < nfs; sp++) BST[G * sp + i] = bs[sp];
+            row_x8_setup(kind, tensor, g, r, scw, dq, BSR + nfs * i, NULL, NULL);
             const uint8_t *digits = codes;
             if (kind == K_T1) {
                 t1_row_digits(codes, g, dig);
                 digits = dig;
             }
             float fac = x8_scaled_row(kind, digits, nq, scw, rb + i * cols);
-            for (int64_t q = 0; q < nq; q++) D[G * q + i] = dq[q] * fac;
+            for (int64_t q = 0; q < nq; q++) DR[nq * i + q] = dq[q] * fac;
             tile_outliers(t, tensor, g, r, t0, t1, OC + TOKEN_TILE * i);
         }
-        for (int h = 0; h < G; h += 8)                   /* (bit patterns moved as floats: no arithmetic) */
+        for (int h = 0; h < G; h += 8) {                 /* (bit patterns moved as floats: no arithmetic) */
             for (int64_t c = 0; c < cols / 4; c += 8)
                 transpose8((const float *)(rb + h * cols) + c, cols / 4, (float *)pw + G * c + h, G);
+            int64_t c = 0;
+            for (; c + 8 <= nfs; c += 8) transpose8(BSR + nfs * h + c, nfs, BST + G * c + h, G);
+            for (; c < nfs; c++)
+                for (int i = h; i < h + 8; i++) BST[G * c + i] = BSR[nfs * i + c];
+            for (c = 0; c + 8 <= nq; c += 8) transpose8(DR + nq * h + c, nq, D + G * c + h, G);
+            for (; c < nq; c++)
+                for (int i = h; i < h + 8; i++) D[G * c + i] = DR[nq * i + c];
+        }
         /* tokens per pass: their integer and float sums in registers, with the rows' vector and a broadcast
            (16 vector registers hold six tokens' two sums; AVX-512's 32 hold eight) */
         const int per = vn >= 2 ? 8 : 6;
@@ -2655,26 +2683,10 @@ static int quantize_rows(const float *xf, int64_t nx, int64_t cols, int16_t **xq
 }
 
 #if HAVE_X86
-/* xT [c0 .. c0 + 8][i0 .. i0 + 8] = x [i0 .. i0 + 8][c0 .. c0 + 8], in registers */
-AVX2 static void transpose8(const float *x, int64_t cols, float *xT, int64_t nx) {
-    __m256 r[8], t[8];
-    for (int k = 0; k < 8; k++) r[k] = _mm256_loadu_ps(x + k * cols);
-    for (int k = 0; k < 8; k += 2) {
-        t[k] = _mm256_unpacklo_ps(r[k], r[k + 1]);
-        t[k + 1] = _mm256_unpackhi_ps(r[k], r[k + 1]);
-    }
-    for (int k = 0; k < 8; k += 4)
-        for (int m = 0; m < 2; m++) {
-            r[k + m] = _mm256_shuffle_ps(t[k + m], t[k + m + 2], 0x44);
-            r[k + m + 2] = _mm256_shuffle_ps(t[k + m], t[k + m + 2], 0xEE);
-        }
-    /* r[0] columns 0 | 4, r[2] 1 | 5, r[1] 2 | 6, r[3] 3 | 7 of rows 0-3 (low halves) and 4-7 (high) */
-    static const int order[4] = {0, 2, 1, 3};
-    for (int m = 0; m < 4; m++) {
-        __m256 a = r[order[m]], b = r[4 + order[m]];
-        _mm256_storeu_ps(xT + m * nx, _mm256_permute2f128_ps(a, b, 0x20));
-        _mm256_storeu_ps(xT + (m + 4) * nx, _mm256_permute2f128_ps(a, b, 0x31));
-    }
+/* the whole 8 x 8 blocks of transpose_rows (transpose8 inlined into an AVX2 loop) */
+AVX2 static void transpose_blocks(const float *x, int64_t cols, float *xT, int64_t nx, int64_t i8, int64_t c8) {
+    for (int64_t c = 0; c < c8; c += 8)
+        for (int64_t i = 0; i < i8; i += 8) transpose8(x + i * cols + c, cols, xT + c * nx + i, nx);
 }
 #endif
 
@@ -2685,8 +2697,7 @@ static void transpose_rows(const float *x, int64_t nx, int64_t cols, float *xT) 
     if (use_avx2) {
         i8 = nx / 8 * 8;
         c8 = cols / 8 * 8;
-        for (int64_t c = 0; c < c8; c += 8)
-            for (int64_t i = 0; i < i8; i += 8) transpose8(x + i * cols + c, cols, xT + c * nx + i, nx);
+        transpose_blocks(x, cols, xT, nx, i8, c8);
     }
 #endif
     for (int64_t c = 0; c < cols; c++)
@@ -2696,7 +2707,7 @@ static void transpose_rows(const float *x, int64_t nx, int64_t cols, float *xT) 
 static inline int64_t rows_scratch(int64_t max_rows, int64_t tile, int64_t nspan) {
     /* (multi_x8: 12 nspan + 24, and t1's row of digits as bytes, 8 nspan + 8) */
     return max_rows * (8 * tile + (2 + tile) * nspan) + 25 * nspan + 40 +
-           (tile >= 3 ? 280 * nspan + 16 * TOKEN_TILE + 72 : 0);      /* tiled_rows' pw, D, BST, OC, rb */
+           (tile >= 3 ? 300 * nspan + 16 * TOKEN_TILE + 72 : 0);      /* tiled_rows' pw, D, BST, OC, DR, BSR, rb */
 }
 
 static PyObject *py_rows(PyObject *self, PyObject *args) {
