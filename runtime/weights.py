@@ -48,6 +48,7 @@ class Weight:
     offset: int = -1                # byte offset of `raw` in the expert provider's buffer, if it lies there
     _dense: np.ndarray | None = None
     _kernel: object = None          # kernels.Linear, made at the first product
+    _with_up: object = None         # an expert's gate: (up, kernels.Stacked of both), see DenseMLP
 
     def dense(self) -> np.ndarray:
         if self._dense is not None:

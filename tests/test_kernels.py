@@ -788,6 +788,31 @@ def test_stacked_weights_equal_their_own_products(T):
     assert kernels.stacked([("q4", ra, (96, 256)), ("f32", f, (1, 256))]) is None
 
 
+@pytest.mark.parametrize("T", [1, 2, 24])
+def test_expert_mlp_with_gate_and_up_in_one_call_equals_three_products(T):
+    """An expert's SwiGLU over several tokens takes gate and up in one call (DenseMLP._gate_up): the
+    same bits as gate, up and down multiplied one by one, and the stacked call is kept on the gate's
+    Weight; one token keeps the separate products."""
+    from kimistream.runtime.model import DenseMLP
+    from kimistream.runtime.weights import Weight
+    rng = np.random.default_rng(4)
+    parts = [encode(get_codec("q2"), (rng.standard_normal(sh) * 0.02).astype(np.float32))
+             for sh in ((256, 512), (256, 512), (512, 256))]
+    buf = bytearray(sum(p.nbytes for p in parts))
+    view, off, raws = memoryview(buf), 0, []
+    for p in parts:
+        buf[off:off + p.nbytes] = p.tobytes()
+        raws.append(np.frombuffer(view, np.uint8, p.nbytes, off))
+        off += p.nbytes
+    gate, up, down = (Weight(n, "q2", sh, r) for n, sh, r in
+                      zip(("gate", "up", "down"), ((256, 512), (256, 512), (512, 256)), raws))
+    x = rng.standard_normal((T, 512)).astype(np.float32)
+    want = kernels.linear(kernels.swiglu(kernels.linear(x, "q2", raws[0], (256, 512)),
+                                         kernels.linear(x, "q2", raws[1], (256, 512))), "q2", raws[2], (512, 256))
+    assert np.array_equal(DenseMLP(gate, up, down).forward(x), want)
+    assert (gate._with_up is not None) == (T > 1)
+
+
 @pytest.mark.parametrize("interleave", [True, False])
 @pytest.mark.parametrize("shape", [(1, 4, 16), (5, 2, 64), (3, 8)])
 def test_rope_equals_the_numpy_form_bit_for_bit(shape, interleave):
