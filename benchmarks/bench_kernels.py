@@ -63,7 +63,7 @@ def main():
     ws = args.working_set << 20
     rng = np.random.default_rng(0)
     buf = np.ones(ws, np.uint8)
-    print(f"kernel instruction set {kernels.isa()}, cpus {os.cpu_count()}, "
+    print(f"kernel instruction set {kernels.isa()} (VNNI level {_qdot.vnni()}), cpus {os.cpu_count()}, "
           f"load average {os.getloadavg()[0]:.2f}, working set {args.working_set} MiB, "
           f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}\n")
     print("| codec | shape | bits/weight | activations | " + " | ".join(
