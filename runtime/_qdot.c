@@ -1521,6 +1521,20 @@ AVX2 static inline __attribute__((always_inline)) void tiled_rows(const int kind
     uint8_t *rb = (uint8_t *)(((uintptr_t)(BSR + G * nfs) + 31) & ~(uintptr_t)31);
     for (int64_t r0 = job[2]; r0 < job[3]; r0 += G) {
         int nr = job[3] - r0 < G ? (int)(job[3] - r0) : G;
+        /* the group's outliers' runs of inputs, asked for before the rows' set-up: xT was written by the
+           calling thread, so on the other core each run is a miss to the shared cache, and taken row by
+           row they had waited one after another (6 % of a prefill) */
+        for (int i = 0; i < nr; i++) {
+            const uint8_t *pc = tensor + g[G_OFFOCOL] + 2 * (r0 + i) * g[G_K];
+            for (int64_t o = 0; o < g[G_K]; o++) {
+                int64_t col = pc[2 * o] | (pc[2 * o + 1] << 8);
+                if (col < cols) {
+                    const float *p = t->xT + col * t->nxT + t0;
+                    __builtin_prefetch(p);
+                    if (t1 - t0 > 16) __builtin_prefetch(p + 16);
+                }
+            }
+        }
         for (int i = 0; i < G; i++) {
             if (i >= nr) {                       /* rows past the job: zero bytes, zero factors */
                 memset(rb + i * cols, 0, cols);
