@@ -366,9 +366,9 @@ static int use_vnni;     /* see vnni_dot */
 #define LOAD32(p) _mm256_loadu_si256((const __m256i *)(p))
 
 /* The VNNI instructions where the CPU has them (use_vnni: 0 none, 1 AVX-VNNI's VEX form, 2 AVX512-VNNI's
-   EVEX form on 256-bit registers, 3 the same and 512-bit registers for several tokens (tiled_tokens_z)), written as inline assembly so that one AVX2 build serves every CPU
-   (no target attribute to keep apart); each integer kernel that takes int8 inputs is instantiated for
-   each level. The results are the same integers as the AVX2 sequences they replace: vpmaddubsw's pair
+   EVEX form on 256-bit registers, 3 the same and 512-bit registers for several tokens' rows side by
+   side, tiled_tokens_z). The one-row kernels reach them through inline assembly, so that one AVX2
+   build serves every CPU (no target attribute to keep apart), and are instantiated for each level. The results are the same integers as the AVX2 sequences they replace: vpmaddubsw's pair
    sums never saturate here (digits and digit x scale bytes are at most 45) and vpmaddwd's never
    overflow, so the three paths agree bit for bit (tests/test_kernels.py).
    vnni_dot: acc + a x b with VNNI where vn says so: words 0 multiplies bytes (a unsigned, b signed) and sums four
@@ -1076,9 +1076,9 @@ AVX2 static inline __attribute__((always_inline)) void rows_x8_vn(const int vn, 
 AVX2 static void rows_x8(const uint8_t *t, const int64_t *g, int64_t r0, int64_t r1, const float *x,
                          const int8_t *x8, const float *x8d, const float *xs, float *scratch, float *out,
                          atomic_int *bad) {
-    switch (use_vnni) {
+    switch (use_vnni) {                  /* (level 3's 512-bit registers serve several tokens only) */
     case 1: rows_x8_vn(1, t, g, r0, r1, x, x8, x8d, xs, scratch, out, bad); break;
-    case 2: rows_x8_vn(2, t, g, r0, r1, x, x8, x8d, xs, scratch, out, bad); break;
+    case 2: case 3: rows_x8_vn(2, t, g, r0, r1, x, x8, x8d, xs, scratch, out, bad); break;
     default: rows_x8_vn(0, t, g, r0, r1, x, x8, x8d, xs, scratch, out, bad); break;
     }
 }
