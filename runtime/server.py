@@ -48,6 +48,7 @@ class _Job:
 
     def __init__(self, req: Request, loop: asyncio.AbstractEventLoop):
         self.req, self.loop = req, loop
+        self.finished = 0                   # the worker's count of generations when this one ended (1, 2, ...)
         self.events: asyncio.Queue = asyncio.Queue()
         self._cancelled = threading.Event()
         req.cancelled = self._cancelled.is_set
@@ -69,6 +70,7 @@ class Scheduler:
         self.waiting = 0
         self.running = 0
         self.rejected = 0
+        self.generations = 0                # generations the worker has finished
         self._current: _Job | None = None
         self._stopping = False
         self._thread = threading.Thread(target=self._work, name="kimi-generate", daemon=True)
@@ -112,6 +114,8 @@ class Scheduler:
                 res = Result()
                 for piece in self.engine.run(job.req, res):
                     job.emit("text", piece)
+                self.generations += 1
+                job.finished = self.generations
                 job.emit("done", res)
             except ContextFull as e:
                 job.emit("error", ApiError(400, str(e), "context_length_exceeded"))
@@ -374,8 +378,11 @@ def build_app(engine: Engine, cfg: ServerConfig, log) -> Starlette:
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                    "finish_reason": res.finish_reason} if chat else
                   {"index": 0, "text": text, "logprobs": None, "finish_reason": res.finish_reason})
+        # x-kimi-generation: the order in which the worker finished this generation among all of them,
+        # as the server saw it (a client's own clock cannot tell: two answers may arrive in either order)
         return JSONResponse({"id": rid, "object": kind, "created": created, "model": cfg.model_id,
-                             "choices": [choice], "usage": _usage(res), "system_fingerprint": None})
+                             "choices": [choice], "usage": _usage(res), "system_fingerprint": None},
+                            headers={"x-kimi-generation": str(job.finished)})
 
     async def chat_completions(request: HttpRequest):
         authorise(request)

@@ -177,14 +177,18 @@ def _long_prompt(seed: str) -> str:
 
 
 def test_queue_order_and_overflow(server):
-    """One generation at a time, the others answered in arrival order; past --max-queue (2), 503."""
+    """One generation at a time, the others answered in arrival order (the order the server finished
+    them in, from its x-kimi-generation header: the answers themselves may reach the client threads in
+    either order); past --max-queue (2), 503."""
     c = server.client()
     done, errors = [], []
 
     def ask(name, prompt, max_tokens):
         try:
-            r = c.completions.create(model=server.model, prompt=prompt, temperature=0, max_tokens=max_tokens)
-            done.append((name, r.usage.completion_tokens))
+            raw = c.completions.with_raw_response.create(model=server.model, prompt=prompt, temperature=0,
+                                                         max_tokens=max_tokens)
+            r = raw.parse()
+            done.append((int(raw.headers["x-kimi-generation"]), name, r.usage.completion_tokens))
         except Exception as e:                              # noqa: BLE001 - reported by the assertion below
             errors.append((name, e))
 
@@ -202,7 +206,9 @@ def test_queue_order_and_overflow(server):
     for t in threads:
         t.join(120)
     assert not errors, errors
-    assert done == [("A", 480), ("B", 5), ("C", 5)]
+    finished = sorted(done)
+    assert [(name, n) for _, name, n in finished] == [("A", 480), ("B", 5), ("C", 5)]
+    assert [g for g, _, _ in finished] == list(range(finished[0][0], finished[0][0] + 3))   # one after another
 
 
 def test_disconnected_stream_stops_generating(server):
