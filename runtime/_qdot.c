@@ -49,9 +49,11 @@ enum { K_Q8, K_Q6, K_Q4, K_Q2, K_Q2RTN, K_T1, K_Q1 };
    with 2 KiB) */
 #define CODE_PREFETCH 2048
 #define TOKEN_TILE 32     /* tokens per pass of the several-token kernel */
-/* from this many tokens a tile, rows of the bytes-of-digit-x-scale kinds go eight at a time (tiled_rows;
-   measured against one row at a time, q2: 0.97x at 3 tokens, 1.13x at 8, 1.3x at 24 (1024 wide)) */
-#define TILED_MIN_TOKENS 8
+/* from this many tokens a tile, rows of the bytes-of-digit-x-scale kinds go eight or sixteen at a time
+   (tiled_rows) in jobs of 32 rows or more (1024 wide; against one row at a time, q2: 0.97x at 3 tokens,
+   1.19x at 5, 1.3x at 24); shorter jobs (2048 and 7168 wide) from 8 (at 6: 0.93x and 1.02x) */
+#define TILED_MIN_TOKENS 5
+#define TILED_MIN_TOKENS_SHORT_JOB 8
 #define XQ_MAX 32767.0f
 
 /* ------------------------------------------------------------------------------------------- scalars */
@@ -1609,7 +1611,7 @@ AVX2 static inline __attribute__((always_inline)) void multi_x8_kind(const int k
         /* measured: the bytes of digit x scale pay from three tokens a row (t1 from two: it takes its
            digits out of the chunks anyway) */
         const int scaled = X8_SCALED(kind) && (kind == K_T1 || t1 - t0 >= 3);
-        if (X8_SCALED(kind) && t1 - t0 >= TILED_MIN_TOKENS) {
+        if (X8_SCALED(kind) && t1 - t0 >= (job[3] - job[2] >= 32 ? TILED_MIN_TOKENS : TILED_MIN_TOKENS_SHORT_JOB)) {
             tiled_rows(kind, vn, t, job, t0, t1, scw, dq, bs, dig, (float *)(dig + cols));
             continue;
         }
