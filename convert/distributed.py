@@ -14,6 +14,7 @@ Ray is an optional dependency (`pip install 'kimi-stream[cluster]'`); nothing el
 from __future__ import annotations
 
 import socket
+import time
 from pathlib import Path
 
 from .converter import ConversionError, encode_tensor
@@ -69,13 +70,22 @@ class RayEncoder:
         self.started = not ray.is_initialized()
         if self.started:
             _check_reachable(address)
-            try:
-                ray.init(address=None if address == "local" else address, include_dashboard=False,
-                         logging_level="ERROR", log_to_driver=False, configure_logging=False)
-            except Exception as e:   # Ray raises ConnectionError, RuntimeError, ValueError ... for a bad address
-                raise ConversionError(f"--ray {address}: cannot join the cluster: "
-                                      f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") \
-                    from None
+            # Ray turns a loopback address into this node's own and connects there; on a loaded machine
+            # that first connection has been seen to fail once with the cluster up (a CI run), so a
+            # reachable address gets a second try before the conversion gives up
+            for attempt in (1, 2):
+                try:
+                    ray.init(address=None if address == "local" else address, include_dashboard=False,
+                             logging_level="ERROR", log_to_driver=False, configure_logging=False)
+                    break
+                except Exception as e:   # Ray raises ConnectionError, RuntimeError, ValueError ... for a bad address
+                    if attempt == 1 and isinstance(e, ConnectionError):
+                        ray.shutdown()
+                        time.sleep(1.0)
+                        continue
+                    raise ConversionError(f"--ray {address}: cannot join the cluster: "
+                                          f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") \
+                        from None
         self.task = ray.remote(num_cpus=1, max_retries=RETRIES)(_encode_task)
 
     def map(self, jobs):
