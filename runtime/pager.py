@@ -44,15 +44,23 @@ PAGE_CACHE_MODES = ("auto", "keep", "drop")
 # dropping them; at 385 MiB keeping wins, 17-18 against 10; at 256 MiB the verdict has varied: keeping
 # won 12.7-13.6 against 9.5-9.7 in older builds on a slower disk, dropping won by 7-33 % in five runs
 # of the current one, benchmarks/RESULTS.md).
-# --page-cache auto watches how much of each evicted expert is still cached when it is needed again
-# and drops evicted experts from then on if little is. The first misses are not scored: the prompt
-# churns the cache. Measured on the 0.8 GB bench model, share still cached by windows of 64 misses
-# of evicted experts: at ½ of the file 0.76, 0.91, 0.92, ...; at 256 MiB 0, 0, 0.39, 0.64, 0.85, ...;
-# at ¼ 0, 0, 0, 0, 0.01, 0.09, 0.32, ... (where dropping is ~1.5x faster). Scoring misses 128-255
-# separates them early (about 0.9, 0.4-0.5 and 0); the bar at half sends 256 MiB to dropping.
+# --page-cache auto watches how much of each evicted expert is still cached when it is needed again.
+# The first misses are not scored: the prompt churns the cache. Measured on the 0.8 GB bench model,
+# share still cached by windows of 64 misses of evicted experts: at ½ of the file 0.76, 0.91, 0.92,
+# ...; at 256 MiB 0, 0, 0.39, 0.64, 0.85, ...; at ¼ 0, 0, 0, 0, 0.01, 0.09, 0.32, ... Scoring misses
+# 128-255 separates them early (about 0.9, 0.4-0.5 and 0). A share near 0 means keeping cannot pay
+# (at ¼ dropping is 1.5-2x faster) and a share near 1 that it does; in between the share does not
+# tell (at 256 MiB dropping won by 7-33 % on one machine and lost by 30-45 % on another, whose disk
+# read 1.8 GB/s against 0.7), so the pager times a few decode steps keeping, then a few dropping, and
+# stays with the faster. Wall time per step is the measure, not I/O wait: keeping's cost under a cap
+# is mostly in-use pages the kernel reclaims and the computation faults back in. One switch to
+# dropping and back, not several: each switch disturbs the steps after it (measured at 256 MiB, with
+# two rounds of two-step windows the run lost 12 % to keeping throughout, though it chose keeping).
 RELOAD_SKIP = 128              # misses of evicted experts not scored
 RELOAD_TRIAL = 128             # misses of evicted experts scored before deciding
-RELOAD_MIN_CACHED = 0.5        # below this share of their pages still cached, evicted experts are dropped
+RELOAD_CLEAR = (0.15, 0.85)    # shares still cached below which dropping, above which keeping is clear
+TIMED_ORDER = (False, True)    # the timed windows: keeping (as during the share's trial), then dropping
+TIMED_STEPS = 3                # decode steps per window; after a switch its first is not scored
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -119,6 +127,8 @@ class ExpertPager:
                                   "drop": "drop evicted experts"}[page_cache]
         self._evicted: set = set()
         self._reloads_seen = 0
+        self._timed: list | None = None     # (dropping, seconds, scored) of decode steps while timing the two
+        self._trial_note = ""
         self.wf, self.capacity, self.policy = wf, capacity_bytes, policy
         self._largest = max((e.nbytes for e in wf.extents if e.kind == "expert"), default=0)
         self.stats = PagerStats()
@@ -267,28 +277,61 @@ class ExpertPager:
             return
         self._evicted.discard(key)
         self._reloads_seen += 1
-        if self._reloads_seen <= RELOAD_SKIP:
+        if self._reloads_seen <= RELOAD_SKIP or self._timed is not None:
             return
         st = self.stats
         st.reloads += 1
         st.reloads_cached += self.cached_share(off, n)
-        if st.reloads >= RELOAD_TRIAL:
-            self._deciding = False
+        if st.reloads >= RELOAD_TRIAL and self._timed is None:
             share = st.reloads_cached / st.reloads
-            self.drop_evicted = share < RELOAD_MIN_CACHED
-            self.page_cache_policy = (f"{'drop' if self.drop_evicted else 'keep'} evicted experts (auto: {share:.0%} "
-                                      f"of {st.reloads} evicted experts were still cached when needed again)")
-            if self.drop_evicted:
-                # what the trial kept goes now, as a drop from the start would have let it go: under
-                # a cap that counts the page cache those pages pressed on the experts in use for the
-                # rest of the run (measured at a quarter of the file: 7.3 tok/s against 9.5 for an
-                # explicit drop)
-                for k in self._evicted:
-                    with self._lock:
-                        held = k in self._cache or k in self._inflight
-                    if not held:
-                        self._evicted_pages(k, *self.extent(k))
+            self._trial_note = f"{share:.0%} of {st.reloads} evicted experts were still cached when needed again"
+            if RELOAD_CLEAR[0] <= share <= RELOAD_CLEAR[1]:
+                self._timed = []                  # observe_step times the two policies from here
+                self._set_dropping(TIMED_ORDER[0])
+                self.page_cache_policy = f"keep evicted experts (auto: deciding; {self._trial_note})"
+            else:
+                self._decide(share < RELOAD_CLEAR[0])
+
+    def observe_step(self, seconds: float) -> None:
+        """A decode step took `seconds` of wall time. While --page-cache auto times dropping evicted
+        experts against keeping them, the steps go to windows of each (TIMED_ORDER, TIMED_STEPS each;
+        the first step after a switch lets it settle and is not scored), and the policy whose scored
+        steps were faster on average stays."""
+        if not self._deciding or self._timed is None:
+            return
+        i = len(self._timed)
+        window, pos = divmod(i, TIMED_STEPS)
+        switched = window > 0 and TIMED_ORDER[window] != TIMED_ORDER[window - 1]
+        self._timed.append((self.drop_evicted, seconds, pos > 0 or not switched))
+        if pos + 1 < TIMED_STEPS:
+            return
+        if window + 1 < len(TIMED_ORDER):
+            self._set_dropping(TIMED_ORDER[window + 1])
+            return
+        mean = {d: [t for dd, t, scored in self._timed if scored and dd == d] for d in (True, False)}
+        drop_s, keep_s = (sum(v) / len(v) for v in (mean[True], mean[False]))
+        self._trial_note += f"; {drop_s * 1e3:.1f} ms per step dropping them, {keep_s * 1e3:.1f} keeping"
+        self._decide(drop_s < keep_s)
+
+    def _set_dropping(self, drop: bool) -> None:
+        self.drop_evicted = drop
+        if drop:
+            # what was kept goes now, as a drop from the start would have let it go: under a cap that
+            # counts the page cache those pages pressed on the experts in use for the rest of the run
+            # (measured at a quarter of the file: 7.3 tok/s against 9.5 for an explicit drop)
+            for k in list(self._evicted):
+                with self._lock:
+                    held = k in self._cache or k in self._inflight
+                if not held:
+                    self._evicted_pages(k, *self.extent(k))
             self._evicted.clear()
+
+    def _decide(self, drop: bool) -> None:
+        self._set_dropping(drop)
+        if not drop:
+            self._evicted.clear()
+        self._deciding = False
+        self.page_cache_policy = f"{'drop' if drop else 'keep'} evicted experts (auto: {self._trial_note})"
 
     def _in_page_cache(self, off: int, n: int) -> bool:
         """Whether a read of bytes off .. off+n would find them all in the page cache."""

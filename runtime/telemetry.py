@@ -60,6 +60,8 @@ class Telemetry:
             "page_cache_bytes": meminfo("Cached"), "vm_hwm_bytes": mem.get("VmHWM", 0),
         }
         self.records.append(rec)
+        if phase == "decode":
+            self.pager.observe_step(wall)        # --page-cache auto may be timing its two policies
         if self._trace:
             self._trace.write(json.dumps(rec) + "\n")
             self._trace.flush()

@@ -527,6 +527,55 @@ def test_auto_page_cache_decides_from_what_the_page_cache_kept(synthetic, monkey
     assert json.loads(proc.stdout)["stats"]["page_cache_policy"] == "drop evicted experts", proc.stderr
 
 
+@pytest.mark.parametrize("faster", ["drop", "keep"])
+def test_auto_page_cache_times_both_policies_when_the_share_does_not_tell(synthetic, monkeypatch, faster):
+    """With a middling share of evicted experts still cached, --page-cache auto times decode steps
+    (Telemetry hands each step's wall time to the pager) keeping, then dropping (the first step after
+    the switch not scored), and stays with the faster; switching to dropping lets go of what keeping
+    had left in the page cache."""
+    from kimistream.runtime import pager as P
+    from kimistream.runtime.telemetry import Telemetry
+    monkeypatch.setattr(P, "RELOAD_SKIP", 2)
+    monkeypatch.setattr(P, "RELOAD_TRIAL", 4)
+    w = ModelWeights(synthetic, cache_bytes=2 * ModelWeights(synthetic).expert_extent_bytes)
+    p = w.pager
+    p.cached_share = lambda off, n: 0.5
+    steps, dropped = [], []
+    observe = p.observe_step
+
+    def timed(seconds):                 # the step's time as the policy in force makes it (slow after a switch)
+        steps.append(p.drop_evicted)
+        slow = p.drop_evicted != (faster == "drop")
+        observe((0.03 if slow else 0.02) + (0.5 if len(steps) > 1 and steps[-1] != steps[-2] else 0.0))
+    p.observe_step = timed
+    note = p._evicted_pages
+
+    def recorded(key, off, n):
+        if p.drop_evicted:
+            dropped.append(key)
+        note(key, off, n)
+    p._evicted_pages = recorded
+    w.load_resident()
+    m = Model(w, 64)
+    tokens = list(generate(m, PROMPT, 12, Sampler(0.0), 8, telemetry=Telemetry(p)))
+    assert p.stats.reloads == 4 and len(tokens) == 12
+    n = P.TIMED_STEPS * len(P.TIMED_ORDER)
+    assert steps[:n] == [d for d in P.TIMED_ORDER for _ in range(P.TIMED_STEPS)]
+    assert set(steps[n:]) == {faster == "drop"} and len(steps) == 11
+    assert p.page_cache_policy == (f"{faster} evicted experts (auto: 50% of 4 evicted experts were still cached "
+                                   f"when needed again; {20 if faster == 'drop' else 30}.0 ms per step dropping "
+                                   f"them, {30 if faster == 'drop' else 20}.0 keeping)")
+    # the keeping windows' evicted experts went when the next dropping window began
+    kept = []
+    p._deciding, p.drop_evicted = True, False
+    p._evicted_pages(("x", 0), 0, 4096)
+    p._evicted_pages = lambda key, off, n: kept.append(key)
+    p.extent = lambda key: (0, 4096)
+    p._set_dropping(True)
+    assert kept == [("x", 0)] and not p._evicted
+    w.close()
+
+
 def test_mmap_reads_in_flight_count_against_the_cache_and_spare_the_layers_experts(synthetic):
     """The mmap pager reserves room for a read when it starts (its pages arrive in memory before they
     are mapped): cached plus in-flight bytes never exceed the cache. Reading a layer's missing experts
