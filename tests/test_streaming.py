@@ -540,7 +540,7 @@ def test_auto_page_cache_times_both_policies_when_the_share_does_not_tell(synthe
     w = ModelWeights(synthetic, cache_bytes=2 * ModelWeights(synthetic).expert_extent_bytes)
     p = w.pager
     p.cached_share = lambda off, n: 0.5
-    steps, dropped = [], []
+    steps = []
     observe = p.observe_step
 
     def timed(seconds):                 # the step's time as the policy in force makes it (slow after a switch)
@@ -548,13 +548,6 @@ def test_auto_page_cache_times_both_policies_when_the_share_does_not_tell(synthe
         slow = p.drop_evicted != (faster == "drop")
         observe((0.03 if slow else 0.02) + (0.5 if len(steps) > 1 and steps[-1] != steps[-2] else 0.0))
     p.observe_step = timed
-    note = p._evicted_pages
-
-    def recorded(key, off, n):
-        if p.drop_evicted:
-            dropped.append(key)
-        note(key, off, n)
-    p._evicted_pages = recorded
     w.load_resident()
     m = Model(w, 64)
     tokens = list(generate(m, PROMPT, 12, Sampler(0.0), 8, telemetry=Telemetry(p)))
