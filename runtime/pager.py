@@ -41,9 +41,8 @@ PAGE_CACHE_MODES = ("auto", "keep", "drop")
 # machine, or a memory cgroup, hardly larger than the budget) the kernel must reclaim them again under
 # pressure, taking pages of experts still in use along, and reads slow down (measured under a cgroup
 # cap that counts the page cache, 0.8 GB file: at 193 MiB, 5.1-5.5 tok/s keeping against 8.4-9.3
-# dropping them; at 385 MiB keeping wins, 17-18 against 10; at 256 MiB the verdict has varied: keeping
-# won 12.7-13.6 against 9.5-9.7 in older builds on a slower disk, dropping won by 7-33 % in five runs
-# of the current one, benchmarks/RESULTS.md).
+# dropping them; at 385 MiB keeping wins, 17-18 against 10; at 256 MiB the verdict varies, below;
+# benchmarks/RESULTS.md).
 # --page-cache auto watches how much of each evicted expert is still cached when it is needed again.
 # The first misses are not scored: the prompt churns the cache. Measured on the 0.8 GB bench model,
 # share still cached by windows of 64 misses of evicted experts: at ½ of the file 0.76, 0.91, 0.92,
@@ -54,13 +53,16 @@ PAGE_CACHE_MODES = ("auto", "keep", "drop")
 # read 1.8 GB/s against 0.7), so the pager times a few decode steps keeping, then a few dropping, and
 # stays with the faster. Wall time per step is the measure, not I/O wait: keeping's cost under a cap
 # is mostly in-use pages the kernel reclaims and the computation faults back in. One switch to
-# dropping and back, not several: each switch disturbs the steps after it (measured at 256 MiB, with
-# two rounds of two-step windows the run lost 12 % to keeping throughout, though it chose keeping).
+# dropping and back, not several, and the pages kept before the switch are not dropped with it: each
+# drop of them is re-read afterwards if keeping stays (measured at 256 MiB: two rounds of two-step
+# windows, each dropping them, lost 12 % to keeping throughout; one such round 7 %). Those pages
+# favour the dropping window a little, hence the margin it must win by.
 RELOAD_SKIP = 128              # misses of evicted experts not scored
 RELOAD_TRIAL = 128             # misses of evicted experts scored before deciding
 RELOAD_CLEAR = (0.15, 0.85)    # shares still cached below which dropping, above which keeping is clear
 TIMED_ORDER = (False, True)    # the timed windows: keeping (as during the share's trial), then dropping
 TIMED_STEPS = 3                # decode steps per window; after a switch its first is not scored
+TIMED_MARGIN = 0.95            # dropping stays if its steps took less than this share of keeping's
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -311,25 +313,23 @@ class ExpertPager:
         mean = {d: [t for dd, t, scored in self._timed if scored and dd == d] for d in (True, False)}
         drop_s, keep_s = (sum(v) / len(v) for v in (mean[True], mean[False]))
         self._trial_note += f"; {drop_s * 1e3:.1f} ms per step dropping them, {keep_s * 1e3:.1f} keeping"
-        self._decide(drop_s < keep_s)
+        self._decide(drop_s < TIMED_MARGIN * keep_s)
 
-    def _set_dropping(self, drop: bool) -> None:
+    def _set_dropping(self, drop: bool, kept_too: bool = False) -> None:
         self.drop_evicted = drop
-        if drop:
-            # what was kept goes now, as a drop from the start would have let it go: under a cap that
-            # counts the page cache those pages pressed on the experts in use for the rest of the run
-            # (measured at a quarter of the file: 7.3 tok/s against 9.5 for an explicit drop)
+        if kept_too:
+            # what keeping left goes now, as a drop from the start would have let it go: under a cap
+            # that counts the page cache those pages pressed on the experts in use for the rest of the
+            # run (measured at a quarter of the file: 7.3 tok/s against 9.5 for an explicit drop)
             for k in list(self._evicted):
                 with self._lock:
                     held = k in self._cache or k in self._inflight
                 if not held:
                     self._evicted_pages(k, *self.extent(k))
-            self._evicted.clear()
 
     def _decide(self, drop: bool) -> None:
-        self._set_dropping(drop)
-        if not drop:
-            self._evicted.clear()
+        self._set_dropping(drop, kept_too=drop)
+        self._evicted.clear()
         self._deciding = False
         self.page_cache_policy = f"{'drop' if drop else 'keep'} evicted experts (auto: {self._trial_note})"
 

@@ -117,13 +117,13 @@ def test_int8_activations_round_inputs_per_128(name):
         assert rel(kernels.linear(xb, name, raw, shape), xb @ ref.T) < 1e-5
 
 
-@pytest.mark.parametrize("name", kernels.X8_CODECS)
+@pytest.mark.parametrize("name", kernels.X8_CODECS + ("q8", "q2rtn"))
 def test_vnni_equals_the_avx2_sequence_bit_for_bit(name):
     """Every VNNI form the CPU runs (1: AVX-VNNI, 2: AVX512-VNNI on 256-bit registers, 3: and 512-bit
     ones for several tokens) gives the very integers of the vpmaddubsw + vpmaddwd sequences, and so the
     very floats: one token, two, three (one row at a time), 8 and 34 (eight or sixteen rows at a time,
     a whole tile and a ragged one), outliers included, equal to the last bit; rows 40, so that a group
-    of rows is cut short."""
+    of rows is cut short. One token with 16-bit inputs too (vpdpwssd in place of vpmaddwd + add)."""
     if kernels.isa() != "avx2" or _qdot.vnni() == 0:
         pytest.skip("no VNNI on this machine")
     shape = (40, 1024)
@@ -152,6 +152,16 @@ def test_vnni_equals_the_avx2_sequence_bit_for_bit(name):
                 _qdot.set_vnni(default)
             for level in levels[1:]:
                 np.testing.assert_array_equal(got[level], got[0], err_msg=f"level {level}, {T} tokens")
+    with activations_mode("int16"):
+        got = {}
+        try:
+            for level in levels:
+                _qdot.set_vnni(level)
+                got[level] = kernels.linear(xs[:1], name, raw, shape)
+        finally:
+            _qdot.set_vnni(default)
+        for level in levels[1:]:
+            np.testing.assert_array_equal(got[level], got[0], err_msg=f"level {level}, one token, 16-bit inputs")
     with pytest.raises(ValueError, match="VNNI level 4"):
         _qdot.set_vnni(4)
 

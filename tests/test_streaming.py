@@ -531,8 +531,8 @@ def test_auto_page_cache_decides_from_what_the_page_cache_kept(synthetic, monkey
 def test_auto_page_cache_times_both_policies_when_the_share_does_not_tell(synthetic, monkeypatch, faster):
     """With a middling share of evicted experts still cached, --page-cache auto times decode steps
     (Telemetry hands each step's wall time to the pager) keeping, then dropping (the first step after
-    the switch not scored), and stays with the faster; switching to dropping lets go of what keeping
-    had left in the page cache."""
+    the switch not scored), and stays with the faster (dropping by a margin); the switch keeps what
+    keeping had left in the page cache (re-read later if keeping stays), a decision to drop lets it go."""
     from kimistream.runtime import pager as P
     from kimistream.runtime.telemetry import Telemetry
     monkeypatch.setattr(P, "RELOAD_SKIP", 2)
@@ -558,13 +558,16 @@ def test_auto_page_cache_times_both_policies_when_the_share_does_not_tell(synthe
     assert p.page_cache_policy == (f"{faster} evicted experts (auto: 50% of 4 evicted experts were still cached "
                                    f"when needed again; {20 if faster == 'drop' else 30}.0 ms per step dropping "
                                    f"them, {30 if faster == 'drop' else 20}.0 keeping)")
-    # the keeping windows' evicted experts went when the next dropping window began
+    # an expert evicted while keeping stays in the page cache through a dropping window, and goes at a
+    # decision to drop
     kept = []
     p._deciding, p.drop_evicted = True, False
     p._evicted_pages(("x", 0), 0, 4096)
     p._evicted_pages = lambda key, off, n: kept.append(key)
     p.extent = lambda key: (0, 4096)
     p._set_dropping(True)
+    assert kept == [] and p._evicted == {("x", 0)}
+    p._decide(True)
     assert kept == [("x", 0)] and not p._evicted
     w.close()
 
