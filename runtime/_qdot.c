@@ -37,6 +37,16 @@
 #else
 #define HAVE_X86 0
 #endif
+/* AMX tiles (several tokens through sixteen rows): x86-64 Linux, whose kernel hands out the tile state
+   on request, and a compiler that knows the instructions */
+#if HAVE_X86 && defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+#else
+#define HAVE_AMX 0
+#endif
 
 /* the geometry vector built by kernels._geometry_cached */
 enum { G_ROWS, G_COLS, G_NSUB, G_NBLK, G_K, G_PARROW, G_SUBROW, G_CODEROW, G_OFFPAR, G_OFFOCOL, G_OFFOVAL,
@@ -1502,6 +1512,89 @@ tiled_tokens_z(int nt, const uint8_t *pw, int64_t nq, const int8_t *xb, int64_t 
 #undef T_DOT
 #undef T_SCALE
 
+/* tiled_tokens_z on AMX tiles (use_amx): up to sixteen tokens a pass. The sixteen rows' interleaved
+ * bytes are already the tile layout of the right-hand operand (a tile row: four columns of every row),
+ * so 64 columns of them load as one tile, the tokens' int8 inputs as another (a row per token, cols
+ * apart), and one TDPBSUD makes all tokens' x rows' integer sums over the 64 columns. Per 128 columns
+ * the sums are stored and turned to float exactly as tiled_tokens_z does (same order, same bits). */
+static int use_amx;        /* 0: off, 1: on (the CPU and the OS allow it; amx_available) */
+#define AMX_MIN_TOKENS 12  /* tokens left for a pass on tiles (fewer: the 512-bit loop) */
+#if HAVE_AMX
+typedef struct { uint8_t palette, start; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } amx_config_t;
+static __thread int amx_ready;         /* the thread's tile configuration is loaded */
+
+/* every AMX kernel here uses the same configuration: eight tiles of sixteen rows of 64 bytes */
+__attribute__((target("amx-tile"))) static inline void amx_configure(void) {
+    if (amx_ready) return;
+    amx_config_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        cfg.rows[i] = 16;
+        cfg.colsb[i] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    amx_ready = 1;
+}
+
+__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,amx-tile,amx-int8"))) static void
+tiled_tokens_amx(int nt, const uint8_t *pw, int64_t nq, const int8_t *xb, int64_t cols, const float *D,
+                 const float *x8d, const float *BST, const float *xs, int64_t nfs, int64_t nsp, float *y) {
+    amx_configure();                 /* tiles 0, 1: sums; 2, 3: sixteen tokens' inputs; 4, 5: the rows' bytes */
+    __m512 f[16];
+    for (int j = 0; j < nt; j++) f[j] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < nfs; s++) {
+        __m512 b = _mm512_loadu_ps(BST + TILED_Z * s);
+        for (int j = 0; j < nt; j++) f[j] = _mm512_fmadd_ps(b, _mm512_set1_ps(xs[j * nsp + s]), f[j]);
+    }
+    /* sixteen input rows always (past nt: quantize_rows' zero padding, their sums unused), one tile
+       configuration for every call; two sums tiles in turn, so one block's products need not wait for
+       the last block's sums to be read */
+    int32_t sums[2][16 * 16] __attribute__((aligned(64)));
+    for (int64_t q = 0; q < nq; q++) {
+        const uint8_t *w = pw + 32 * 64 * q;
+        const int8_t *xq = xb + 128 * q;
+        int32_t *sq = sums[q & 1];
+/* 128 columns into sums tile C (a constant: tile numbers are immediates), stored at sq */
+#define AMX_BLOCK(C)                                                                                            \
+        do {                                                                                                  \
+            _tile_zero(C);                                                                                    \
+            _tile_loadd(2, xq, cols);                                                                         \
+            _tile_loadd(4, w, 64);                                                                            \
+            _tile_dpbsud(C, 2, 4);                                                                            \
+            _tile_loadd(3, xq + 64, cols);                                                                    \
+            _tile_loadd(5, w + 1024, 64);                                                                     \
+            _tile_dpbsud(C, 3, 5);                                                                            \
+            _tile_stored(C, sq, 64);                                                                          \
+        } while (0)
+        if (q & 1) AMX_BLOCK(1);
+        else AMX_BLOCK(0);
+#undef AMX_BLOCK
+        __m512 d = _mm512_loadu_ps(D + TILED_Z * q);
+        for (int j = 0; j < nt; j++)
+            f[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sq + 16 * j)),
+                                   _mm512_mul_ps(d, _mm512_set1_ps(x8d[j * nq + q])), f[j]);
+    }
+    for (int j = 0; j < nt; j++) _mm512_storeu_ps(y + 16 * j, f[j]);
+}
+
+/* AMX-INT8 in the CPU and the tile state granted by the kernel (once per process, before any thread uses
+   it; children inherit it) */
+static int amx_available(void) {
+    static int known = -1;
+    if (known < 0) {
+        unsigned a, b, c, d;
+        known = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 25 & 1) && (d >> 22 & 1) &&
+                __builtin_cpu_supports("avx512bf16") &&
+                __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    }
+    return known;
+}
+#else
+static int amx_available(void) { return 0; }
+#endif
+
 /* an 8 x 8 block of x (rows cols apart) into xT transposed (rows nx apart) */
 AVX2 static inline __attribute__((always_inline)) void transpose8(const float *x, int64_t cols, float *xT, int64_t nx) {
     __m256 r[8], t[8];
@@ -1589,12 +1682,20 @@ AVX2 static inline __attribute__((always_inline)) void tiled_rows(const int kind
         }
         /* tokens per pass: their integer and float sums in registers, with the rows' vector and a broadcast
            (16 vector registers hold six tokens' two sums; AVX-512's 32 hold eight) */
-        const int per = vn >= 2 ? 8 : 6;
-        for (int64_t x0 = t0; x0 < t1; x0 += per) {
+        const int amx = G == TILED_Z && use_amx;
+        for (int64_t x0 = t0; x0 < t1;) {
+            /* sixteen tokens a pass on AMX tiles, where as many are left (a tile pass costs the same for
+               fewer), else eight (six on 16 vector registers) */
+            const int per = amx && t1 - x0 >= AMX_MIN_TOKENS ? 16 : vn >= 2 ? 8 : 6;
             int nt = t1 - x0 < per ? (int)(t1 - x0) : per;
             const int8_t *xb = t->x8 + x0 * cols;
             const float *x8d = t->x8d + x0 * nq, *xs = t->x8s + x0 * nsp;
-            float y[8 * TILED_Z];                        /* token j's sums of row i at y[G j + i] */
+            float y[16 * TILED_Z];                       /* token j's sums of row i at y[G j + i] */
+#if HAVE_AMX
+            if (amx && nt >= AMX_MIN_TOKENS)
+                tiled_tokens_amx(nt, pw, nq, xb, cols, D, x8d, BST, xs, nfs, nsp, y);
+            else
+#endif
             if (G == TILED_Z) {
                 tiled_tokens_z(nt, pw, nq, xb, cols, D, x8d, BST, xs, nfs, nsp, y);
             } else {
@@ -1608,6 +1709,7 @@ AVX2 static inline __attribute__((always_inline)) void tiled_rows(const int kind
                 float *dst = t->out + job[5] + (x0 + j - job[4]) * t->ostride + (r0 - job[2]);
                 for (int i = 0; i < nr; i++) dst[i] = y[G * j + i] + OC[TOKEN_TILE * i + (x0 + j - t0)];
             }
+            x0 += nt;
         }
     }
 }
@@ -2699,7 +2801,9 @@ static int quantize_rows(const float *xf, int64_t nx, int64_t cols, int16_t **xq
     if (!*xq || !*xsc || !*xs) { PyErr_NoMemory(); return -1; }
 #if HAVE_X86
     if (use_avx2 && x8) {
-        *x8 = malloc(n ? n : 1);
+        /* sixteen rows of zeros past the last: the AMX tiles read sixteen tokens' rows at a time */
+        *x8 = malloc(n + 16 * cols + 1);
+        if (*x8) memset(*x8 + n, 0, 16 * cols + 1);
         *x8d = malloc(sizeof(float) * (nx * (nq + nspan) + 1));        /* the steps, then the sums */
         if (!*x8 || !*x8d) { PyErr_NoMemory(); return -1; }
         for (int64_t i = 0; i < nx; i++)
@@ -2738,6 +2842,148 @@ static void transpose_rows(const float *x, int64_t nx, int64_t cols, float *xT) 
 #endif
     for (int64_t c = 0; c < cols; c++)
         for (int64_t i = c < c8 ? i8 : 0; i < nx; i++) xT[c * nx + i] = x[i * cols + c];
+}
+
+/* -------------------------------------------------------------- float products on AMX tiles */
+/* y = x w^T for float32 x [T, k] and w [n, k] on AMX's bf16 tiles. Each float is split into two bf16,
+ * its high part and the rest rounded (together 16 significant bits), and each pair of 32-column blocks
+ * takes three tile products (high x high, high x low, low x high; low x low, ~2^-18 of a product, is
+ * left out), summed in float32 by the tiles. The inputs' rows are tiles as they are (sixteen tokens, 32
+ * columns); each job turns sixteen rows of w into pairs of columns, a tile row holding the pair of all
+ * sixteen (the layout the right-hand tile wants), and runs them by every block of sixteen tokens, two
+ * blocks at a time (eight tiles: two sums, w high and low, two blocks' inputs high and low). */
+#if HAVE_AMX
+#define AMX_BF16 "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16"
+
+/* v as bf16 rounded to nearest even (hi) and the rest, rounded the same way (lo), 16 values */
+__attribute__((target(AMX_BF16))) static inline void bf16_split(__m512 v, __m256i *hi, __m256i *lo) {
+    __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+    __m512 hv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    *hi = h;
+    *lo = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, hv));
+}
+
+/* rows r0 .. r1-1 of x [., k] split into hi and lo ([rows][k] bf16 each) */
+__attribute__((target(AMX_BF16))) static void bf16_rows(const float *x, int64_t k, int64_t r0, int64_t r1,
+                                                       uint16_t *hi, uint16_t *lo) {
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t c = 0; c < k; c += 16) {
+            __m256i h, l;
+            bf16_split(_mm512_loadu_ps(x + r * k + c), &h, &l);
+            _mm256_storeu_si256((__m256i *)(hi + r * k + c), h);
+            _mm256_storeu_si256((__m256i *)(lo + r * k + c), l);
+        }
+}
+
+/* job j: rows 16 j .. 16 j + 15 of w (t->xf, [n = t->njobs_rows, k = t->cols]) by every token (t->xq: the
+   inputs' hi parts [T rounded up to 16][k], then the lo parts); y at t->out, token i's row ostride apart.
+   Scratch: the rows' pairs, hi and lo ([k/2][16] uint32 each), the rows as bf16, a tile of sums. */
+__attribute__((target(AMX_BF16))) static void amx_matmul_job(task_t *t, int64_t j, float *scratch) {
+    int64_t k = t->cols, r0 = 16 * j, nr = t->njobs_rows - r0 < 16 ? t->njobs_rows - r0 : 16;
+    int64_t T = t->ntok, ntb = (T + 15) / 16;
+    uint32_t *ph = (uint32_t *)scratch, *pl = ph + 8 * k;
+    uint16_t *rh = (uint16_t *)(pl + 8 * k), *rl = rh + 16 * k;
+    float *sums = (float *)(((uintptr_t)(rl + 16 * k) + 63) & ~(uintptr_t)63);
+    bf16_rows(t->xf, k, r0, r0 + nr, rh - r0 * k, rl - r0 * k);
+    const uint32_t *wh32 = (const uint32_t *)rh, *wl32 = (const uint32_t *)rl;
+    for (int64_t i = 0; i < k / 2; i++)                 /* pairs: row r's columns 2i, 2i + 1 at [i][r] */
+        for (int64_t r = 0; r < 16; r++) {
+            ph[16 * i + r] = r < nr ? wh32[r * (k / 2) + i] : 0;
+            pl[16 * i + r] = r < nr ? wl32[r * (k / 2) + i] : 0;
+        }
+    const uint16_t *xh = (const uint16_t *)t->xq, *xl = xh + 16 * ntb * k;
+    amx_configure();
+    for (int64_t tb = 0; tb < ntb; tb += 2) {
+        int two = tb + 1 < ntb;
+        const uint16_t *a0 = xh + 16 * tb * k, *l0 = xl + 16 * tb * k, *a1 = a0 + 16 * k, *l1 = l0 + 16 * k;
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t c = 0; c < k; c += 32) {
+            _tile_loadd(2, ph + 8 * c, 64);
+            _tile_loadd(3, pl + 8 * c, 64);
+            _tile_loadd(4, a0 + c, 2 * k);
+            _tile_loadd(5, l0 + c, 2 * k);
+            _tile_dpbf16ps(0, 4, 2);
+            _tile_dpbf16ps(0, 5, 2);
+            _tile_dpbf16ps(0, 4, 3);
+            if (two) {
+                _tile_loadd(6, a1 + c, 2 * k);
+                _tile_loadd(7, l1 + c, 2 * k);
+                _tile_dpbf16ps(1, 6, 2);
+                _tile_dpbf16ps(1, 7, 2);
+                _tile_dpbf16ps(1, 6, 3);
+            }
+        }
+        for (int64_t b = 0; b < (two ? 2 : 1); b++) {       /* sums [token][row] */
+            int64_t t0 = 16 * (tb + b), nt = T - t0 < 16 ? T - t0 : 16;
+            float *dst = t->out + t0 * t->ostride + r0;
+            if (nt == 16 && nr == 16) {
+                if (b) _tile_stored(1, dst, 4 * t->ostride);
+                else _tile_stored(0, dst, 4 * t->ostride);
+                continue;
+            }
+            if (b) _tile_stored(1, sums, 64);
+            else _tile_stored(0, sums, 64);
+            for (int64_t i = 0; i < nt; i++) memcpy(dst + i * t->ostride, sums + 16 * i, sizeof(float) * nr);
+        }
+    }
+}
+
+/* rows job: j of t->ntok inputs (16 a job) split into bf16 hi and lo, at t->xq as amx_matmul_job reads them */
+__attribute__((target(AMX_BF16))) static void amx_inputs_job(task_t *t, int64_t j, float *scratch) {
+    int64_t k = t->cols, ntb = (t->ntok + 15) / 16, r1 = 16 * j + 16 < t->ntok ? 16 * j + 16 : t->ntok;
+    uint16_t *hi = (uint16_t *)t->out, *lo = hi + 16 * ntb * k;
+    bf16_rows(t->xf, k, 16 * j, r1, hi, lo);
+}
+#endif
+
+PyDoc_STRVAR(amx_matmul_doc,
+"amx_matmul(x, w, out, threads) -> bool\n\n"
+"out = x @ w.T for float32 x [T, k], w [n, k] (k a multiple of 32) and out [T, >= n] (its first n columns\n"
+"written, rows as numpy strides them) on AMX tiles through bf16 pairs (three products per block: about\n"
+"2^-16 of each product's size, summed in float32). False, with nothing written, where the CPU or OS has\n"
+"no AMX (set_amx(False) included).");
+
+static PyObject *py_amx_matmul(PyObject *self, PyObject *args) {
+    PyObject *o[3];
+    int threads;
+    if (!PyArg_ParseTuple(args, "OOOi", &o[0], &o[1], &o[2], &threads)) return NULL;
+    if (!use_amx) Py_RETURN_FALSE;
+#if HAVE_AMX
+    Py_buffer xb, wb, ob;
+    if (PyObject_GetBuffer(o[0], &xb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_ND)) return NULL;
+    if (PyObject_GetBuffer(o[1], &wb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_ND)) { PyBuffer_Release(&xb); return NULL; }
+    if (PyObject_GetBuffer(o[2], &ob, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_STRIDES)) {
+        PyBuffer_Release(&xb); PyBuffer_Release(&wb); return NULL;
+    }
+    PyObject *ret = NULL;
+    uint16_t *xbf = NULL;
+    int f32 = !strcmp(xb.format, "f") && !strcmp(wb.format, "f") && !strcmp(ob.format, "f");
+    if (!f32 || xb.ndim != 2 || wb.ndim != 2 || ob.ndim != 2 || xb.shape[1] != wb.shape[1] || xb.shape[1] % 32 ||
+        ob.shape[0] != xb.shape[0] || ob.shape[1] < wb.shape[0] || ob.strides[1] != 4 || ob.strides[0] % 4) {
+        PyErr_SetString(PyExc_ValueError, "amx_matmul: float32 x [T, k], w [n, k] (k a multiple of 32), out [T, >= n] with rows of contiguous floats");
+        goto done;
+    }
+    int64_t T = xb.shape[0], k = xb.shape[1], n = wb.shape[0], ntb = (T + 15) / 16;
+    if (!T || !n) { ret = Py_NewRef(Py_True); goto done; }
+    xbf = aligned_alloc(64, sizeof(uint16_t) * 2 * 16 * ntb * k);        /* hi, then lo; tokens past T zero */
+    if (!xbf) { PyErr_NoMemory(); goto done; }
+    memset(xbf + T * k, 0, sizeof(uint16_t) * (16 * ntb - T) * k);
+    memset(xbf + 16 * ntb * k + T * k, 0, sizeof(uint16_t) * (16 * ntb - T) * k);
+    task_t t0 = {.job = amx_inputs_job, .xf = xb.buf, .cols = k, .ntok = T, .out = (float *)xbf, .njobs = ntb,
+                 .scratch_floats = 16};
+    task_t t1 = {.job = amx_matmul_job, .xf = wb.buf, .xq = (const int16_t *)xbf, .cols = k, .njobs_rows = n, .ntok = T,
+                 .out = ob.buf, .ostride = ob.strides[0] / 4, .njobs = (n + 15) / 16,
+                 .scratch_floats = 32 * k + 256 + 32};
+    if (run_unlocked(&t0, threads) < 0 || run_unlocked(&t1, threads) < 0) goto done;
+    ret = Py_NewRef(Py_True);
+done:
+    free(xbf);
+    PyBuffer_Release(&xb); PyBuffer_Release(&wb); PyBuffer_Release(&ob);
+    return ret;
+#else
+    Py_RETURN_FALSE;
+#endif
 }
 
 static inline int64_t rows_scratch(int64_t max_rows, int64_t tile, int64_t nspan) {
@@ -3364,6 +3610,17 @@ static PyObject *py_set_vnni(PyObject *self, PyObject *args) {
 
 static PyObject *py_vnni(PyObject *self, PyObject *noargs) { return PyLong_FromLong(use_vnni); }
 
+static PyObject *py_set_amx(PyObject *self, PyObject *args) {
+    int on;
+    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
+    if (on && !amx_available()) return PyErr_Format(PyExc_ValueError, "AMX tiles are not available here");
+    int old = use_amx;
+    use_amx = on;
+    return PyBool_FromLong(old);
+}
+
+static PyObject *py_amx(PyObject *self, PyObject *noargs) { return PyBool_FromLong(use_amx); }
+
 static PyObject *py_isa(PyObject *self, PyObject *noargs) {
     return PyUnicode_FromString(use_avx2 ? "avx2" : "generic");
 }
@@ -3843,6 +4100,9 @@ static PyMethodDef methods[] = {
     {"isa", py_isa, METH_NOARGS, "the instruction set in use"},
     {"vnni", py_vnni, METH_NOARGS, "the VNNI form the int8 kernels use (0 none, 1 AVX-VNNI, 2 AVX512-VNNI, 3 and 512-bit registers)"},
     {"set_vnni", py_set_vnni, METH_VARARGS, "set_vnni(level) -> the previous level (ValueError where the CPU lacks it)"},
+    {"amx_matmul", py_amx_matmul, METH_VARARGS, amx_matmul_doc},
+    {"amx", py_amx, METH_NOARGS, "whether several tokens go through sixteen rows on AMX tiles (with VNNI level 3)"},
+    {"set_amx", py_set_amx, METH_VARARGS, "set_amx(on) -> the previous setting (ValueError where the CPU or OS lacks AMX)"},
     {"set_spin_us", py_set_spin, METH_VARARGS, "how long idle workers spin before they sleep"},
     {NULL, NULL, 0, NULL},
 };
@@ -3857,6 +4117,7 @@ PyMODINIT_FUNC PyInit__qdot(void) {
     __builtin_cpu_init();
     use_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     use_vnni = vnni_available();
+    use_amx = use_avx2 && amx_available();
 #endif
     ggml_avx2 = use_avx2;
     ggml_init();

@@ -123,7 +123,8 @@ def test_vnni_equals_the_avx2_sequence_bit_for_bit(name):
     ones for several tokens) gives the very integers of the vpmaddubsw + vpmaddwd sequences, and so the
     very floats: one token, two, three (one row at a time), 8 and 34 (eight or sixteen rows at a time,
     a whole tile and a ragged one), outliers included, equal to the last bit; rows 40, so that a group
-    of rows is cut short. One token with 16-bit inputs too (vpdpwssd in place of vpmaddwd + add)."""
+    of rows is cut short. One token with 16-bit inputs too (vpdpwssd in place of vpmaddwd + add), and
+    several tokens on AMX tiles where the CPU has them."""
     if kernels.isa() != "avx2" or _qdot.vnni() == 0:
         pytest.skip("no VNNI on this machine")
     shape = (40, 1024)
@@ -152,6 +153,17 @@ def test_vnni_equals_the_avx2_sequence_bit_for_bit(name):
                 _qdot.set_vnni(default)
             for level in levels[1:]:
                 np.testing.assert_array_equal(got[level], got[0], err_msg=f"level {level}, {T} tokens")
+    if 3 in levels and _qdot.amx():          # AMX tiles against 512-bit VNNI: the same sums, the same bits
+        try:
+            for T in (8, 17, 34):
+                if kernels.takes_int8(name, shape[1], T):
+                    tiles = kernels.linear(xs[:T], name, raw, shape)
+                    _qdot.set_amx(False)
+                    np.testing.assert_array_equal(tiles, kernels.linear(xs[:T], name, raw, shape),
+                                                  err_msg=f"AMX, {T} tokens")
+                    _qdot.set_amx(True)
+        finally:
+            _qdot.set_amx(True)
     with activations_mode("int16"):
         got = {}
         try:
@@ -164,6 +176,31 @@ def test_vnni_equals_the_avx2_sequence_bit_for_bit(name):
             np.testing.assert_array_equal(got[level], got[0], err_msg=f"level {level}, one token, 16-bit inputs")
     with pytest.raises(ValueError, match="VNNI level 4"):
         _qdot.set_vnni(4)
+
+
+@pytest.mark.parametrize("T,n,k", [(256, 100, 1024), (37, 33, 64), (1, 17, 32), (16, 16, 7168)])
+def test_amx_float_products_match_float64_and_leave_other_columns(T, n, k):
+    """amx_matmul (bf16 pairs on AMX tiles, three products a block) equals the float64 product to
+    2e-5 of its size, on ragged tokens and rows, into a strided block of a wider output it leaves
+    alone past its columns; with AMX off it declines and writes nothing."""
+    if not _qdot.amx():
+        pytest.skip("no AMX on this machine")
+    rng = np.random.default_rng(T + n)
+    x = rng.standard_normal((T, k)).astype(np.float32)
+    w = (rng.standard_t(3, (n, k)) * 0.02).astype(np.float32)
+    out = np.full((T, n + 5), np.nan, np.float32)
+    assert _qdot.amx_matmul(x, w, out[:, 2:2 + n], 2)
+    ref = x.astype(np.float64) @ w.astype(np.float64).T
+    assert np.abs(out[:, 2:2 + n] - ref).max() < 2e-5 * np.abs(ref).max()
+    assert np.isnan(out[:, :2]).all() and np.isnan(out[:, 2 + n:]).all()
+    try:
+        _qdot.set_amx(False)
+        fresh = np.full((T, n), np.nan, np.float32)
+        assert not _qdot.amx_matmul(x, w, fresh, 2) and np.isnan(fresh).all()
+    finally:
+        _qdot.set_amx(True)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        _qdot.amx_matmul(np.ascontiguousarray(x[:, :k - 16]), np.ascontiguousarray(w[:, :k - 16]), out[:, :n], 2)
 
 
 def weight(shape, seed):
