@@ -290,7 +290,7 @@ class ExpertPager:
             if RELOAD_CLEAR[0] <= share <= RELOAD_CLEAR[1]:
                 self._timed = []                  # observe_step times the two policies from here
                 self._set_dropping(TIMED_ORDER[0])
-                self.page_cache_policy = f"keep evicted experts (auto: deciding; {self._trial_note})"
+                self.page_cache_policy = f"keep evicted experts (auto: timing keeping against dropping; {self._trial_note})"
             else:
                 self._decide(share < RELOAD_CLEAR[0])
 
@@ -310,8 +310,8 @@ class ExpertPager:
         if window + 1 < len(TIMED_ORDER):
             self._set_dropping(TIMED_ORDER[window + 1])
             return
-        mean = {d: [t for dd, t, scored in self._timed if scored and dd == d] for d in (True, False)}
-        drop_s, keep_s = (sum(v) / len(v) for v in (mean[True], mean[False]))
+        times = {d: [t for dd, t, scored in self._timed if scored and dd == d] for d in (True, False)}
+        drop_s, keep_s = (sum(v) / len(v) for v in (times[True], times[False]))
         self._trial_note += f"; {drop_s * 1e3:.1f} ms per step dropping them, {keep_s * 1e3:.1f} keeping"
         self._decide(drop_s < TIMED_MARGIN * keep_s)
 
