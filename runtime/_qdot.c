@@ -37,8 +37,8 @@
 #else
 #define HAVE_X86 0
 #endif
-/* AMX tiles (several tokens through sixteen rows): x86-64 Linux, whose kernel hands out the tile state
-   on request, and a compiler that knows the instructions */
+/* AMX tiles (several tokens through sixteen rows; the prompt's float products): x86-64 Linux, whose
+   kernel hands out the tile state on request, and a compiler that knows the instructions */
 #if HAVE_X86 && defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -1515,8 +1515,9 @@ tiled_tokens_z(int nt, const uint8_t *pw, int64_t nq, const int8_t *xb, int64_t 
 /* tiled_tokens_z on AMX tiles (use_amx): up to sixteen tokens a pass. The sixteen rows' interleaved
  * bytes are already the tile layout of the right-hand operand (a tile row: four columns of every row),
  * so 64 columns of them load as one tile, the tokens' int8 inputs as another (a row per token, cols
- * apart), and one TDPBSUD makes all tokens' x rows' integer sums over the 64 columns. Per 128 columns
- * the sums are stored and turned to float exactly as tiled_tokens_z does (same order, same bits). */
+ * apart), and one TDPBSUD makes every token's integer sums of the sixteen rows over the 64 columns.
+ * Per 128 columns the sums are stored and turned to float exactly as tiled_tokens_z does (same order,
+ * same bits). */
 static int use_amx;        /* 0: off, 1: on (the CPU and the OS allow it; amx_available) */
 #define AMX_MIN_TOKENS 12  /* tokens left for a pass on tiles (fewer: the 512-bit loop) */
 #if HAVE_AMX
