@@ -2961,7 +2961,8 @@ static PyObject *py_amx_matmul(PyObject *self, PyObject *args) {
     uint16_t *xbf = NULL;
     int f32 = !strcmp(xb.format, "f") && !strcmp(wb.format, "f") && !strcmp(ob.format, "f");
     if (!f32 || xb.ndim != 2 || wb.ndim != 2 || ob.ndim != 2 || xb.shape[1] != wb.shape[1] || xb.shape[1] % 32 ||
-        ob.shape[0] != xb.shape[0] || ob.shape[1] < wb.shape[0] || ob.strides[1] != 4 || ob.strides[0] % 4) {
+        ob.shape[0] != xb.shape[0] || ob.shape[1] < wb.shape[0] || ob.strides[1] != 4 || ob.strides[0] % 4 ||
+        (ob.shape[0] > 1 && ob.strides[0] < 4 * ob.shape[1])) {
         PyErr_SetString(PyExc_ValueError, "amx_matmul: float32 x [T, k], w [n, k] (k a multiple of 32), out [T, >= n] with rows of contiguous floats");
         goto done;
     }

@@ -199,6 +199,9 @@ def test_amx_float_products_match_float64_and_leave_other_columns(T, n, k):
         assert not _qdot.amx_matmul(x, w, fresh, 2) and np.isnan(fresh).all()
     finally:
         _qdot.set_amx(True)
+    if T > 1:                            # rows of the output must not overlap
+        with pytest.raises(ValueError, match="rows of contiguous floats"):
+            _qdot.amx_matmul(x, w, np.lib.stride_tricks.as_strided(out, (T, n), (4, 4)), 2)
     with pytest.raises(ValueError, match="multiple of 32"):
         _qdot.amx_matmul(np.ascontiguousarray(x[:, :k - 16]), np.ascontiguousarray(w[:, :k - 16]), out[:, :n], 2)
 
