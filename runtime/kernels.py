@@ -514,8 +514,8 @@ def _dequantized_matmul(x2, raw, g, rows, cols, y, codec):
             _qdot.ggml_dequantize(raw[r0 * rb:(r0 + blk.shape[0]) * rb], gt, cols, blk, _threads)
         else:
             _qdot.dequantize(raw, g, r0, blk, _threads)
-        # on AMX tiles where the CPU has them (bf16 pairs, three products: ~5e-6 of the float32 product's
-        # size; measured 2x OpenBLAS's sgemm, benchmarks/RESULTS.md), else BLAS
+        # on AMX tiles where the CPU has them (bf16 pairs, three products: ~1e-5 of the product's size;
+        # measured 1.2-1.6x OpenBLAS's sgemm, benchmarks/RESULTS.md), else BLAS
         if cols % 32 or not _qdot.amx_matmul(x2, blk, y[:, r0:r0 + blk.shape[0]], _threads):
             np.matmul(x2, blk.T, out=y[:, r0:r0 + blk.shape[0]])
 
