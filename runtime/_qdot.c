@@ -2885,7 +2885,7 @@ __attribute__((target(AMX_BF16))) static void amx_matmul_job(task_t *t, int64_t 
     uint32_t *ph = (uint32_t *)scratch, *pl = ph + 8 * k;
     uint16_t *rh = (uint16_t *)(pl + 8 * k), *rl = rh + 16 * k;
     float *sums = (float *)(((uintptr_t)(rl + 16 * k) + 63) & ~(uintptr_t)63);
-    bf16_rows(t->xf, k, r0, r0 + nr, rh - r0 * k, rl - r0 * k);
+    bf16_rows(t->xf + r0 * k, k, 0, nr, rh, rl);
     const uint32_t *wh32 = (const uint32_t *)rh, *wl32 = (const uint32_t *)rl;
     for (int64_t i = 0; i < k / 2; i++)                 /* pairs: row r's columns 2i, 2i + 1 at [i][r] */
         for (int64_t r = 0; r < 16; r++) {
@@ -2930,7 +2930,7 @@ __attribute__((target(AMX_BF16))) static void amx_matmul_job(task_t *t, int64_t 
     }
 }
 
-/* rows job: j of t->ntok inputs (16 a job) split into bf16 hi and lo, at t->xq as amx_matmul_job reads them */
+/* job j: inputs 16 j .. 16 j + 15 of t->ntok split into bf16 hi and lo, laid out as amx_matmul_job reads them */
 __attribute__((target(AMX_BF16))) static void amx_inputs_job(task_t *t, int64_t j, float *scratch) {
     int64_t k = t->cols, ntb = (t->ntok + 15) / 16, r1 = 16 * j + 16 < t->ntok ? 16 * j + 16 : t->ntok;
     uint16_t *hi = (uint16_t *)t->out, *lo = hi + 16 * ntb * k;
@@ -4103,7 +4103,7 @@ static PyMethodDef methods[] = {
     {"vnni", py_vnni, METH_NOARGS, "the VNNI form the int8 kernels use (0 none, 1 AVX-VNNI, 2 AVX512-VNNI, 3 and 512-bit registers)"},
     {"set_vnni", py_set_vnni, METH_VARARGS, "set_vnni(level) -> the previous level (ValueError where the CPU lacks it)"},
     {"amx_matmul", py_amx_matmul, METH_VARARGS, amx_matmul_doc},
-    {"amx", py_amx, METH_NOARGS, "whether several tokens go through sixteen rows on AMX tiles (with VNNI level 3)"},
+    {"amx", py_amx, METH_NOARGS, "whether AMX tiles serve the float products (amx_matmul) and several tokens' int8 rows (with VNNI level 3)"},
     {"set_amx", py_set_amx, METH_VARARGS, "set_amx(on) -> the previous setting (ValueError where the CPU or OS lacks AMX)"},
     {"set_spin_us", py_set_spin, METH_VARARGS, "how long idle workers spin before they sleep"},
     {NULL, NULL, 0, NULL},
