@@ -928,3 +928,24 @@ def test_several_tokens_equal_one_token_at_a_time(name, rows, cols, tokens):
         several = kernels.linear(x, name, raw, (rows, cols))
         one = np.stack([kernels.linear(x[t], name, raw, (rows, cols)) for t in range(tokens)])
     assert np.abs(several - one).max() <= 2e-6 * np.abs(one).max()
+
+
+@pytest.mark.parametrize("rows", [300, 8])
+def test_every_job_runs_once_on_any_thread_count(rows, monkeypatch):
+    """Jobs are split in one contiguous range per thread and the threads help with each other's: on
+    any thread count (more than there are ranges, more than there are jobs) every row is computed
+    once, with the same bits as on one thread."""
+    monkeypatch.setattr(kernels, "PARALLEL_MIN_WEIGHTS", 0)
+    shape = (rows, 4096)                     # 8 rows a job: 38 jobs, or one
+    raw = encode(get_codec("q2"), weight(shape, seed=5))
+    x = np.random.default_rng(2).standard_normal((1, shape[1])).astype(np.float32)
+    before = kernels._threads
+    try:
+        kernels.set_threads(1)
+        want = kernels.linear(x, "q2", raw, shape)
+        for threads in (2, 3, 17):
+            kernels.set_threads(threads)
+            for _ in range(3):
+                np.testing.assert_array_equal(kernels.linear(x, "q2", raw, shape), want)
+    finally:
+        kernels.set_threads(before)
