@@ -2672,6 +2672,7 @@ static task_t *pool_task;          /* guarded by pool_mu */
 static atomic_long pool_gen;
 static atomic_int pool_active, pool_sleepers;
 static int pool_workers;           /* threads started (the caller is one more) */
+static atomic_long pool_wait_ns;   /* how long callers waited, their own jobs done, for the workers' */
 static long spin_ns = 1000000;     /* a worker spins this long for the next call before sleeping: a
                                       decode step calls every few hundred microseconds */
 
@@ -2749,11 +2750,13 @@ static void run_task(task_t *t, int threads) {
         if (atomic_load(&pool_sleepers)) pthread_cond_broadcast(&pool_cv);
         pthread_mutex_unlock(&pool_mu);
         run_jobs(t);
+        long t0 = now_ns();
         while (atomic_load_explicit(&t->done, memory_order_acquire) < t->njobs) cpu_relax();
         pthread_mutex_lock(&pool_mu);
         pool_task = NULL;
         pthread_mutex_unlock(&pool_mu);
         while (atomic_load(&pool_active)) cpu_relax();
+        atomic_fetch_add_explicit(&pool_wait_ns, now_ns() - t0, memory_order_relaxed);
     } else {
         run_jobs(t);
     }
@@ -3644,6 +3647,10 @@ static PyObject *py_set_vnni(PyObject *self, PyObject *args) {
     return PyLong_FromLong(old);
 }
 
+static PyObject *py_pool_wait(PyObject *self, PyObject *noargs) {
+    return PyFloat_FromDouble(atomic_load(&pool_wait_ns) * 1e-9);
+}
+
 static PyObject *py_vnni(PyObject *self, PyObject *noargs) { return PyLong_FromLong(use_vnni); }
 
 static PyObject *py_set_amx(PyObject *self, PyObject *args) {
@@ -4134,6 +4141,7 @@ static PyMethodDef methods[] = {
     {"set_x8", py_set_x8, METH_VARARGS, "set_x8(kinds): the codec kinds (a bit mask of 1 << kind) whose products take int8 activations (per 128 values); returns the old mask"},
     {"set_isa", py_set_isa, METH_VARARGS, "set_isa('avx2' | 'generic'): the kernels' instruction set"},
     {"isa", py_isa, METH_NOARGS, "the instruction set in use"},
+    {"pool_wait", py_pool_wait, METH_NOARGS, "seconds callers have waited, their own jobs done, for the pool's workers to finish theirs (all calls so far)"},
     {"vnni", py_vnni, METH_NOARGS, "the VNNI form the int8 kernels use (0 none, 1 AVX-VNNI, 2 AVX512-VNNI, 3 and 512-bit registers)"},
     {"set_vnni", py_set_vnni, METH_VARARGS, "set_vnni(level) -> the previous level (ValueError where the CPU lacks it)"},
     {"amx_matmul", py_amx_matmul, METH_VARARGS, amx_matmul_doc},

@@ -28,6 +28,7 @@ from .model import ContextFull, Model
 from .pager import ExpertReadError
 from .sampler import Sampler
 from .telemetry import Telemetry, plot_trace, vm_hwm
+from .threadtune import ThreadTuner
 from .tokenizer import Tokenizer, TokenizerError
 from .weights import ModelWeights
 
@@ -281,7 +282,9 @@ def _generate(args, log) -> int:
             pass
         model.reset()
         log("warmed up: the prompt and one token ran once, untimed")
-    telemetry = Telemetry(weights.pager, args.trace)
+    # without --threads, the decode steps' time decides between all cores and one (runtime/threadtune.py)
+    tuner = ThreadTuner(kernels.threads(), kernels.set_threads, kernels.pool_wait) if args.threads is None else None
+    telemetry = Telemetry(weights.pager, args.trace, tuner)
     stream = TextStream(tok)
     out = None if args.json else sys.stdout
     try:
@@ -317,6 +320,7 @@ def _generate(args, log) -> int:
         "prefetch_policy": weights.prefetch_policy,
         "page_cache_policy": weights.pager.page_cache_policy,
         "activations": kernels.activations(),
+        "threads": tuner.policy if tuner is not None else f"{kernels.threads()} (--threads)",
         "warm_up": bool(args.warm_up),
         **tele,
     }
@@ -349,6 +353,7 @@ def print_summary(stats: GenerationStats, report: dict, tele: dict, plan: B.Memo
         ("expert bytes read", B.fmt(tele["bytes_read"])),
         ("prefetch", report["prefetch_policy"]),
         ("page cache", report["page_cache_policy"]),
+        ("threads", report["threads"]),
         ("prefetch recall / wasted",
          na if tele["prefetch_recall"] is None else f"{tele['prefetch_recall']:.1%} / {B.fmt(tele['prefetch_wasted_bytes'])}"),
         ("major faults", str(tele["major_faults"])),

@@ -24,7 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
-    p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="compute threads (default: all cores, and one while decode steps show that another "
+                        "program holds a core and one thread is faster)")
     p.add_argument("--gguf-inputs", choices=("llama.cpp", "f32"), default="llama.cpp",
                    help="weights kept in llama.cpp's blocks (a GGUF converted with --quant keep) multiply their "
                         "input rounded to 8 bits as llama.cpp does, so the file gives llama.cpp's logits "

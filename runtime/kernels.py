@@ -286,6 +286,17 @@ def set_threads(n: int) -> None:
     _threads = max(1, int(n))
 
 
+def threads() -> int:
+    """The current setting of set_threads."""
+    return _threads
+
+
+def pool_wait() -> float:
+    """Seconds the callers of multi-threaded kernel calls have spent, their own jobs done, waiting for
+    the other threads' (all calls so far): a thread the OS took off its core mid-job shows here."""
+    return _qdot.pool_wait()
+
+
 def dequantize(codec: str, raw, shape) -> np.ndarray:
     """Float32 weight from the codec's bytes; equal to the reference decoder bit for bit."""
     if is_gguf_codec(codec):

@@ -27,8 +27,9 @@ def vm_hwm() -> int:
 
 
 class Telemetry:
-    def __init__(self, pager, trace_path: str | None = None):
-        self.pager = pager
+    def __init__(self, pager, trace_path: str | None = None, tuner=None):
+        """tuner: a threadtune.ThreadTuner that times the decode steps too (or None)."""
+        self.pager, self.tuner = pager, tuner
         self.records: list[dict] = []
         self._trace = open(Path(trace_path), "w") if trace_path else None
         self._t0 = time.perf_counter()
@@ -62,6 +63,8 @@ class Telemetry:
         self.records.append(rec)
         if phase == "decode":
             self.pager.observe_step(wall)        # --page-cache auto may be timing its two policies
+            if self.tuner is not None:
+                self.tuner.observe_step(wall)
         if self._trace:
             self._trace.write(json.dumps(rec) + "\n")
             self._trace.flush()

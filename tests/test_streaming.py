@@ -683,3 +683,13 @@ def test_observed_decode_steps_see_every_expert_and_the_one_call_step_returns_af
         m.forward([t])
     assert steps
     w.close()
+
+
+def test_the_run_summary_says_how_many_threads_decode_ran_on(synthetic):
+    """Without --threads the decode steps' time chooses (runtime/threadtune.py) and the summary says
+    what was chosen; --threads N is taken as given."""
+    proc = kimi_run("--weights", synthetic, "--prompt", "hello", "--max-tokens", 2, "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert "(auto: " in json.loads(proc.stdout)["stats"]["threads"] or json.loads(proc.stdout)["stats"]["threads"] == "1"
+    proc = kimi_run("--weights", synthetic, "--prompt", "hello", "--max-tokens", 2, "--json", "--threads", 1)
+    assert json.loads(proc.stdout)["stats"]["threads"] == "1 (--threads)", proc.stderr

@@ -1,0 +1,89 @@
+"""The kernels' thread count during decode, chosen by timing steps (kimi-run without --threads).
+
+A kernel call's jobs are shared by its threads, and a thread the OS takes off its core in the middle
+of a job holds the call until it runs again. With another program busy on a core, all threads then
+lose to fewer: on a two-core machine with one core busy, 34-35 tok/s on two threads against 47 on
+one (idle: 79 against 46). So while decoding on all cores, the tuner watches each step: when its time
+grows past `slower` times the best seen, or the calls spent more than `waiting` of it waiting for
+other threads' jobs (`waited`: the kernels' running total; a preempted thread shows there, also when
+the run started with the core already taken), it times a few steps on one thread and keeps whichever
+was faster. On one thread, it tries all of them again every `recheck` steps (the other program may be
+gone). Decisions take the median of `window` steps; the first step after a switch is not scored (the
+pool's workers wake up); a setting is left only for one `margin` faster."""
+
+from __future__ import annotations
+
+import statistics
+
+
+class ThreadTuner:
+    def __init__(self, threads: int, set_threads, waited=None, window: int = 5, slower: float = 1.35,
+                 waiting: float = 0.1, recheck: int = 64, margin: float = 0.95):
+        self.most, self.set_threads, self.waited = threads, set_threads, waited
+        self.window, self.slower, self.waiting, self.recheck, self.margin = window, slower, waiting, recheck, margin
+        self._waited = waited() if waited is not None else 0.0
+        self.current = threads
+        self.recent: list[float] = []       # the current setting's last scored steps
+        self.waits: list[float] = []        # and the share of each spent waiting for other threads
+        self.best: float | None = None      # the quickest window seen on all threads since the last trial
+        self.trial: dict | None = None      # {"threads", "skip", "times", "before"} while timing the other
+        self.since = 0                      # steps since the last trial
+        self.trials = self.switches = 0
+        self.note = f"{threads} (auto: not yet timed)"
+
+    def observe_step(self, seconds: float) -> None:
+        """One decode step's wall time, at the current setting."""
+        if self.most <= 1:
+            return
+        waited = 0.0
+        if self.waited is not None:
+            total = self.waited()
+            waited, self._waited = total - self._waited, total
+        if self.trial is not None:
+            self._trial_step(seconds)
+            return
+        self.since += 1
+        self.recent = (self.recent + [seconds])[-self.window:]
+        self.waits = (self.waits + [waited / seconds if seconds > 0 else 0.0])[-self.window:]
+        if len(self.recent) < self.window:
+            return
+        now = statistics.median(self.recent)
+        if self.current == self.most:
+            if self.best is None or now < self.best:
+                self.best = now
+            if now > self.slower * self.best or statistics.median(self.waits) > self.waiting:
+                self._start(1, now)
+        elif self.since >= self.recheck:
+            self._start(self.most, now)
+
+    def _start(self, threads: int, before: float) -> None:
+        self.trial = {"threads": threads, "skip": 1, "times": [], "before": before}
+        self.trials += 1
+        self.set_threads(threads)
+
+    def _trial_step(self, seconds: float) -> None:
+        tr = self.trial
+        if tr["skip"]:
+            tr["skip"] -= 1
+            return
+        tr["times"].append(seconds)
+        if len(tr["times"]) < self.window:
+            return
+        tried, before = statistics.median(tr["times"]), tr["before"]
+        keep = tried < self.margin * before
+        previous = self.current
+        if keep:
+            self.current = tr["threads"]
+            self.switches += 1
+        self.set_threads(self.current)
+        self.trial, self.recent, self.waits, self.since = None, [], [], 0
+        self.best = None            # the step time drifts (a longer context): measure it afresh
+        self.note = (f"{self.current} (auto: {tr['threads']} thread{'s' if tr['threads'] > 1 else ''} timed at "
+                     f"{tried * 1e3:.1f} ms a step against {before * 1e3:.1f} on {previous}; "
+                     f"{self.trials} trial{'s' if self.trials > 1 else ''})")
+
+    @property
+    def policy(self) -> str:
+        if self.most <= 1:
+            return f"{self.most}"
+        return self.note if self.trials else f"{self.current} (auto: steady, no trial needed)"

@@ -1,0 +1,77 @@
+"""kimi-run without --threads: the decode steps' time chooses between all cores and one
+(runtime/threadtune.py), on a simulated machine whose second core another program may take."""
+
+from __future__ import annotations
+
+from kimistream.runtime.threadtune import ThreadTuner
+
+
+class Machine:
+    """Step times in ms by thread count, while the other core is free or busy (measured shapes: two
+    threads 12.7 against one 21.5 when free, 30 against 21.5 when busy), with a little jitter."""
+
+    def __init__(self, busy=False):
+        self.threads, self.busy, self.n, self.waited = 2, busy, 0, 0.0
+        self.calls = []
+
+    def set_threads(self, n):
+        self.threads = n
+        self.calls.append(n)
+
+    def step(self):
+        """One step's seconds; the calls' waiting for the other thread's jobs adds up in `waited` (as
+        measured: about 1 % of a step idle, 18 % with the other core busy)."""
+        self.n += 1
+        base = {(2, False): 12.7, (1, False): 21.5, (2, True): 30.0, (1, True): 21.5}[(self.threads, self.busy)]
+        seconds = (base + (0.4 if self.n % 3 == 0 else 0.0)) / 1e3
+        if self.threads > 1:
+            self.waited += seconds * (0.18 if self.busy else 0.01)
+        return seconds
+
+
+def run(tuner, machine, steps):
+    for _ in range(steps):
+        tuner.observe_step(machine.step())
+
+
+def test_a_free_machine_is_never_timed_on_one_thread():
+    m = Machine()
+    t = ThreadTuner(2, m.set_threads, lambda: m.waited)
+    run(t, m, 300)
+    assert m.calls == [] and t.current == 2 and t.trials == 0
+    assert t.policy == "2 (auto: steady, no trial needed)"
+
+
+def test_a_busy_core_moves_decode_to_one_thread_and_back_when_it_frees():
+    m = Machine()
+    t = ThreadTuner(2, m.set_threads, lambda: m.waited, recheck=40)
+    run(t, m, 30)
+    m.busy = True
+    run(t, m, 30)
+    assert t.current == 1 and m.threads == 1 and t.switches == 1
+    assert t.policy.startswith("1 (auto: 1 thread timed at 21.")
+    run(t, m, 100)                          # still busy: rechecks of two threads lose, one thread stays
+    assert t.current == 1 and m.threads == 1 and t.trials >= 2
+    m.busy = False
+    run(t, m, 60)
+    assert t.current == 2 and m.threads == 2 and t.switches == 2
+
+
+def test_a_one_core_machine_has_nothing_to_choose():
+    m = Machine()
+    t = ThreadTuner(1, m.set_threads)
+    run(t, m, 50)
+    assert m.calls == [] and t.policy == "1"
+
+
+def test_a_core_taken_from_the_start_shows_in_the_waiting():
+    """Every step on two threads is slow from the first: no slowdown against the best seen, but the
+    calls wait for the preempted thread's jobs, and that starts the trial."""
+    m = Machine(busy=True)
+    t = ThreadTuner(2, m.set_threads, lambda: m.waited)
+    run(t, m, 20)
+    assert t.current == 1 and m.threads == 1
+    m2 = Machine(busy=True)
+    t2 = ThreadTuner(2, m2.set_threads)           # without the waiting measure it would not notice
+    run(t2, m2, 20)
+    assert t2.current == 2 and t2.trials == 0
