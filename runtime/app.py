@@ -231,7 +231,7 @@ def _interactive(args, log) -> int:
             f"a base model continues the text rather than answering")
     stop_ids = {i for i in (s.tok.eos_id, *s.cfg.eos_token_ids) if i is not None}
     engine = Engine(s.model, s.tok, stop_ids, args.prefill_batch_size, s.weights.pager,
-                    prefix_cache=not args.no_prompt_cache)
+                    prefix_cache=not args.no_prompt_cache, tuner=_thread_tuner(args))
     try:
         if args.serve:
             cfg = server.ServerConfig(model_id=s.path.stem, api_key=args.api_key, max_body=max_body,
@@ -282,8 +282,7 @@ def _generate(args, log) -> int:
             pass
         model.reset()
         log("warmed up: the prompt and one token ran once, untimed")
-    # without --threads, the decode steps' time decides between all cores and one (runtime/threadtune.py)
-    tuner = ThreadTuner(kernels.threads(), kernels.set_threads, kernels.pool_wait) if args.threads is None else None
+    tuner = _thread_tuner(args)
     telemetry = Telemetry(weights.pager, args.trace, tuner)
     stream = TextStream(tok)
     out = None if args.json else sys.stdout
@@ -332,6 +331,11 @@ def _generate(args, log) -> int:
             print_summary(stats, report, tele, plan)
     weights.close()
     return 0
+
+
+def _thread_tuner(args) -> ThreadTuner | None:
+    """Without --threads, the decode steps' time decides between all cores and one (runtime/threadtune.py)."""
+    return ThreadTuner(kernels.threads(), kernels.set_threads, kernels.pool_wait) if args.threads is None else None
 
 
 def print_summary(stats: GenerationStats, report: dict, tele: dict, plan: B.MemoryPlan) -> None:

@@ -103,9 +103,10 @@ class TextStream:
 
 class Engine:
     def __init__(self, model: Model, tok: Tokenizer, stop_ids: set[int], prefill_batch: int, pager,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, tuner=None):
+        """tuner: a threadtune.ThreadTuner timing every request's decode steps (or None)."""
         self.model, self.tok, self.stop_ids, self.prefill_batch, self.pager = model, tok, stop_ids, prefill_batch, pager
-        self.prefix_cache = prefix_cache
+        self.prefix_cache, self.tuner = prefix_cache, tuner
         self.ids: list[int] = []           # the tokens whose keys and values the cache holds, in order
         self.counters = Counters()
         self.last: Result | None = None
@@ -140,7 +141,7 @@ class Engine:
         sampler = Sampler(req.temperature, req.top_p, req.seed)
         text = TextStream(self.tok, req.stop, self.stop_ids)
         suffix = req.prompt_ids[cached:]
-        telemetry = Telemetry(self.pager)
+        telemetry = Telemetry(self.pager, tuner=self.tuner)
         fed = list(req.prompt_ids)         # what the cache holds once each step is done
         try:
             for tid in generate(self.model, suffix, req.max_tokens, sampler, self.prefill_batch,
