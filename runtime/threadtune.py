@@ -29,7 +29,7 @@ class ThreadTuner:
         self.trial: dict | None = None      # {"threads", "skip", "times", "before"} while timing the other
         self.since = 0                      # steps since the last trial
         self.trials = self.switches = 0
-        self.note = f"{threads} (auto: not yet timed)"
+        self.note = ""
 
     def observe_step(self, seconds: float) -> None:
         """One decode step's wall time, at the current setting."""
@@ -84,6 +84,10 @@ class ThreadTuner:
 
     @property
     def policy(self) -> str:
+        """What the run summary says: the setting and why."""
         if self.most <= 1:
             return f"{self.most}"
-        return self.note if self.trials else f"{self.current} (auto: steady, no trial needed)"
+        if self.trial is not None:
+            n = self.trial["threads"]
+            return f"{self.current} (auto: timing {n} thread{'s' if n > 1 else ''} when the run ended)"
+        return self.note if self.switches or self.trials else f"{self.current} (auto: steady, no trial needed)"

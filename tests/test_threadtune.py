@@ -47,7 +47,9 @@ def test_a_busy_core_moves_decode_to_one_thread_and_back_when_it_frees():
     t = ThreadTuner(2, m.set_threads, lambda: m.waited, recheck=40)
     run(t, m, 30)
     m.busy = True
-    run(t, m, 30)
+    run(t, m, 6)
+    assert t.policy == "2 (auto: timing 1 thread when the run ended)" and m.threads == 1
+    run(t, m, 24)
     assert t.current == 1 and m.threads == 1 and t.switches == 1
     assert t.policy.startswith("1 (auto: 1 thread timed at 21.")
     run(t, m, 100)                          # still busy: rechecks of two threads lose, one thread stays
