@@ -90,4 +90,4 @@ class ThreadTuner:
         if self.trial is not None:
             n = self.trial["threads"]
             return f"{self.current} (auto: timing {n} thread{'s' if n > 1 else ''} when the run ended)"
-        return self.note if self.switches or self.trials else f"{self.current} (auto: steady, no trial needed)"
+        return self.note if self.trials else f"{self.current} (auto: steady, no trial needed)"
