@@ -2,8 +2,8 @@
 whose RAM is smaller than the model): decode and prefill tok/s of the default flags against every
 explicit pager/prefetch combination, at caps given as fractions of the weight file, the default's
 ratio to the best combination of each cap, and to the disk bound (the disk's sequential read
-bandwidth, measured in the same run, over the expert bytes a token needs). Needs root and cgroup v1's
-memory controller.
+bandwidth in 8 MiB O_DIRECT reads, measured before each round of the cap in the same run, median,
+over the expert bytes a token needs). Needs root and cgroup v1's memory controller.
 
     sudo python benchmarks/bench_memory_cap.py WEIGHTS.kst [--caps 0.5,256M,0.25] [--repeats 2]
                                                [--tokens 32] [--llama-bench BIN --gguf MODEL.gguf] [--json]
@@ -32,7 +32,8 @@ from kimistream.formats.sizes import fmt, parse_size
 
 CGROUP = Path("/sys/fs/cgroup/memory/kimi-bench-cap")
 CONFIGS = {"default": [], "--prefetch next-layer": ["--prefetch", "next-layer"], "--prefetch off": ["--prefetch", "off"],
-           "--io pread": ["--io", "pread"], "--io pread --prefetch off": ["--io", "pread", "--prefetch", "off"],
+           "--io mmap": ["--io", "mmap"], "--io mmap --page-cache drop": ["--io", "mmap", "--page-cache", "drop"],
+           "--io pread": ["--io", "pread"], "--io pread --direct": ["--io", "pread", "--direct"],
            "--page-cache keep": ["--page-cache", "keep"], "--page-cache drop": ["--page-cache", "drop"]}
 LLAMA = "llama.cpp"
 
@@ -70,21 +71,25 @@ def llama_capped(bench: str, gguf: str, cap: int, tokens: int) -> dict:
 
 
 def disk_read_bandwidth(path: str, nbytes: int = 1 << 30) -> float:
-    """Sequential read bandwidth of the file's disk in bytes/s: the page cache dropped, then up to
-    `nbytes` read in 8 MiB pieces from the start of the file."""
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3")
+    """Sequential read bandwidth of the file's disk in bytes/s: up to `nbytes` read from the start of
+    the file in 8 MiB O_DIRECT requests (buffered reads, split by the kernel's readahead, measured as
+    little as a third of this on the same disk minutes apart, and below what the pagers' reads of
+    single experts reached: a bound they beat says nothing)."""
+    import mmap
     import time
-    buf = bytearray(8 << 20)
-    done = 0
-    with open(path, "rb", buffering=0) as f:
-        t = time.perf_counter()
+    buf = mmap.mmap(-1, 8 << 20)                  # page-aligned, as O_DIRECT needs
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        done, t = 0, time.perf_counter()
         while done < nbytes:
-            n = f.readinto(buf)
-            if not n:
+            n = os.preadv(fd, [buf], done)
+            if n <= 0:
                 break
             done += n
         return done / (time.perf_counter() - t)
+    finally:
+        os.close(fd)
+        buf.close()
 
 
 def main():
@@ -102,11 +107,13 @@ def main():
     if not (CGROUP.parent / "memory.limit_in_bytes").exists():
         sys.exit(f"{CGROUP.parent}: no cgroup v1 memory controller here")
     size = Path(a.weights).stat().st_size
-    disk = disk_read_bandwidth(a.weights)
     caps = [int(float(c) * size) if "." in c and not c[-1].isalpha() else parse_size(c) for c in a.caps.split(",")]
-    results = {}
+    results, disks = {}, {}
     for cap in caps:
         for _ in range(a.repeats):
+            # this disk's speed drifts 2-4x within minutes: measured before each round, and each cap's
+            # bound taken from the median of its rounds
+            disks.setdefault(cap, []).append(disk_read_bandwidth(a.weights))
             for name, extra in CONFIGS.items():
                 st = run_capped(a.weights, cap, a.tokens, extra)
                 results.setdefault((cap, name), []).append(st)
@@ -122,14 +129,16 @@ def main():
                              ("decode_tokens_per_s", "prefill_tokens_per_s", "peak_rss_bytes",
                               "decode_bytes_read_per_token", "prefetch_wasted_bytes")}
                 med[name]["policy"] = f"prefetch {runs[-1].get('prefetch_policy')}; page cache: " \
-                                      f"{runs[-1].get('page_cache_policy')}"
+                                      f"{runs[-1].get('page_cache_policy')}; reads: {runs[-1].get('io')}"
             else:
                 med[name] = {"error": results[(cap, name)][-1]["error"]}
         best = max((v["decode_tokens_per_s"] for v in med.values() if "error" not in v), default=0)
         default = med["default"].get("decode_tokens_per_s")
         need = med["default"].get("decode_bytes_read_per_token")
+        disk = statistics.median(disks[cap])
         bound = disk / need if need else None           # tok/s if every needed expert byte came off the disk
         row = {"cap": cap, "configs": med, "best_decode": best, "disk_bound_tok_s": bound,
+               "disk_bytes_per_s": disks[cap],
                "default_over_disk_bound": default / bound if bound and default else None,
                "default_over_best": default / best if best and default else None}
         if a.llama_bench:
@@ -141,7 +150,8 @@ def main():
         print(json.dumps(rows))
         return
     print(f"{a.weights}: {fmt(size)}, {a.tokens} tokens per run, median of {a.repeats}, page cache dropped before each; "
-          f"disk read bandwidth measured in the same run: {disk / 1e6:.0f} MB/s\n")
+          f"disk read bandwidth measured before each round: " +
+          ", ".join(f"{fmt(c)} " + "/".join(f"{d / 1e6:.0f}" for d in disks[c]) for c in caps) + " MB/s\n")
     llama_cols = [LLAMA, "default / llama.cpp"] if a.llama_bench else []
     print("| cap | " + " | ".join(list(CONFIGS) + llama_cols) + " | default / best | default / disk bound |")
     print("| --- |" + " --- |" * (len(CONFIGS) + len(llama_cols) + 2))

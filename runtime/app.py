@@ -192,9 +192,9 @@ def open_session(args, log, weights_path=None, describe: bool = True, hold_back:
         f"{cfg.n_shared_experts} shared, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
     log(f"codecs: {', '.join(codecs)}; plan: " + ", ".join(f"{k}={v}" for k, v in plan_classes.items()))
     log(f"tokenizer: {tok.kind}, {tok.vocab_size} tokens")
-    log(f"resident {B.fmt(resident)}; expert cache {plan.cache_experts} experts ({args.io}, {args.cache_policy}, "
+    log(f"resident {B.fmt(resident)}; expert cache {plan.cache_experts} experts ({weights.io_policy}, {args.cache_policy}, "
         f"prefetch {weights.prefetch_policy})")
-    log(f"weight file: OK (header checked, resident extents verified; experts through {args.io})")
+    log(f"weight file: OK (header checked, resident extents verified; experts through {weights.pager.mode})")
     return Session(path, cfg, plan, weights, model, tok, resident, held_back)
 
 
@@ -318,6 +318,7 @@ def _generate(args, log) -> int:
         "expert_cache_experts": plan.cache_experts,
         "prefetch_policy": weights.prefetch_policy,
         "page_cache_policy": weights.pager.page_cache_policy,
+        "io": weights.io_policy,
         "activations": kernels.activations(),
         "threads": tuner.policy if tuner is not None else f"{kernels.threads()} (--threads)",
         "warm_up": bool(args.warm_up),
@@ -357,6 +358,7 @@ def print_summary(stats: GenerationStats, report: dict, tele: dict, plan: B.Memo
         ("expert bytes read", B.fmt(tele["bytes_read"])),
         ("prefetch", report["prefetch_policy"]),
         ("page cache", report["page_cache_policy"]),
+        ("expert reads", report["io"]),
         ("threads", report["threads"]),
         ("prefetch recall / wasted",
          na if tele["prefetch_recall"] is None else f"{tele['prefetch_recall']:.1%} / {B.fmt(tele['prefetch_wasted_bytes'])}"),

@@ -54,7 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("memory and I/O")
     m.add_argument("--memory-budget", metavar="SIZE",
                    help="hard budget for the whole process, e.g. 600M, 8.24G, 8GiB (default: 80%% of MemAvailable)")
-    m.add_argument("--io", choices=("mmap", "pread"), default="mmap", help="expert I/O mode (default mmap)")
+    m.add_argument("--io", choices=("auto", "mmap", "pread"), default="auto",
+                   help="how routed experts are read: mmap (views of the file mapping), pread (a pool of "
+                        "buffers), or auto (the default: mmap, then pread with O_DIRECT once evicted experts' "
+                        "pages are to be dropped from the page cache, which O_DIRECT reads never enter); the "
+                        "run summary says what it chose")
     m.add_argument("--direct", action="store_true", help="with --io pread: O_DIRECT reads (bypass the page cache)")
     m.add_argument("--prefetch", choices=("auto", "off", "next-layer"), default="auto",
                    help="speculative reads of the next layer's experts, guessed by its router from the current "

@@ -347,6 +347,7 @@ class MoE:
         self.cfg, self.index = cfg, index
         self.router, self.bias, self.experts, self.shared = router, bias, experts, shared
         self.next: Layer | None = None      # the next MoE layer, whose experts this one can guess
+        self._buffer = experts.buffer       # what the two below were worked out for
         self._shared_fused = False          # not yet worked out (see _shared_in_buffer)
         self._step = False                  # not yet worked out (see _one_token)
 
@@ -361,6 +362,8 @@ class MoE:
     def forward(self, h: np.ndarray, x: np.ndarray) -> np.ndarray:
         """h: the normalised input [T, hidden]; x: the residual stream, for guessing the next layer."""
         idx, weights = self.route(h)
+        if self.experts.buffer is not self._buffer:        # the provider changed it between steps
+            self._buffer, self._shared_fused, self._step = self.experts.buffer, False, False
         if idx.shape[0] == 1:
             step = self._one_token()
             held = step and self.experts.held(self.index, idx[0])
@@ -532,6 +535,7 @@ class Model:
             raise ContextFull(f"context of {self.cache.max_context} tokens is full (raise --max-context)")
         blas.set_threads(1 if T == 1 else _THREADS)   # see formats/blas.py: decode steps, one or several sequences
         kernels.set_decoding(T == 1)
+        self.w.step_begins()
         x = self.embed(ids2.reshape(-1))
         for layer in self.layers:
             x = layer.forward(x, start, self.cache, self.rope)

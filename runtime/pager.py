@@ -143,6 +143,10 @@ class ExpertPager:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="kimi-prefetch")
         self.cached_bytes = 0
+        # --io auto: a decision to drop evicted experts' pages asks for O_DIRECT reads instead (see
+        # make_pager); the provider carries it out between layers (direct_successor)
+        self.direct_on_drop = False
+        self.wants_direct = False
         # reads in a row that found all their bytes in the page cache (0 after one that did not);
         # counted only when watch_reads is set (--prefetch auto: see ModelWeights.routed)
         self.watch_reads = False
@@ -332,6 +336,23 @@ class ExpertPager:
         self._evicted.clear()
         self._deciding = False
         self.page_cache_policy = f"{'drop' if drop else 'keep'} evicted experts (auto: {self._trial_note})"
+        # Dropping through the page cache costs the computing thread a page-table and page-cache
+        # removal per expert (about 10 ms a token at a quarter of the 0.8 GB bench model's file, out of
+        # 62); reads that bypass it cost nothing to drop (benchmarks/RESULTS.md: 1.2-1.3x there)
+        self.wants_direct = drop and self.direct_on_drop
+
+    def retire(self) -> None:
+        """Stop for good: reads in flight finish, and every expert held gives back its memory and its
+        pages in the page cache (a successor reads them again its own way)."""
+        self.close()
+        self.drop_evicted, self._deciding = True, False
+        with self._lock:
+            ents = list(self._cache.values()) + list(self._inflight.values())
+            self._cache.clear()
+            self._inflight.clear()
+            self.cached_bytes = 0
+        for ent in ents:
+            self._release(ent)
 
     def _in_page_cache(self, off: int, n: int) -> bool:
         """Whether a read of bytes off .. off+n would find them all in the page cache."""
@@ -587,8 +608,11 @@ class PreadPager(ExpertPager):
         return not self.direct and super()._in_page_cache(off, n)      # O_DIRECT reads bypass it
 
     def holds_together(self, n: int) -> bool:
-        # prefetches may take slots while the layer's experts are fetched: keep room for both
-        return self.slots >= 2 * n
+        # Guesses may take slots while the layer's experts are fetched: room for both. Without any
+        # guess about, n slots do under LRU: the layer's experts are then the most recent entries, so
+        # no read of one of them evicts another (at a quarter of the bench model's file, 6 slots for
+        # top-6: the one-call MoE instead of three products per expert)
+        return self.slots >= 2 * n or (self.slots >= n and self.policy == "lru" and not self._prefetched)
 
     def _needs_room(self, nbytes):
         return not self._free          # slots, not bytes, are the unit here
@@ -631,10 +655,43 @@ class PreadPager(ExpertPager):
         os.close(self._fd)
 
 
+IO_MODES = ("auto", "mmap", "pread")
+
+
 def make_pager(mode: str, wf: WeightFile, capacity_bytes: int, policy: str = "lru", direct: bool = False,
                page_cache: str = "auto"):
+    """The pager for --io `mode`. `auto`: the mmap pager, which asks for O_DIRECT reads instead
+    (wants_direct, carried out by direct_successor) once evicted experts' pages are to be dropped from
+    the page cache; with --page-cache drop, O_DIRECT reads from the start."""
+    if mode == "auto":
+        if page_cache == "drop":
+            try:
+                return PreadPager(wf, capacity_bytes, policy, direct=True, page_cache=page_cache)
+            except ExpertReadError:
+                pass                    # no O_DIRECT on this filesystem: mapped pages, dropped
+        pager = MmapPager(wf, capacity_bytes, policy, page_cache=page_cache)
+        pager.direct_on_drop = True
+        return pager
     if mode == "mmap":
         return MmapPager(wf, capacity_bytes, policy, page_cache=page_cache)
     if mode == "pread":
         return PreadPager(wf, capacity_bytes, policy, direct=direct, page_cache=page_cache)
-    raise ValueError(f"unknown --io mode {mode!r} (mmap, pread)")
+    raise ValueError(f"unknown --io mode {mode!r} ({', '.join(IO_MODES)})")
+
+
+def direct_successor(old: ExpertPager) -> ExpertPager:
+    """An O_DIRECT pread pager to take over from `old` (an mmap pager whose page-cache policy came to
+    dropping evicted experts): the same budget, cache policy, counters (the same PagerStats object, so
+    whoever holds `old` keeps counting) and verified experts. `old` gives back every expert it holds,
+    mappings and page cache alike, before the new pool fills. Where O_DIRECT cannot be had, `old` stays
+    (its policy says why) and is returned."""
+    old.wants_direct = False
+    try:
+        new = PreadPager(old.wf, old.capacity, old.policy, direct=True, page_cache="drop")
+    except ExpertReadError as e:
+        old.page_cache_policy += f"; O_DIRECT reads unavailable ({e.__str__().rsplit(': ', 1)[-1]})"
+        return old
+    new.stats, new._verified, new._freq, new.watch_reads = old.stats, old._verified, old._freq, old.watch_reads
+    new.page_cache_policy = f"{old.page_cache_policy}; then O_DIRECT reads, which leave nothing to drop"
+    old.retire()
+    return new

@@ -17,7 +17,7 @@ from kimistream.formats.layout import EXPERT_PROJS, expert_tensor
 from kimistream.formats.memplan import DECODED_SUFFIXES
 from kimistream.formats.weightfile import WeightFile, WeightFileError, check_model
 
-from .pager import ExpertPager, make_pager
+from .pager import ExpertPager, direct_successor, make_pager
 
 PAGE = mmap.PAGESIZE
 UNBOUNDED = 1 << 62
@@ -95,6 +95,10 @@ class ExpertProvider:
     wants_guesses: bool = False         # take guesses of the next layer's experts (speculative reads)
     buffer: np.ndarray | None = None    # the buffer every expert tensor lies in (fused kernel calls)
 
+    def step_begins(self) -> None:
+        """A model step (a prefill chunk or a decoded token) begins: no expert's weights are in use,
+        and the only point where `buffer` may change."""
+
     def routed(self, layer: int, experts) -> None:
         """`layer` routed to `experts` (unique ids): score any guess, start reading them all."""
 
@@ -142,6 +146,7 @@ class ModelWeights(ExpertProvider):
         self._advise_experts_random()
         self.pager: ExpertPager = make_pager(io, self.file, cache_bytes, policy, direct, page_cache)
         self.buffer = self.pager.base
+        self.io = io
         self.wants_guesses, self.prefetch_policy = self._prefetch_policy(cache_bytes)
         self.pager.watch_reads = self.prefetch == "auto" and self.wants_guesses
 
@@ -228,7 +233,27 @@ class ModelWeights(ExpertProvider):
             self.file.mm.madvise(mmap.MADV_DONTNEED, ext.offset, -(-ext.nbytes // PAGE) * PAGE)
         return rows
 
+    @property
+    def io_policy(self) -> str:
+        """How experts are read, in words (the run summary's)."""
+        p = self.pager
+        how = "O_DIRECT pread" if getattr(p, "direct", False) else p.mode
+        if self.io != "auto":
+            return how
+        if p.direct_on_drop:
+            return f"auto: {how} (O_DIRECT reads if evicted experts' pages are to be dropped)"
+        return f"auto: {how}" + ("" if how == "mmap" else " (evicted experts' pages are not kept)")
+
     # ---- the expert provider, over the pager
+    def step_begins(self) -> None:
+        """--io auto: when the pager has asked for O_DIRECT reads, hand over to a pread pager here,
+        between model steps, where no expert's views are in use (the new pool replaces the mapping as
+        the experts' buffer)."""
+        if self.pager.wants_direct:
+            self.pager = direct_successor(self.pager)
+            self.buffer = self.pager.base
+            self._expert_weights.clear()
+
     def routed(self, layer: int, experts) -> None:
         self.pager.note_routed(layer, experts)
         self.pager.fetch_ahead(layer, experts)

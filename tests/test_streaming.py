@@ -523,8 +523,14 @@ def test_auto_page_cache_decides_from_what_the_page_cache_kept(synthetic, monkey
     assert w.pager.page_cache_policy == f"{decision} evicted experts (auto: {share:.0%} of 4 evicted experts " \
                                         f"were still cached when needed again)"
     w.close()
-    proc = kimi_run("--weights", synthetic, "--prompt", "hello", "--max-tokens", 2, "--json", "--page-cache", "drop")
+    proc = kimi_run("--weights", synthetic, "--prompt", "hello", "--max-tokens", 2, "--json", "--page-cache", "drop",
+                    "--io", "mmap")
     assert json.loads(proc.stdout)["stats"]["page_cache_policy"] == "drop evicted experts", proc.stderr
+    # --io auto (the default) drops by not letting the pages in: O_DIRECT reads from the start
+    stats = json.loads(kimi_run("--weights", synthetic, "--prompt", "hello", "--max-tokens", 2, "--json",
+                                "--page-cache", "drop").stdout)["stats"]
+    assert stats["page_cache_policy"] == "not used (O_DIRECT reads)"
+    assert stats["io"] == "auto: O_DIRECT pread (evicted experts' pages are not kept)"
 
 
 @pytest.mark.parametrize("faster", ["drop", "keep"])
@@ -693,3 +699,70 @@ def test_the_run_summary_says_how_many_threads_decode_ran_on(synthetic):
     assert "(auto: " in json.loads(proc.stdout)["stats"]["threads"] or json.loads(proc.stdout)["stats"]["threads"] == "1"
     proc = kimi_run("--weights", synthetic, "--prompt", "hello", "--max-tokens", 2, "--json", "--threads", 1)
     assert json.loads(proc.stdout)["stats"]["threads"] == "1 (--threads)", proc.stderr
+
+
+def test_io_auto_moves_to_o_direct_reads_when_evicted_pages_are_to_be_dropped(synthetic_q2, monkeypatch):
+    """--io auto reads experts through the mapping until --page-cache auto decides to drop evicted
+    experts' pages; from the next model step an O_DIRECT pread pager takes over (nothing then enters
+    the page cache to be dropped), with the same counters, and the mapping's pager gives back all it
+    held. The logits are those of mmap up to the handover and after it those of reads into a pool
+    (where the shared expert runs apart from the routed ones: the same up to float rounding), the
+    one-call decode step (whose shared expert lay in the mapping) included."""
+    from kimistream.runtime import kernels
+    from kimistream.runtime import pager as P
+    monkeypatch.setattr(P, "RELOAD_SKIP", 2)
+    monkeypatch.setattr(P, "RELOAD_TRIAL", 4)
+    steps = []
+    monkeypatch.setattr(kernels.MoEStep, "__call__",
+                        lambda self, *a, _call=kernels.MoEStep.__call__: steps.append(type(w.pager)) or _call(self, *a))
+    expert = max(e.nbytes for e in WeightFile(synthetic_q2).extents if e.kind == "expert")
+    runs = {}
+    for io in ("mmap", "auto"):
+        w = ModelWeights(synthetic_q2, io=io, cache_bytes=40 * expert)
+        first = w.pager
+        first.cached_share = lambda off, n: 0.0          # as under a cap: evicted experts' pages gone
+        w.load_resident()
+        m = Model(w, 128)
+        logits, mapped = [], 0
+        for t in PROMPT * 2:
+            logits.append(m.forward([t]))
+            mapped += w.pager is first
+        st = w.pager.stats
+        runs[io] = (np.stack(logits), st.hits + st.misses, w.pager, first, w.io_policy, mapped)
+        w.close()
+    mapped = runs["auto"][5]
+    assert 0 < mapped < len(PROMPT) * 2
+    np.testing.assert_array_equal(runs["auto"][0][:mapped], runs["mmap"][0][:mapped])
+    np.testing.assert_allclose(runs["auto"][0], runs["mmap"][0], atol=0.1)
+    assert runs["auto"][1] == runs["mmap"][1]                  # the same experts asked for
+    _, _, pager, first, policy, _ = runs["auto"]
+    assert isinstance(pager, P.PreadPager) and pager.direct and pager.stats is first.stats
+    assert not first._cache and first.cached_bytes == 0
+    assert pager.page_cache_policy.startswith("drop evicted experts (auto: 0% of 4") and \
+        pager.page_cache_policy.endswith("; then O_DIRECT reads, which leave nothing to drop")
+    assert policy == "auto: O_DIRECT pread (evicted experts' pages are not kept)"
+    mmap_pager = runs["mmap"][2]
+    assert isinstance(mmap_pager, P.MmapPager) and mmap_pager.drop_evicted   # --io mmap: drops, stays
+    assert P.MmapPager in steps and P.PreadPager in steps      # one-call steps before and after
+
+
+def test_a_pread_pool_of_one_layers_experts_takes_them_together_only_when_nothing_can_evict_them(synthetic):
+    """Reads into a pool hold a layer's n experts at once in n slots under LRU with no guess about
+    (they are then the most recent entries); with guesses in flight or LFRU (which may pick among the
+    older half) it takes 2n."""
+    from kimistream.runtime.pager import PreadPager
+    wf = WeightFile(synthetic)
+    expert = max(e.nbytes for e in wf.extents if e.kind == "expert")
+    for policy, guess, slots, expect in [("lru", False, 2, True), ("lru", True, 2, False), ("lfru", False, 2, False),
+                                         ("lfru", True, 4, True), ("lru", False, 1, False)]:
+        p = PreadPager(wf, slots * expert, policy)
+        if guess:
+            p._prefetched.add((1, 0))
+        assert p.holds_together(2) == expect, (policy, guess, slots)
+        p.close()
+    wf.close()
+    # and the output is the same with a pool of exactly one token's experts (top-2), LRU, no guesses
+    ref_logits, ref_tokens, _ = _run(synthetic)
+    logits, tokens, stats = _run(synthetic, io="pread", cache_bytes=2 * expert, prefetch="off")
+    np.testing.assert_array_equal(logits, ref_logits)
+    assert tokens == ref_tokens and stats.evictions > 0
