@@ -6,7 +6,8 @@ bandwidth in 8 MiB O_DIRECT reads, measured before each round of the cap in the 
 over the expert bytes a token needs). Needs root and cgroup v1's memory controller.
 
     sudo python benchmarks/bench_memory_cap.py WEIGHTS.kst [--caps 0.5,256M,0.25] [--repeats 2]
-                                               [--tokens 32] [--llama-bench BIN --gguf MODEL.gguf] [--json]
+                                               [--tokens 32] [--llama-bench BIN --gguf MODEL.gguf]
+                                               [--llama-tokens N] [--json]
 
 Each run starts with the page cache dropped (so every expert read is a real read), the budget equal
 to the cap, and a 26-letter prompt; rounds alternate the configurations so drift falls on all alike.
@@ -100,6 +101,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--llama-bench", metavar="BIN", help="llama.cpp's llama-bench, to run under the same caps")
     ap.add_argument("--gguf", metavar="MODEL", help="with --llama-bench: llama.cpp's file of the same weights")
+    ap.add_argument("--llama-tokens", type=int, help="tokens per llama.cpp run (default --tokens; under a cap it "
+                                                      "decodes at about 1 tok/s)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if bool(a.llama_bench) != bool(a.gguf):
@@ -118,7 +121,8 @@ def main():
                 st = run_capped(a.weights, cap, a.tokens, extra)
                 results.setdefault((cap, name), []).append(st)
             if a.llama_bench:
-                results.setdefault((cap, LLAMA), []).append(llama_capped(a.llama_bench, a.gguf, cap, a.tokens))
+                results.setdefault((cap, LLAMA), []).append(llama_capped(a.llama_bench, a.gguf, cap,
+                                                                         a.llama_tokens or a.tokens))
     rows = []
     for cap in caps:
         med = {}

@@ -3145,7 +3145,11 @@ static float *swiglu_pairs(float *h, int64_t n, int64_t inter) {
     for (int64_t i = 0; i < n; i++) {
         const float *g = h + 2 * i * inter, *u = g + inter;
         float *a = act + i * inter;
-        for (int64_t r = 0; r < inter; r++) a[r] = g[r] / (1.0f + expf(-g[r])) * u[r];
+        int64_t r = 0;
+#if HAVE_X86
+        if (use_avx2) r = swiglu_avx2(g, u, a, inter);      /* as kernels.swiglu: the same values apart */
+#endif
+        for (; r < inter; r++) a[r] = g[r] / (1.0f + expf(-g[r])) * u[r];
     }
     return act;
 }

@@ -139,6 +139,7 @@ class ExpertPager:
         self._predicted: dict[int, set] = {}
         self._freq: dict[tuple, int] = {}
         self._prefetched: set[tuple] = set()     # prefetched, not yet used
+        self._guessed = False                    # any speculative read asked for in this run
         self._verified: set[tuple] = set()       # experts whose bytes matched their checksum once
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="kimi-prefetch")
@@ -237,6 +238,7 @@ class ExpertPager:
 
     def prefetch(self, layer: int, experts) -> None:
         """Speculative: start reading experts predicted for `layer` (scored by note_routed)."""
+        self._guessed = True
         self._predicted[layer] = set(int(x) for x in experts)
         for e in self._predicted[layer]:
             key = (layer, e)
@@ -608,11 +610,12 @@ class PreadPager(ExpertPager):
         return not self.direct and super()._in_page_cache(off, n)      # O_DIRECT reads bypass it
 
     def holds_together(self, n: int) -> bool:
-        # Guesses may take slots while the layer's experts are fetched: room for both. Without any
-        # guess about, n slots do under LRU: the layer's experts are then the most recent entries, so
-        # no read of one of them evicts another (at a quarter of the bench model's file, 6 slots for
+        # Guesses may take slots while the layer's experts are fetched: room for both (a wrong guess's
+        # read goes on after it is abandoned, and its slot counts until it lands). In a run that never
+        # guessed, n slots do under LRU: the layer's experts are then the most recent entries, so no
+        # read of one of them evicts another (at a quarter of the bench model's file, 6 slots for
         # top-6: the one-call MoE instead of three products per expert)
-        return self.slots >= 2 * n or (self.slots >= n and self.policy == "lru" and not self._prefetched)
+        return self.slots >= 2 * n or (self.slots >= n and self.policy == "lru" and not self._guessed)
 
     def _needs_room(self, nbytes):
         return not self._free          # slots, not bytes, are the unit here
@@ -692,6 +695,7 @@ def direct_successor(old: ExpertPager) -> ExpertPager:
         old.page_cache_policy += f"; O_DIRECT reads unavailable ({e.__str__().rsplit(': ', 1)[-1]})"
         return old
     new.stats, new._verified, new._freq, new.watch_reads = old.stats, old._verified, old._freq, old.watch_reads
+    new._guessed = old._guessed
     new.page_cache_policy = f"{old.page_cache_policy}; then O_DIRECT reads, which leave nothing to drop"
     old.retire()
     return new

@@ -35,6 +35,9 @@ PREFETCH_MODES = ("auto", "off", "next-layer")
 GUESS_TRIAL = 256           # routed experts scored before the recall is judged
 GUESS_MIN_RECALL = 0.5      # below this share of guessed experts used, guessing stops for the run
 GUESS_IDLE_READS = 64       # reads in a row served by the page cache that pause guessing
+# The embedding table's pages go back after this many rows read (a row touches a page or so in each of
+# its codec's planes: at most ~300 KiB held between releases)
+EMBED_RELEASE_ROWS = 16
 
 
 
@@ -143,6 +146,7 @@ class ModelWeights(ExpertProvider):
         self.expert_bytes_touched = 0
         self.resident_bytes = 0
         self.decoded_bytes = 0
+        self._embedded = 0                  # embedding rows read since the table's pages were given back
         self._advise_experts_random()
         self.pager: ExpertPager = make_pager(io, self.file, cache_bytes, policy, direct, page_cache)
         self.buffer = self.pager.base
@@ -228,9 +232,13 @@ class ModelWeights(ExpertProvider):
         else:
             rows = np.array(get_codec(t.codec).decode_rows(self.file.raw(t.name), t.shape, ids), dtype=np.float32)
         ext = self.file.extents[t.extent]
-        if ext.kind == EXTENT_EMBEDDING and hasattr(mmap, "MADV_DONTNEED"):
-            # Rows were copied out: give the table's pages back so RSS does not grow with the vocabulary seen.
+        self._embedded += len(rows)
+        if ext.kind == EXTENT_EMBEDDING and hasattr(mmap, "MADV_DONTNEED") and self._embedded >= EMBED_RELEASE_ROWS:
+            # Rows were copied out: give the table's pages back so RSS does not grow with the vocabulary
+            # seen. Not at every decode step: with the kernels' threads about, each release interrupts
+            # the other cores to flush their TLBs (about 60 us a token measured on two threads)
             self.file.mm.madvise(mmap.MADV_DONTNEED, ext.offset, -(-ext.nbytes // PAGE) * PAGE)
+            self._embedded = 0
         return rows
 
     @property

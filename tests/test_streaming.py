@@ -747,9 +747,9 @@ def test_io_auto_moves_to_o_direct_reads_when_evicted_pages_are_to_be_dropped(sy
 
 
 def test_a_pread_pool_of_one_layers_experts_takes_them_together_only_when_nothing_can_evict_them(synthetic):
-    """Reads into a pool hold a layer's n experts at once in n slots under LRU with no guess about
-    (they are then the most recent entries); with guesses in flight or LFRU (which may pick among the
-    older half) it takes 2n."""
+    """Reads into a pool hold a layer's n experts at once in n slots under LRU in a run that never
+    guessed (they are then the most recent entries); once guesses were made (an abandoned one's read
+    still lands in a slot) or under LFRU (which may pick among the older half) it takes 2n."""
     from kimistream.runtime.pager import PreadPager
     wf = WeightFile(synthetic)
     expert = max(e.nbytes for e in wf.extents if e.kind == "expert")
@@ -757,7 +757,7 @@ def test_a_pread_pool_of_one_layers_experts_takes_them_together_only_when_nothin
                                          ("lfru", True, 4, True), ("lru", False, 1, False)]:
         p = PreadPager(wf, slots * expert, policy)
         if guess:
-            p._prefetched.add((1, 0))
+            p.prefetch(1, [])
         assert p.holds_together(2) == expect, (policy, guess, slots)
         p.close()
     wf.close()
