@@ -145,7 +145,7 @@ class ExpertPager:
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="kimi-prefetch")
         self.cached_bytes = 0
         # --io auto: a decision to drop evicted experts' pages asks for O_DIRECT reads instead (see
-        # make_pager); the provider carries it out between layers (direct_successor)
+        # make_pager); the provider carries it out between model steps (direct_successor)
         self.direct_on_drop = False
         self.wants_direct = False
         # reads in a row that found all their bytes in the page cache (0 after one that did not);
@@ -692,7 +692,7 @@ def direct_successor(old: ExpertPager) -> ExpertPager:
     try:
         new = PreadPager(old.wf, old.capacity, old.policy, direct=True, page_cache="drop")
     except ExpertReadError as e:
-        old.page_cache_policy += f"; O_DIRECT reads unavailable ({e.__str__().rsplit(': ', 1)[-1]})"
+        old.page_cache_policy += f"; O_DIRECT reads unavailable ({str(e).rsplit(': ', 1)[-1]})"
         return old
     new.stats, new._verified, new._freq, new.watch_reads = old.stats, old._verified, old._freq, old.watch_reads
     new._guessed = old._guessed

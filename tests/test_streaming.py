@@ -766,3 +766,25 @@ def test_a_pread_pool_of_one_layers_experts_takes_them_together_only_when_nothin
     logits, tokens, stats = _run(synthetic, io="pread", cache_bytes=2 * expert, prefetch="off")
     np.testing.assert_array_equal(logits, ref_logits)
     assert tokens == ref_tokens and stats.evictions > 0
+
+
+def test_io_auto_keeps_the_mapping_where_o_direct_cannot_be_had(synthetic, monkeypatch):
+    """A filesystem that refuses O_DIRECT (tmpfs): --io auto stays with the mapping, dropping evicted
+    experts' pages as --io mmap does, and the page-cache policy says why; with --page-cache drop it
+    maps from the start."""
+    from kimistream.runtime import pager as P
+
+    def refuse(self, wf, *a, **kw):
+        raise P.ExpertReadError(f"{wf.path}: cannot open for O_DIRECT reads: Invalid argument")
+    monkeypatch.setattr(P.PreadPager, "__init__", refuse)
+    w = ModelWeights(synthetic, io="auto", cache_bytes=2 * ModelWeights(synthetic).expert_extent_bytes)
+    first = w.pager
+    first._decide(True)
+    assert first.wants_direct
+    w.step_begins()
+    assert w.pager is first and not first.wants_direct and first.drop_evicted
+    assert first.page_cache_policy.endswith("; O_DIRECT reads unavailable (Invalid argument)")
+    w.close()
+    w = ModelWeights(synthetic, io="auto", page_cache="drop")
+    assert isinstance(w.pager, P.MmapPager) and w.pager.drop_evicted
+    w.close()
