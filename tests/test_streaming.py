@@ -788,3 +788,26 @@ def test_io_auto_keeps_the_mapping_where_o_direct_cannot_be_had(synthetic, monke
     w = ModelWeights(synthetic, io="auto", page_cache="drop")
     assert isinstance(w.pager, P.MmapPager) and w.pager.drop_evicted
     w.close()
+
+
+@pytest.mark.parametrize("share,direct", [(0.5, True), (0.9, False)])
+def test_io_auto_reads_with_o_direct_unless_keeping_is_clear(synthetic, monkeypatch, share, direct):
+    """Under --io auto, dropping means O_DIRECT reads, which were never slower than keeping where the
+    share of evicted experts still cached did not say keep clearly: a middling share goes to O_DIRECT
+    at once, with no timed windows (--io mmap times them, see above); a high share keeps the mapping."""
+    from kimistream.runtime import pager as P
+    monkeypatch.setattr(P, "RELOAD_SKIP", 2)
+    monkeypatch.setattr(P, "RELOAD_TRIAL", 4)
+    w = ModelWeights(synthetic, io="auto", cache_bytes=2 * ModelWeights(synthetic).expert_extent_bytes)
+    first = w.pager
+    first.cached_share = lambda off, n: share
+    w.load_resident()
+    m = Model(w, 64)
+    m.prefill(PROMPT, 8)
+    for _ in range(3):
+        m.forward([5])
+    assert first._timed is None and first.stats.reloads == 4
+    assert isinstance(w.pager, P.PreadPager) == direct
+    decision = "drop" if direct else "keep"
+    assert w.pager.page_cache_policy.startswith(f"{decision} evicted experts (auto: {share:.0%} of 4 evicted")
+    w.close()
