@@ -60,6 +60,12 @@ PAGE_CACHE_MODES = ("auto", "keep", "drop")
 RELOAD_SKIP = 128              # misses of evicted experts not scored
 RELOAD_TRIAL = 128             # misses of evicted experts scored before deciding
 RELOAD_CLEAR = (0.15, 0.85)    # shares still cached below which dropping, above which keeping is clear
+# With --io auto, dropping means O_DIRECT reads, which cost nothing to drop; below this share they go
+# ahead at once. Measured on the bench model under caps: at 256 MiB (share 0.43) O_DIRECT was 1.05-1.12x
+# keeping, where dropping mapped pages was 0.87x; at ½ (share 0.76-0.93) keeping was 1.1-1.2x O_DIRECT.
+# Between this and RELOAD_CLEAR[1] the windows are timed (keeping against dropping mapped pages; a
+# verdict to drop then also goes to O_DIRECT).
+RELOAD_DIRECT = 0.6
 TIMED_ORDER = (False, True)    # the timed windows: keeping (as during the share's trial), then dropping
 TIMED_STEPS = 3                # decode steps per window; after a switch its first is not scored
 TIMED_MARGIN = 0.95            # dropping stays if its steps took less than this share of keeping's
@@ -293,10 +299,8 @@ class ExpertPager:
         if st.reloads >= RELOAD_TRIAL and self._timed is None:
             share = st.reloads_cached / st.reloads
             self._trial_note = f"{share:.0%} of {st.reloads} evicted experts were still cached when needed again"
-            if self.direct_on_drop and share <= RELOAD_CLEAR[1]:
-                # --io auto drops by reading with O_DIRECT, which beat keeping wherever the share did not
-                # say keep clearly (at 256 MiB, share 0.43: 1.05-1.12x keeping; at ½ with a share of
-                # 0.81, even), while dropping mapped pages lost there (0.87x): nothing to time
+            if self.direct_on_drop and share < RELOAD_DIRECT:
+                # --io auto drops by reading with O_DIRECT: no time to take: see RELOAD_DIRECT
                 self._decide(True)
             elif RELOAD_CLEAR[0] <= share <= RELOAD_CLEAR[1]:
                 self._timed = []                  # observe_step times the two policies from here
