@@ -9,7 +9,10 @@
 
 An evicted expert's pages may stay in the OS page cache or be dropped from it (`--page-cache`; auto
 decides from how many evicted experts the page cache still held when they were needed again). Both
-count hits, misses, bytes read, time spent waiting for I/O, and prefetch recall/waste."""
+count hits, misses, bytes read, time spent waiting for I/O, and prefetch recall/waste.
+
+`--io auto` (make_pager) starts with `mmap` and, when evicted pages are to be dropped, asks its
+provider to hand over to an O_DIRECT `pread` pager between model steps (direct_successor)."""
 
 from __future__ import annotations
 
