@@ -352,7 +352,7 @@ class ExpertPager:
         self.page_cache_policy = f"{'drop' if drop else 'keep'} evicted experts (auto: {self._trial_note})"
         # Dropping through the page cache costs the computing thread a page-table and page-cache
         # removal per expert (about 10 ms a token at a quarter of the 0.8 GB bench model's file, out of
-        # 62); reads that bypass it cost nothing to drop (benchmarks/RESULTS.md: 1.2-1.3x there)
+        # 62); reads that bypass it cost nothing to drop (benchmarks/RESULTS.md: 1.1-1.2x there)
         self.wants_direct = drop and self.direct_on_drop
 
     def retire(self) -> None:
@@ -682,8 +682,8 @@ def make_pager(mode: str, wf: WeightFile, capacity_bytes: int, policy: str = "lr
         if page_cache == "drop":
             try:
                 return PreadPager(wf, capacity_bytes, policy, direct=True, page_cache=page_cache)
-            except ExpertReadError:
-                pass                    # no O_DIRECT on this filesystem: mapped pages, dropped
+            except ExpertReadError:     # no O_DIRECT on this filesystem: mapped pages, dropped
+                return MmapPager(wf, capacity_bytes, policy, page_cache=page_cache)
         pager = MmapPager(wf, capacity_bytes, policy, page_cache=page_cache)
         pager.direct_on_drop = True
         return pager
@@ -700,7 +700,7 @@ def direct_successor(old: ExpertPager) -> ExpertPager:
     whoever holds `old` keeps counting) and verified experts. `old` gives back every expert it holds,
     mappings and page cache alike, before the new pool fills. Where O_DIRECT cannot be had, `old` stays
     (its policy says why) and is returned."""
-    old.wants_direct = False
+    old.wants_direct = old.direct_on_drop = False
     try:
         new = PreadPager(old.wf, old.capacity, old.policy, direct=True, page_cache="drop")
     except ExpertReadError as e:
