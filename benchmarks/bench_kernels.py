@@ -83,8 +83,7 @@ def main():
                 continue
             raw = encode(codec, w)
             copies = [raw.copy() for _ in range(max(1, ws // raw.nbytes))]
-            # (one token: t1's int8 route is for several tokens, a single one takes its 16-bit kernel)
-            modes = args.activations.split(",") if name in kernels.X8_CODECS and name != "t1" else ["int16"]
+            modes = args.activations.split(",") if name in kernels.X8_CODECS else ["int16"]
             for mode in modes:
                 kernels.set_activations(mode)
                 cells = []

@@ -5,6 +5,11 @@ for 1-2-bit presets: text the model samples itself), calibrated on training-spli
 
     python benchmarks/bench_quality.py [--models stdlib-moe manpages-moe] [--chars 30000] [--cal-chars 60000]
                                        [--presets q2 t1 ...] [--fits data-free calibrated ...] [--ablation]
+                                       [--activations auto int16 ...] [--prefill-batch-size N]
+
+--prefill-batch-size 1 scores every held-out token as a decode step (the one-token kernels and their
+input rounding); by default the text goes through in prompt chunks. Each --activations setting (kimi-run's
+flag) gives a row of its own.
 
 Calibration text comes from the models' training split (never the held-out files), built by
 training/train.py's own corpus functions.
@@ -82,7 +87,12 @@ def main():
     ap.add_argument("--ablation", action="store_true",
                     help="also: importance-only calibration (--moment-budget 0) for q2 and t1, and q2 on the "
                          "routed experts alone (everything else f32) data-free / importance only / calibrated")
+    ap.add_argument("--activations", nargs="+", default=["auto"], choices=["auto", "int8", "int16"],
+                    help="kimi-run --activations settings to score each conversion with (default: auto)")
+    ap.add_argument("--prefill-batch-size", type=int, default=None,
+                    help="kimi-run --prefill-batch-size (1: every token a decode step)")
     args = ap.parse_args()
+    scoring = ["--prefill-batch-size", args.prefill_batch_size] if args.prefill_batch_size else []
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -106,19 +116,23 @@ def main():
                 extra = flags[mode.split(",")[0]] + over
                 s = json.loads(run("kimistream.convert.cli", src, "-o", out, "--quant", preset, "--quiet",
                                    "--json", *extra))
-                q = json.loads(run("kimistream.runtime.cli", "--weights", out, "--perplexity", held,
-                                   "--kl-reference", ref, "--max-context", args.context, "--json",
-                                   "--quiet"))["quality"]
-                rows.append({"model": model, "preset": preset, "mode": mode,
-                             "expert_bpw": s["classes"]["routed_experts"]["bpw"], "file_bpw": s["total"]["bpw"],
-                             "tokens": q["tokens"], "perplexity": q["perplexity"],
-                             "f32_perplexity": q["reference_perplexity"], "kl_mean": q["kl_mean"],
-                             "kl_p99": q["kl_p99"], "top1": q["top1_agreement"]})
-                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    print("| model | preset | fit | routed-expert bpw | file bpw | perplexity (f32) | mean KL | p99 KL | top-1 |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+                for act in args.activations:
+                    q = json.loads(run("kimistream.runtime.cli", "--weights", out, "--perplexity", held,
+                                       "--kl-reference", ref, "--max-context", args.context, "--json",
+                                       "--quiet", "--activations", act, *scoring))["quality"]
+                    rows.append({"model": model, "preset": preset, "mode": mode, "activations": act,
+                                 "expert_bpw": s["classes"]["routed_experts"]["bpw"], "file_bpw": s["total"]["bpw"],
+                                 "tokens": q["tokens"], "perplexity": q["perplexity"],
+                                 "f32_perplexity": q["reference_perplexity"], "kl_mean": q["kl_mean"],
+                                 "kl_p99": q["kl_p99"], "top1": q["top1_agreement"]})
+                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    several = len(args.activations) > 1
+    print("| model | preset | fit | " + ("activations | " if several else "") +
+          "routed-expert bpw | file bpw | perplexity (f32) | mean KL | p99 KL | top-1 |")
+    print("| --- " * (9 + several) + "|")
     for r in rows:
-        print(f"| {r['model']} | {r['preset']} | {r['mode']} | {r['expert_bpw']:.3f} | {r['file_bpw']:.3f} | "
+        print(f"| {r['model']} | {r['preset']} | {r['mode']} | " + (f"{r['activations']} | " if several else "") +
+              f"{r['expert_bpw']:.3f} | {r['file_bpw']:.3f} | "
               f"{r['perplexity']:.3f} ({r['f32_perplexity']:.3f}) | {r['kl_mean']:.5f} | {r['kl_p99']:.4f} | "
               f"{r['top1']:.2%} |")
 

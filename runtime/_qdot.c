@@ -683,7 +683,7 @@ AVX2 static void multi_avx2(int kind, const uint8_t *codes, int64_t row_bytes, i
 static int use_avx2;
 /* the codec kinds (bit 1 << kind) whose one-token products take int8 activations (set_x8); row_x8
    serves q2, q4, q6 and q1 */
-#define X8_CAPABLE ((1 << K_Q2) | (1 << K_Q4) | (1 << K_Q6) | (1 << K_Q1) | (1 << K_T1))  /* t1: several tokens */
+#define X8_CAPABLE ((1 << K_Q2) | (1 << K_Q4) | (1 << K_Q6) | (1 << K_Q1) | (1 << K_T1))  /* t1: see rows_t1_x7 */
 static int x8_kinds = 1 << K_Q2;
 static inline int x8_kind(int kind) { return kind >= 0 && kind < 31 && ((x8_kinds >> kind) & 1); }
 extern int ggml_avx2;
@@ -878,15 +878,18 @@ AVX2 static void rows_avx2(const uint8_t *t, const int64_t *g, int64_t r0, int64
  * each weight as a whole, not only its distance from the offset, multiplies the rounded input, and
  * the rounding error is sum_j w_j (x^_j - x_j), as small as that of signed codes), and each outlier
  * replaces what the sums took for its column. */
-AVX2 static void quantize_x8(const float *x, int64_t cols, int8_t *q, float *qd, float *qs) {
+/* x rounded to -top .. top per 128 values into q, with qd[block] = amax / qdiv and qs[span] the rounded
+   values' sum times the step (amax / top) */
+AVX2 static inline __attribute__((always_inline)) void quantize_blocks(const float *x, int64_t cols, int8_t *q, float *qd,
+                                                                     float *qs, const float top, const float qdiv) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t c0 = 0; c0 < cols; c0 += 128) {
         int64_t n = cols - c0 < 128 ? cols - c0 : 128;          /* a multiple of 32 */
         __m256 mx = _mm256_setzero_ps();
         for (int64_t j = 0; j < n; j += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + c0 + j)));
         float amax = hmax8(mx);
-        qd[c0 / 128] = amax / 508.0f;           /* a quarter of the step: see row_x8 */
-        __m256 inv = _mm256_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+        qd[c0 / 128] = amax / qdiv;
+        __m256 inv = _mm256_set1_ps(amax > 0 ? top / amax : 0.0f);
         for (int64_t j = 0; j < n; j += 32) {
             const float *v = x + c0 + j;
             __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v), inv));
@@ -895,12 +898,17 @@ AVX2 static void quantize_x8(const float *x, int64_t cols, int8_t *q, float *qd,
             __m256i d = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 24), inv));
             /* the rounded values' sum over the 32 (exact in float: at most 32 * 127) times the step */
             qs[(c0 + j) / 32] = hsum8(_mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_add_epi32(a, b), _mm256_add_epi32(c, d)))) *
-                                (amax / 127.0f);
+                                (amax / top);
             /* packs interleave the 128-bit lanes: one permute puts the 32 bytes back in order */
             __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
             _mm256_storeu_si256((__m256i *)(q + c0 + j), _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
         }
     }
+}
+
+/* int8 inputs: qd holds a quarter of the step (see row_x8) */
+AVX2 static void quantize_x8(const float *x, int64_t cols, int8_t *q, float *qd, float *qs) {
+    quantize_blocks(x, cols, q, qd, qs, 127.0f, 508.0f);
 }
 
 /* The four spans of 128 columns as bytes: q2's digits masked in place (spans 1 and 3 come out 4x, their
@@ -1126,6 +1134,141 @@ AVX2 static void rows_x8(const uint8_t *t, const int64_t *g, int64_t r0, int64_t
 }
 #endif
 
+#if HAVE_X86
+/* ------------------------------------------------------------------ t1 times 7-bit activations, one token */
+/* A t1 byte q holds five trits: with y_0 = q and y_{f+1} = 3 y_f mod 256 (byte arithmetic), trit f is
+ * d_f = floor(3 y_f / 256) (formats/SPEC.md), so 256 d_f = 3 y_f - y_{f+1} exactly. A span's integer dot
+ * product is then sum_j d_f(j) x_j = (3 P - Q) / 256 with P = sum_j y_f(j) x_j, Q = sum_j y_{f+1}(j) x_j,
+ * and no trit is ever taken out: a field costs two byte adds where the 16-bit kernel shifts and masks
+ * both halves of every lane. y reaches 255, so x is rounded to -63 .. 63 per 128 values (quantize_x7):
+ * vpmaddubsw's pair sums then never saturate (2 x 255 x 63 < 2^15), and one vpmaddwd (VNNI: vpdpwssd)
+ * per product applies 3 sc or -sc as 16-bit words. Spans add up in int32 until their 128 inputs' step
+ * and the super-block's d apply, once per 128 weights. The offsets (-d sc per span) multiply the
+ * rounded inputs' sums, as with int8 inputs. */
+AVX2 static void quantize_x7(const float *x, int64_t cols, int8_t *q, float *qd, float *qs) {
+    quantize_blocks(x, cols, q, qd, qs, 63.0f, 63.0f);
+}
+
+/* the five fields of chunk ch (spans 5 ch .. 5 ch + 4) into the int32 sums acc; a span ending a block
+   of 128 inputs (s % 4 == 3: known from ph = ch % 4) turns them to float into fa by that block's factor */
+#define T1_SPAN(f)                                                                                          \
+    {                                                                                                       \
+        const int64_t s = 5 * ch + (f);                                                                     \
+        __m256i y1 = _mm256_add_epi8(y, _mm256_add_epi8(y, y)), xv = LOAD32(x7 + 32 * s);                   \
+        acc[0] = dp_words(vn, acc[0], _mm256_maddubs_epi16(y, xv), _mm256_set1_epi32(w3[s]));               \
+        acc[1] = dp_words(vn, acc[1], _mm256_maddubs_epi16(y1, xv), _mm256_set1_epi32(wn[s]));              \
+        if (((5 * ph + (f)) & 3) == 3) {                                                                    \
+            fa[(f) & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(acc[0], acc[1])),              \
+                                          _mm256_broadcast_ss(cf + (s >> 2)), fa[(f) & 1]);                 \
+            acc[0] = acc[1] = _mm256_setzero_si256();                                                       \
+        }                                                                                                   \
+        y = y1;                                                                                             \
+    }
+AVX2 static inline __attribute__((always_inline)) void t1_chunk(const int vn, const int ph, const uint8_t *codes, int64_t ch,
+                                                              const int8_t *x7, const int32_t *w3, const int32_t *wn,
+                                                              const float *cf, __m256i *acc, __m256 *fa) {
+    __m256i y = LOAD32(codes + 32 * ch);
+    T1_SPAN(0) T1_SPAN(1) T1_SPAN(2) T1_SPAN(3) T1_SPAN(4)
+}
+#undef T1_SPAN
+
+/* Row r of a t1 tensor (cols a multiple of 128) times one token's x7 (x7d: steps per 128, x7s: the
+   rounded inputs' sums per 32). Scratch: 2 nfs + 16 int32 words, then nfs / 4 + nfs / 8 + 24 floats. */
+AVX2 static inline __attribute__((always_inline)) float row_t1_x7(const int vn, const uint8_t *t, const int64_t *g,
+                                                                int64_t r, const float *x, const int8_t *x7,
+                                                                const float *x7d, const float *x7s, float *scratch,
+                                                                atomic_int *bad) {
+    int64_t cols = g[G_COLS], done = full_cols(g), nfs = done / 32, nsb = nfs / 8, nch = done / 160;
+    int64_t nsup = (nfs + 7) / 8, nq = (nfs + 3) / 4;
+    const uint8_t *po = t + g[G_OFFPAR] + r * g[G_PARROW], *so = t + g[G_OFFSUB] + r * g[G_SUBROW];
+    const uint8_t *codes = t + g[G_OFFCODE] + r * g[G_CODEROW];
+    int32_t *w3 = (int32_t *)scratch, *wn = w3 + nfs + 8;
+    float *cf = (float *)(wn + nfs + 8), *D = cf + nq + 8;
+    /* every super-block's d, then each block of 128 inputs' factor d step / 256 (eight at a time: x7d
+       and D run on past their ends into memory of the same buffers) */
+    int64_t b = 0;
+    for (; b + 8 <= nsup; b += 8) _mm256_storeu_ps(D + b, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(po + 2 * b))));
+    for (; b < nsup; b++) D[b] = f16_at(po + 2 * b);
+    const __m256i pairs = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+    for (int64_t q = 0; q < nq; q += 8) {
+        __m256 d2 = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(D + q / 2)), pairs);
+        _mm256_storeu_ps(cf + q, _mm256_mul_ps(_mm256_mul_ps(d2, _mm256_loadu_ps(x7d + q)), _mm256_set1_ps(1.0f / 256.0f)));
+    }
+    const __m256i m15 = _mm256_set1_epi32(15), shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    /* each span's scale words (3 sc, -sc in both 16-bit halves) and the offsets' sum */
+    __m256 off = _mm256_setzero_ps();
+    for (b = 0; b < nsb; b++) {
+        uint32_t w4;
+        memcpy(&w4, so + 4 * b, 4);
+        __m256i sc = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w4), shifts), m15);
+        __m256i w1 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));            /* sc in both halves */
+        _mm256_storeu_si256((__m256i *)(w3 + 8 * b), _mm256_add_epi32(w1, _mm256_add_epi32(w1, w1)));
+        _mm256_storeu_si256((__m256i *)(wn + 8 * b), _mm256_sub_epi16(_mm256_setzero_si256(), w1));
+        off = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_broadcast_ss(D + b), _mm256_cvtepi32_ps(sc)), _mm256_loadu_ps(x7s + 8 * b), off);
+    }
+    float tot = hsum8(off);
+    for (int64_t s = 8 * nsb; s < nfs; s++) {       /* a last, shorter super-block */
+        int sc = (so[s >> 1] >> (4 * (s & 1))) & 15;
+        w3[s] = (3 * sc) | ((3 * sc) << 16);
+        wn[s] = (int32_t)(((uint32_t)(-sc) & 0xFFFFu) | ((uint32_t)(-sc) << 16));
+        tot -= D[nsb] * (float)sc * x7s[s];
+    }
+    __m256i acc[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};    /* the P and the Q products */
+    __m256 fa[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    int64_t ch = 0;
+    for (; ch + 4 <= nch; ch += 4) {
+        __builtin_prefetch(codes + 32 * ch + CODE_PREFETCH);
+        __builtin_prefetch(codes + 32 * ch + 64 + CODE_PREFETCH);
+        t1_chunk(vn, 0, codes, ch, x7, w3, wn, cf, acc, fa);
+        t1_chunk(vn, 1, codes, ch + 1, x7, w3, wn, cf, acc, fa);
+        t1_chunk(vn, 2, codes, ch + 2, x7, w3, wn, cf, acc, fa);
+        t1_chunk(vn, 3, codes, ch + 3, x7, w3, wn, cf, acc, fa);
+    }
+    if (ch < nch) t1_chunk(vn, 0, codes, ch++, x7, w3, wn, cf, acc, fa);
+    if (ch < nch) t1_chunk(vn, 1, codes, ch++, x7, w3, wn, cf, acc, fa);
+    if (ch < nch) t1_chunk(vn, 2, codes, ch++, x7, w3, wn, cf, acc, fa);
+    if (nfs & 3)                   /* the spans of a block cut short by the tail */
+        fa[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(acc[0], acc[1])), _mm256_broadcast_ss(cf + nfs / 4), fa[0]);
+    tot += hsum8(_mm256_add_ps(fa[0], fa[1])) + outlier_sum(t, g, r, x, bad);
+    if (done < cols) {              /* the tail chunk: its trits as bytes in column order, then per span */
+        int64_t R = cols - done, L = (R + 4) / 5;
+        _Alignas(32) uint8_t tb[32], dig[192];
+        memset(tb, 0, sizeof tb);
+        memcpy(tb, codes + 32 * nch, (size_t)L);
+        __m256i y = _mm256_load_si256((const __m256i *)tb), zero = _mm256_setzero_si256(), k3 = _mm256_set1_epi16(3);
+        for (int f = 0; f < 5; f++) {   /* field f holds columns f L .. f L + L - 1: stored in order, each over the last's spill */
+            __m256i lo = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_unpacklo_epi8(y, zero), k3), 8);
+            __m256i hi = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_unpackhi_epi8(y, zero), k3), 8);
+            _mm256_storeu_si256((__m256i *)(dig + f * L), _mm256_packus_epi16(lo, hi));
+            y = _mm256_add_epi8(y, _mm256_add_epi8(y, y));
+        }
+        for (int64_t s = nfs; s < cols / 32; s++) {
+            const int8_t *xs7 = x7 + 32 * s;
+            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(LOAD32(dig + 32 * (s - nfs)), LOAD32(xs7)), _mm256_set1_epi16(1));
+            __m128i q = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+            q = _mm_add_epi32(q, _mm_shuffle_epi32(q, 0x4E));
+            q = _mm_add_epi32(q, _mm_shuffle_epi32(q, 0xB1));
+            float A = f16_at(po + 2 * (s >> 3)) * (float)((so[s >> 1] >> (4 * (s & 1))) & 15);   /* (past D's) */
+            tot += A * ((float)_mm_cvtsi128_si32(q) * x7d[s >> 2] - x7s[s]);
+        }
+    }
+    return tot;
+}
+
+AVX2 static void rows_t1_x7(const uint8_t *t, const int64_t *g, int64_t r0, int64_t r1, const float *x,
+                            const int8_t *x7, const float *x7d, const float *x7s, float *scratch, float *out,
+                            atomic_int *bad) {
+    for (int64_t r = r0; r < r1; r++) {
+        prefetch_next_row(t, g, r);
+        switch (use_vnni) {
+        case 0: out[r - r0] = row_t1_x7(0, t, g, r, x, x7, x7d, x7s, scratch, bad); break;
+        case 1: out[r - r0] = row_t1_x7(1, t, g, r, x, x7, x7d, x7s, scratch, bad); break;
+        default: out[r - r0] = row_t1_x7(2, t, g, r, x, x7, x7d, x7s, scratch, bad); break;
+        }
+    }
+}
+#endif
+
 static float row_dot(const uint8_t *t, const int64_t *g, int64_t r, const float *x, const int16_t *xq,
                      const int16_t *xp, const float *xsc, const float *xs, int32_t *isum, atomic_int *bad) {
     int64_t done = full_cols(g);
@@ -1237,6 +1380,8 @@ struct task {
     const int8_t *x8;                                     /* rows jobs: x as int8 per 128 values (or NULL) */
     const float *x8d;                                     /* ... and their scales (quarter steps) */
     const float *x8s;                                     /* ... and the rounded values' sums per 32 */
+    const int8_t *x7;                                     /* one t1 token: x as -63 .. 63 per 128 values (or NULL) */
+    const float *x7d, *x7s;                               /* ... their steps and the rounded values' sums per 32 */
     const float *xT;                                      /* several tokens, int8: xf transposed [cols][nxT] */
     int64_t nxT;
     int64_t cols, nspan, n, stride;
@@ -1935,8 +2080,13 @@ static void rows_job(task_t *t, int64_t j, float *scratch) {
             multi_job_avx2(t, job, scratch);
         return;
     }
+    if (use_avx2 && t->x7 && g[G_KIND] == K_T1 && g[G_COLS] % 128 == 0) {     /* one t1 token */
+        rows_t1_x7(tensor, g, job[2], job[3], t->xf + x0 * cols, t->x7 + x0 * cols, t->x7d + x0 * ((cols + 127) / 128),
+                   t->x7s + x0 * nsp, scratch, t->out + job[5], &t->bad);
+        return;
+    }
     if (use_avx2 && t->x8 && x8_kind((int)g[G_KIND]) && g[G_KIND] != K_T1 && g[G_COLS] % 128 == 0 &&
-        full_cols(g) == g[G_COLS]) {                     /* (one t1 token: its 16-bit kernel is as fast) */
+        full_cols(g) == g[G_COLS]) {
         rows_x8(tensor, g, job[2], job[3], t->xf + x0 * cols, t->x8 + x0 * cols, t->x8d + x0 * ((cols + 127) / 128),
                    t->x8s + x0 * nsp, scratch, t->out + job[5], &t->bad);
         return;
@@ -2860,6 +3010,29 @@ static int quantize_rows(const float *xf, int64_t nx, int64_t cols, int16_t **xq
     return 0;
 }
 
+/* one t1 token's input (rows_t1_x7) when a call's geometries hold t1 and it takes int8 inputs: x7 as
+   -63 .. 63 per 128 values, *x7d their steps then the rounded values' sums per 32; nothing where it
+   does not apply (*x7 stays NULL); -1 with MemoryError set */
+static int quantize_rows7(const int64_t *geoms, int64_t ng, const float *xf, int64_t nx, int64_t cols, int64_t ntok,
+                          int8_t **x7, float **x7d) {
+    *x7 = NULL;
+    *x7d = NULL;
+#if HAVE_X86
+    int any = 0;
+    for (int64_t i = 0; i < ng; i++) any |= geoms[G_LEN * i + G_KIND] == K_T1;
+    if (!use_avx2 || !any || ntok != 1 || cols % 128 || !x8_kind(K_T1)) return 0;
+    int64_t n = nx * cols, nq = cols / 128, nspan = cols / 32;
+    *x7 = malloc(n + 1);
+    *x7d = malloc(sizeof(float) * (nx * (nq + nspan) + 1));
+    if (!*x7 || !*x7d) { PyErr_NoMemory(); return -1; }
+    for (int64_t i = 0; i < nx; i++)
+        quantize_x7(xf + i * cols, cols, *x7 + i * cols, *x7d + i * nq, *x7d + nx * nq + i * nspan);
+#else
+    (void)geoms; (void)ng; (void)xf; (void)nx; (void)cols; (void)ntok;
+#endif
+    return 0;
+}
+
 #if HAVE_X86
 /* the whole 8 x 8 blocks of transpose_rows (transpose8 inlined into an AVX2 loop) */
 AVX2 static void transpose_blocks(const float *x, int64_t cols, float *xT, int64_t nx, int64_t i8, int64_t c8) {
@@ -3043,7 +3216,8 @@ static PyObject *py_rows(PyObject *self, PyObject *args) {
     PyObject *ret = NULL;
     int16_t *xq = NULL;
     int8_t *x8 = NULL;
-    float *xsc = NULL, *xs = NULL, *x8d = NULL, *xT = NULL;
+    float *xsc = NULL, *xs = NULL, *x8d = NULL, *xT = NULL, *x7d = NULL;
+    int8_t *x7 = NULL;
     if (get_buf(o[0], &b[0], 0, 1, "raw") || get_buf(o[1], &b[1], 0, 8 * G_LEN, "geoms") ||
         get_buf(o[2], &b[2], 0, 4, "xf") || get_buf(o[3], &b[3], 0, 8 * JOB_LEN, "jobs") ||
         get_buf(o[4], &b[4], 1, 4, "out"))
@@ -3077,7 +3251,9 @@ static PyObject *py_rows(PyObject *self, PyObject *args) {
     int64_t nspan = cols / 32, tile = ntok < TOKEN_TILE ? ntok : TOKEN_TILE;
     int any_x8 = 0;
     for (int64_t i = 0; i < ng; i++) any_x8 |= x8_kind((int)geoms[G_LEN * i + G_KIND]);
-    if (quantize_rows(b[2].b.buf, nx, cols, &xq, &xsc, &xs, any_x8 ? &x8 : NULL, &x8d)) goto done;
+    if (quantize_rows(b[2].b.buf, nx, cols, &xq, &xsc, &xs, any_x8 ? &x8 : NULL, &x8d) ||
+        quantize_rows7(geoms, ng, b[2].b.buf, nx, cols, ntok, &x7, &x7d))
+        goto done;
     if (x8 && ntok > 1) {             /* multi_x8 reads each outlier's inputs for a run of tokens at once */
         xT = malloc(sizeof(float) * (nx * cols + TOKEN_TILE));
         if (!xT) { PyErr_NoMemory(); goto done; }
@@ -3086,13 +3262,13 @@ static PyObject *py_rows(PyObject *self, PyObject *args) {
     }
     task_t t = {.job = rows_job, .raw = b[0].b.buf, .geoms = geoms, .xf = b[2].b.buf, .xsc = xsc, .xs = xs,
                 .xq = xq, .xp = xq + nxf, .x8 = x8, .x8d = x8d, .x8s = x8d ? x8d + nx * ((cols + 127) / 128) : NULL,
-                .xT = xT, .nxT = nx,
+                .xT = xT, .nxT = nx, .x7 = x7, .x7d = x7d, .x7s = x7d ? x7d + nx * (cols / 128) : NULL,
                 .cols = cols, .nspan = nspan, .jobs = jobs, .njobs = njobs, .out = b[4].b.buf, .ntok = ntok,
                 .ostride = ostride, .scratch_floats = rows_scratch(max_rows, tile, nspan)};
     int bad = run_unlocked(&t, threads);
     if (bad >= 0) ret = PyLong_FromLong(bad);
 done:
-    free(xq); free(xsc); free(xs); free(x8); free(x8d); free(xT);
+    free(xq); free(xsc); free(xs); free(x8); free(x8d); free(xT); free(x7); free(x7d);
     release(b, 5);
     return ret;
 }
@@ -3182,8 +3358,9 @@ static PyObject *py_moe(PyObject *self, PyObject *args) {
     PyObject *ret = NULL;
     int64_t *jobs = NULL;
     float *h = NULL, *y = NULL, *xsc = NULL, *xs = NULL, *asc = NULL, *as = NULL, *x8d = NULL, *a8d = NULL;
+    float *x7d = NULL, *a7d = NULL;
     int16_t *xq = NULL, *aq = NULL;
-    int8_t *x8 = NULL, *a8 = NULL;
+    int8_t *x8 = NULL, *a8 = NULL, *x7 = NULL, *a7 = NULL;
     if (get_buf(o[0], &b[0], 0, 1, "base") || get_buf(o[1], &b[1], 0, 8 * G_LEN, "geoms") ||
         get_buf(o[2], &b[2], 0, 24, "offs") || get_buf(o[3], &b[3], 0, 8, "pick") ||
         get_buf(o[4], &b[4], 0, 8, "tok") || get_buf(o[5], &b[5], 0, 4, "wts") || get_buf(o[6], &b[6], 0, 4, "x") ||
@@ -3230,9 +3407,12 @@ static PyObject *py_moe(PyObject *self, PyObject *args) {
             nj += moe_jobs(jobs + JOB_LEN * nj, offs[3 * i + w], 2 * pick[i], inter, hidden, tok[i], (2 * i + w) * inter);
     int any_x8 = 0;          /* as rows(): codecs whose products take int8 inputs, at any token count */
     for (int64_t i = 0; i < ng; i++) any_x8 |= x8_kind((int)geoms[G_LEN * i + G_KIND]);
-    if (quantize_rows(x, T, hidden, &xq, &xsc, &xs, any_x8 ? &x8 : NULL, &x8d)) goto done;
+    if (quantize_rows(x, T, hidden, &xq, &xsc, &xs, any_x8 ? &x8 : NULL, &x8d) ||
+        quantize_rows7(geoms, ng, x, T, hidden, 1, &x7, &x7d))
+        goto done;
     task_t t1 = {.job = rows_job, .raw = b[0].b.buf, .geoms = geoms, .xf = x, .xsc = xsc, .xs = xs, .xq = xq,
                  .x8 = x8, .x8d = x8d, .x8s = x8d ? x8d + T * ((hidden + 127) / 128) : NULL,
+                 .x7 = x7, .x7d = x7d, .x7s = x7d ? x7d + T * (hidden / 128) : NULL,
                  .xp = xq + T * hidden, .cols = hidden, .nspan = hidden / 32, .jobs = jobs, .njobs = nj, .out = h,
                  .ntok = 1, .scratch_floats = rows_scratch(moe_rows_per_job(hidden), 1, hidden / 32)};
     int bad = run_unlocked(&t1, threads);
@@ -3242,9 +3422,12 @@ static PyObject *py_moe(PyObject *self, PyObject *args) {
     nj = 0;
     for (int64_t i = 0; i < n; i++)
         nj += moe_jobs(jobs + JOB_LEN * nj, offs[3 * i + 2], 2 * pick[i] + 1, hidden, inter, i, i * hidden);
-    if (quantize_rows(act, n, inter, &aq, &asc, &as, any_x8 ? &a8 : NULL, &a8d)) goto done;
+    if (quantize_rows(act, n, inter, &aq, &asc, &as, any_x8 ? &a8 : NULL, &a8d) ||
+        quantize_rows7(geoms, ng, act, n, inter, 1, &a7, &a7d))
+        goto done;
     task_t t2 = {.job = rows_job, .raw = b[0].b.buf, .geoms = geoms, .xf = act, .xsc = asc, .xs = as, .xq = aq,
                  .x8 = a8, .x8d = a8d, .x8s = a8d ? a8d + n * ((inter + 127) / 128) : NULL,
+                 .x7 = a7, .x7d = a7d, .x7s = a7d ? a7d + n * (inter / 128) : NULL,
                  .xp = aq + n * inter, .cols = inter, .nspan = inter / 32, .jobs = jobs, .njobs = nj, .out = y,
                  .ntok = 1, .scratch_floats = rows_scratch(moe_rows_per_job(inter), 1, inter / 32)};
     int bad2 = run_unlocked(&t2, threads);
@@ -3253,7 +3436,7 @@ static PyObject *py_moe(PyObject *self, PyObject *args) {
     ret = PyLong_FromLong(bad || bad2);
 done:
     free(jobs); free(h); free(y); free(xq); free(xsc); free(xs); free(aq); free(asc); free(as);
-    free(x8); free(x8d); free(a8); free(a8d);
+    free(x8); free(x8d); free(a8); free(a8d); free(x7); free(x7d); free(a7); free(a7d);
     release(b, 8);
     return ret;
 }
@@ -3966,9 +4149,9 @@ static PyObject *py_mla_decode(PyObject *self, PyObject *args) {
     buf_t b[10];
     memset(b, 0, sizeof b);
     PyObject *ret = NULL;
-    float *work = NULL, *xsc = NULL, *xs = NULL, *x8d = NULL;
+    float *work = NULL, *xsc = NULL, *xs = NULL, *x8d = NULL, *x7d = NULL;
     int16_t *xq = NULL;
-    int8_t *x8 = NULL;
+    int8_t *x8 = NULL, *x7 = NULL;
     int64_t *jobs = NULL, es = half ? 2 : 4;
     if (get_buf(o[0], &b[0], 0, 4, "q") || get_buf(o[1], &b[1], 0, 4, "ckv") || get_buf(o[2], &b[2], 0, 4, "kv_ln") ||
         get_buf(o[3], &b[3], 0, 4, "cos") || get_buf(o[4], &b[4], 0, 4, "sin") || get_buf(o[5], &b[5], 1, es, "C") ||
@@ -4024,16 +4207,19 @@ static PyObject *py_mla_decode(PyObject *self, PyObject *args) {
             jb[0] = 0; jb[1] = 0; jb[2] = first + lo; jb[3] = first + (lo + per < v ? lo + per : v);
             jb[4] = h; jb[5] = h * v + lo;
         }
-    if (quantize_rows(olat, nh, r, &xq, &xsc, &xs, x8_kind((int)g[G_KIND]) ? &x8 : NULL, &x8d)) goto done;
+    if (quantize_rows(olat, nh, r, &xq, &xsc, &xs, x8_kind((int)g[G_KIND]) ? &x8 : NULL, &x8d) ||
+        quantize_rows7(g, 1, olat, nh, r, 1, &x7, &x7d))
+        goto done;
     task_t t2 = {.job = rows_job, .raw = b[7].b.buf, .geoms = g, .xf = olat, .xsc = xsc, .xs = xs, .xq = xq,
                  .xp = xq + nh * r, .x8 = x8, .x8d = x8d, .x8s = x8d ? x8d + nh * ((r + 127) / 128) : NULL,
+                 .x7 = x7, .x7d = x7d, .x7s = x7d ? x7d + nh * (r / 128) : NULL,
                  .cols = r, .nspan = nspan, .jobs = jobs, .njobs = nj, .out = b[9].b.buf, .ntok = 1,
                  .scratch_floats = rows_scratch(per, 1, nspan)};
     int bad2 = run_unlocked(&t2, nh * v * r >= min_weights ? threads : 1);
     if (bad2 < 0) goto done;
     ret = PyLong_FromLong(bad || bad2);
 done:
-    free(work); free(jobs); free(xq); free(xsc); free(xs); free(x8); free(x8d);
+    free(work); free(jobs); free(xq); free(xsc); free(xs); free(x8); free(x8d); free(x7); free(x7d);
     release(b, 10);
     return ret;
 }

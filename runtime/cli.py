@@ -34,8 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--activations", choices=("auto", "int8", "int16"), default="auto",
                    help="how the integer kernels round a product's input (decode steps, and prompt products "
                         "of fewer than 320 tokens, 192 for t1; more multiply exactly): "
-                        "auto (the default) rounds it to int8 per 128 values for q2 and q1 weights (routed "
-                        "experts; t1 too for several tokens) and to 16 bits per 32 values elsewhere; int8 "
+                        "auto (the default) rounds it to int8 per 128 values for q2, q1 and t1 weights (routed "
+                        "experts; one t1 token: 7 bits) and to 16 bits per 32 values elsewhere; int8 "
                         "also for q4/q6 weights (faster, a little more KL); int16 everywhere")
     p.add_argument("--max-context", type=int, default=None,
                    help="KV cache length in tokens (default: min(4096, the model's maximum), shortened when "

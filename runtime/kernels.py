@@ -4,10 +4,10 @@ layout in formats/SPEC.md).
 T = 1 (decode): the C kernel runtime/_qdot.c (integer dot products; AVX2 where the CPU has it, portable
 C otherwise). It quantises x once per call (16-bit integers per 32 values, exact float sums kept),
 multiplies each codec's stored digits by them in int32 lanes, applies each span's scale and offset
-once, and adds each outlier's stored correction times its input; nothing is dequantized. q2 and q1
-weights (the routed experts; t1's for several tokens) take x as int8 per 128 values instead (q4/q6
-too with `set_activations("int8")`): byte products, the sub-block scales applied as integers, one
-float step per 128 weights. Every caller hands it a list of row jobs (a linear, all routed experts of
+once, and adds each outlier's stored correction times its input; nothing is dequantized. q2, q1 and
+t1 weights (the routed experts) take x as int8 per 128 values instead (q4/q6 too with
+`set_activations("int8")`): byte products, the sub-block scales applied as integers, one float step
+per 128 weights (one t1 token: 7 bits, so that its trits never have to be taken out of their bytes). Every caller hands it a list of row jobs (a linear, all routed experts of
 a token, kv_b's heads), shared out over a small thread pool.
 A decode step's attention from the projections to the heads' values is one call (LatentAttention),
 and so is a token's MoE layer once its experts' offsets are known (MoEStep).
@@ -153,8 +153,8 @@ def quantize_activations(x: np.ndarray):
 
 def set_activations(mode: str) -> None:
     """How the integer kernels round a product's input: "auto" (the default) takes int8 per 128 values
-    for q2 and q1 weights (routed experts: byte products, vpmaddubsw, one float step per 128 weights)
-    and for t1's in products of several tokens, and 16-bit integers per 32 values for every other
+    for q2, q1 and t1 weights (routed experts: byte products, vpmaddubsw, one float step per 128
+    weights; one t1 token -63 .. 63), and 16-bit integers per 32 values for every other
     codec; "int8" takes int8 for q4 and q6 as well (attention, shared experts, lm_head: faster, at a
     measurable KL cost, see benchmarks/RESULTS.md);
     "int16" keeps 16 bits everywhere. Products of fewer than X8_BLAS_MIN_TOKENS tokens (t1:
@@ -194,14 +194,15 @@ def _apply_x8() -> None:
     _qdot.set_x8(sum(1 << get_codec(c).kind for c in _x8_codecs()))
 
 
+_apply_x8()     # the C side starts as the setting says, whoever imports this module (not only kimi-run)
+
+
 def takes_int8(codec: str, cols: int | None = None, tokens: int = 1) -> bool:
     """Whether a product of `tokens` tokens by a `codec` weight (of `cols` columns) rounds its input to
     int8 now: rows of whole 128-column blocks and whole code chunks only (q1's are 256; t1 takes its
-    digits out of the chunks first, and only for several tokens: one token's 16-bit t1 kernel is as
-    fast)."""
+    digits out of the chunks first for several tokens, and one t1 token's input is rounded to 7 bits,
+    see `rounded_input`)."""
     if cols is not None and cols % (256 if codec == "q1" else X8_BLOCK):
-        return False
-    if codec == "t1" and tokens < 2:
         return False
     limit = T1_BLAS_MIN_TOKENS if codec == "t1" else X8_BLAS_MIN_TOKENS
     return tokens < limit and isa() == "avx2" and codec in _x8_codecs()
@@ -212,10 +213,12 @@ def rounded_input(codec: str, x: np.ndarray, tokens: int = 1) -> np.ndarray:
     (float64; exact float sums aside): int8 per X8_BLOCK values where `takes_int8`, else int16 per 32."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if takes_int8(codec, x.shape[0], tokens):
+        # one t1 token: -63 .. 63 (its kernel multiplies bytes up to 255 by them, see runtime/_qdot.c)
+        top = np.float32(63 if codec == "t1" and tokens == 1 else 127)
         b = x.reshape(-1, X8_BLOCK)
         amax = np.abs(b).max(axis=1, keepdims=True)
-        inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
-        return (np.rint(b * inv).astype(np.float64) * (amax.astype(np.float64) / 127)).reshape(-1)
+        inv = np.where(amax > 0, top / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+        return (np.rint(b * inv).astype(np.float64) * (amax.astype(np.float64) / float(top))).reshape(-1)
     xq, xsc, _ = quantize_activations(x)
     return np.repeat(xsc, 32).astype(np.float64) * xq
 

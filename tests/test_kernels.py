@@ -89,7 +89,8 @@ def test_int8_activations_round_inputs_per_128(name):
     with activations_mode("auto"):
         assert kernels.takes_int8("q2") and kernels.takes_int8("q1") and not kernels.takes_int8("q4")
         assert not kernels.takes_int8("q1", cols=384) and kernels.takes_int8("q1", cols=512)
-        assert not kernels.takes_int8("t1") and kernels.takes_int8("t1", 1024, 2)    # t1: several tokens
+        assert kernels.takes_int8("t1") and kernels.takes_int8("t1", 1024, 2)
+        assert not kernels.takes_int8("t1", 1088)                  # whole blocks of 128 inputs only
         T1 = kernels.T1_BLAS_MIN_TOKENS                 # ... and BLAS sooner than the others
         assert kernels.takes_int8("t1", 1024, T1 - 1) and not kernels.takes_int8("t1", 1024, T1)
         assert kernels.takes_int8("q2", 1024, T1) and T1 < kernels.X8_BLAS_MIN_TOKENS
@@ -107,14 +108,41 @@ def test_int8_activations_round_inputs_per_128(name):
             y = kernels.linear(x, name, raw, shape)
             for t in range(T):
                 assert_int8_close(y[t], name, raw, shape, x[t], T)
-            if not kernels.takes_int8(name, shape[1], T):
-                continue                                # one t1 token keeps its 16-bit kernel
+            assert kernels.takes_int8(name, shape[1], T)
             with activations_mode("int16"):
                 assert any((np.abs(y[t] - ref @ x[t]) > int8_bound(name, raw, shape, x[t], T)).any()
                            for t in range(T))
         xb = np.random.default_rng(4).standard_normal((kernels.X8_BLAS_MIN_TOKENS, shape[1])).astype(np.float32)
         assert not kernels.takes_int8(name, shape[1], xb.shape[0])
         assert rel(kernels.linear(xb, name, raw, shape), xb @ ref.T) < 1e-5
+
+
+@pytest.mark.parametrize("cols", [128, 1024, 1280, 1408, 7168])
+def test_one_t1_token_is_exact_on_its_input_grid(cols):
+    """One t1 token multiplies its trits' bytes without taking the trits out (256 d = 3 y - y', y' = 3 y
+    mod 256) by x rounded to -63 .. 63 per 128 values: given an x already on that grid the product is
+    the reference weight times x to float rounding, for rows of whole 640-column groups, leftover
+    chunks, a last shorter super-block, a tail chunk (1024: 64 columns, 1408 and 7168: 128, 128: a tail
+    alone) and outliers; and an x off the grid is rounded that way (7 bits, not int8's 8)."""
+    if kernels.isa() != "avx2":
+        pytest.skip("an AVX2 route")
+    shape = (24, cols)
+    raw = encode("t1", weight(shape, seed=cols))
+    ref = get_codec("t1").decode(raw, shape).astype(np.float64)
+    x = np.random.default_rng(cols).standard_normal(cols).astype(np.float32)
+    with activations_mode("auto"):
+        assert kernels.takes_int8("t1", cols, 1)
+        xg = kernels.rounded_input("t1", x, 1).astype(np.float32)
+        assert np.array_equal(kernels.rounded_input("t1", xg, 1).astype(np.float32), xg)
+        steps = np.abs(xg.reshape(-1, 128)).max(axis=1) / 63
+        assert np.allclose(xg.reshape(-1, 128) / steps[:, None], np.rint(xg.reshape(-1, 128) / steps[:, None]),
+                           atol=1e-3)
+        y = kernels.linear(xg[None], "t1", raw, shape)[0]
+        assert rel(y, ref @ xg.astype(np.float64)) < 1e-5
+        y7 = kernels.linear(x[None], "t1", raw, shape)[0]
+        assert_int8_close(y7, "t1", raw, shape, x, 1)
+    with activations_mode("int16"):
+        assert rel(y7, kernels.linear(x[None], "t1", raw, shape)[0]) > 1e-4     # the 7-bit route ran
 
 
 @pytest.mark.parametrize("name", kernels.X8_CODECS + ("q8", "q2rtn"))
