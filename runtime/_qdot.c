@@ -1242,15 +1242,25 @@ AVX2 static inline __attribute__((always_inline)) float row_t1_x7(const int vn, 
             _mm256_storeu_si256((__m256i *)(dig + f * L), _mm256_packus_epi16(lo, hi));
             y = _mm256_add_epi8(y, _mm256_add_epi8(y, y));
         }
-        for (int64_t s = nfs; s < cols / 32; s++) {
-            const int8_t *xs7 = x7 + 32 * s;
-            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(LOAD32(dig + 32 * (s - nfs)), LOAD32(xs7)), _mm256_set1_epi16(1));
-            __m128i q = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
-            q = _mm_add_epi32(q, _mm_shuffle_epi32(q, 0x4E));
-            q = _mm_add_epi32(q, _mm_shuffle_epi32(q, 0xB1));
-            float A = f16_at(po + 2 * (s >> 3)) * (float)((so[s >> 1] >> (4 * (s & 1))) & 15);   /* (past D's) */
-            tot += A * ((float)_mm_cvtsi128_si32(q) * x7d[s >> 2] - x7s[s]);
+        /* its one to four spans side by side: sum d x of each, then A (sum d x step - sum x) */
+        __m256i p[4];
+        _Alignas(16) float A[4] = {0, 0, 0, 0}, st[4] = {0, 0, 0, 0}, sx[4] = {0, 0, 0, 0};
+        for (int64_t k = 0; k < 4; k++) {
+            int64_t s = nfs + k;
+            p[k] = _mm256_setzero_si256();
+            if (s >= cols / 32) continue;
+            p[k] = _mm256_madd_epi16(_mm256_maddubs_epi16(LOAD32(dig + 32 * k), LOAD32(x7 + 32 * s)), _mm256_set1_epi16(1));
+            uint16_t h;
+            memcpy(&h, po + 2 * (s >> 3), 2);
+            A[k] = _cvtsh_ss(h) * (float)((so[s >> 1] >> (4 * (s & 1))) & 15);
+            st[k] = x7d[s >> 2];
+            sx[k] = x7s[s];
         }
+        __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+        __m128 sums = _mm_cvtepi32_ps(_mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+        __m128 v = _mm_mul_ps(_mm_load_ps(A), _mm_fmsub_ps(sums, _mm_load_ps(st), _mm_load_ps(sx)));
+        v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+        tot += _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
     }
     return tot;
 }
