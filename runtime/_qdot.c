@@ -3214,27 +3214,15 @@ static inline int64_t rows_scratch(int64_t max_rows, int64_t tile, int64_t nspan
            (tile >= 3 ? 300 * nspan + 16 * TOKEN_TILE + 72 : 0);      /* tiled_rows' pw, D, BST, OC, DR, BSR, rb */
 }
 
-static PyObject *py_rows(PyObject *self, PyObject *args) {
-    PyObject *o[5];
-    int threads;
-    Py_ssize_t ntok = 1, ostride = 0;
-    if (!PyArg_ParseTuple(args, "OOOOOi|nn", &o[0], &o[1], &o[2], &o[3], &o[4], &threads, &ntok, &ostride))
-        return NULL;
-    if (ntok < 1 || ostride < 0) { PyErr_SetString(PyExc_ValueError, "rows: ntok >= 1, ostride >= 0"); return NULL; }
-    buf_t b[5];
-    memset(b, 0, sizeof b);
-    PyObject *ret = NULL;
+/* rows()'s work once its buffers are held: the jobs checked against the buffers, x quantised, the task
+   run; the bad flag, or -1 with an exception set */
+static int run_rows(const uint8_t *raw, int64_t nraw, const int64_t *geoms, int64_t ng, const float *xf, int64_t nxf,
+                    const int64_t *jobs, int64_t njobs, float *out, int64_t nout, int threads, int64_t ntok,
+                    int64_t ostride) {
+    int rc = -1;
     int16_t *xq = NULL;
-    int8_t *x8 = NULL;
+    int8_t *x8 = NULL, *x7 = NULL;
     float *xsc = NULL, *xs = NULL, *x8d = NULL, *xT = NULL, *x7d = NULL;
-    int8_t *x7 = NULL;
-    if (get_buf(o[0], &b[0], 0, 1, "raw") || get_buf(o[1], &b[1], 0, 8 * G_LEN, "geoms") ||
-        get_buf(o[2], &b[2], 0, 4, "xf") || get_buf(o[3], &b[3], 0, 8 * JOB_LEN, "jobs") ||
-        get_buf(o[4], &b[4], 1, 4, "out"))
-        goto done;
-    const int64_t *geoms = b[1].b.buf, *jobs = b[3].b.buf;
-    int64_t ng = b[1].b.len / (8 * G_LEN), njobs = b[3].b.len / (8 * JOB_LEN);
-    int64_t nraw = b[0].b.len, nout = b[4].b.len / 4, nxf = b[2].b.len / 4;
     if (!ng) { PyErr_SetString(PyExc_ValueError, "no geometry"); goto done; }
     int64_t cols = geoms[G_COLS];
     if (cols <= 0 || cols % 32 || nxf % cols) { PyErr_SetString(PyExc_ValueError, "xf does not match the geometry's columns"); goto done; }
@@ -3261,24 +3249,44 @@ static PyObject *py_rows(PyObject *self, PyObject *args) {
     int64_t nspan = cols / 32, tile = ntok < TOKEN_TILE ? ntok : TOKEN_TILE;
     int any_x8 = 0;
     for (int64_t i = 0; i < ng; i++) any_x8 |= x8_kind((int)geoms[G_LEN * i + G_KIND]);
-    if (quantize_rows(b[2].b.buf, nx, cols, &xq, &xsc, &xs, any_x8 ? &x8 : NULL, &x8d) ||
-        quantize_rows7(geoms, ng, b[2].b.buf, nx, cols, ntok, &x7, &x7d))
+    if (quantize_rows(xf, nx, cols, &xq, &xsc, &xs, any_x8 ? &x8 : NULL, &x8d) ||
+        quantize_rows7(geoms, ng, xf, nx, cols, ntok, &x7, &x7d))
         goto done;
     if (x8 && ntok > 1) {             /* multi_x8 reads each outlier's inputs for a run of tokens at once */
         xT = malloc(sizeof(float) * (nx * cols + TOKEN_TILE));
         if (!xT) { PyErr_NoMemory(); goto done; }
-        transpose_rows(b[2].b.buf, nx, cols, xT);
+        transpose_rows(xf, nx, cols, xT);
         memset(xT + nx * cols, 0, sizeof(float) * TOKEN_TILE);
     }
-    task_t t = {.job = rows_job, .raw = b[0].b.buf, .geoms = geoms, .xf = b[2].b.buf, .xsc = xsc, .xs = xs,
+    task_t t = {.job = rows_job, .raw = raw, .geoms = geoms, .xf = xf, .xsc = xsc, .xs = xs,
                 .xq = xq, .xp = xq + nxf, .x8 = x8, .x8d = x8d, .x8s = x8d ? x8d + nx * ((cols + 127) / 128) : NULL,
                 .xT = xT, .nxT = nx, .x7 = x7, .x7d = x7d, .x7s = x7d ? x7d + nx * (cols / 128) : NULL,
-                .cols = cols, .nspan = nspan, .jobs = jobs, .njobs = njobs, .out = b[4].b.buf, .ntok = ntok,
+                .cols = cols, .nspan = nspan, .jobs = jobs, .njobs = njobs, .out = out, .ntok = ntok,
                 .ostride = ostride, .scratch_floats = rows_scratch(max_rows, tile, nspan)};
-    int bad = run_unlocked(&t, threads);
-    if (bad >= 0) ret = PyLong_FromLong(bad);
+    rc = run_unlocked(&t, threads);
 done:
     free(xq); free(xsc); free(xs); free(x8); free(x8d); free(xT); free(x7); free(x7d);
+    return rc;
+}
+
+static PyObject *py_rows(PyObject *self, PyObject *args) {
+    PyObject *o[5];
+    int threads;
+    Py_ssize_t ntok = 1, ostride = 0;
+    if (!PyArg_ParseTuple(args, "OOOOOi|nn", &o[0], &o[1], &o[2], &o[3], &o[4], &threads, &ntok, &ostride))
+        return NULL;
+    if (ntok < 1 || ostride < 0) { PyErr_SetString(PyExc_ValueError, "rows: ntok >= 1, ostride >= 0"); return NULL; }
+    buf_t b[5];
+    memset(b, 0, sizeof b);
+    PyObject *ret = NULL;
+    if (get_buf(o[0], &b[0], 0, 1, "raw") || get_buf(o[1], &b[1], 0, 8 * G_LEN, "geoms") ||
+        get_buf(o[2], &b[2], 0, 4, "xf") || get_buf(o[3], &b[3], 0, 8 * JOB_LEN, "jobs") ||
+        get_buf(o[4], &b[4], 1, 4, "out"))
+        goto done;
+    int bad = run_rows(b[0].b.buf, b[0].b.len, b[1].b.buf, b[1].b.len / (8 * G_LEN), b[2].b.buf, b[2].b.len / 4,
+                       b[3].b.buf, b[3].b.len / (8 * JOB_LEN), b[4].b.buf, b[4].b.len / 4, threads, ntok, ostride);
+    if (bad >= 0) ret = PyLong_FromLong(bad);
+done:
     release(b, 5);
     return ret;
 }
@@ -4148,67 +4156,56 @@ PyDoc_STRVAR(mla_decode_doc,
 "multiply-adds on, else on the caller's alone. The same bits as the separate calls. Returns 1 if kv_b's\n"
 "outlier columns are corrupt.");
 
-static PyObject *py_mla_decode(PyObject *self, PyObject *args) {
-    PyObject *o[10];
+/* one token's absorbed attention (mla_decode's work once its buffers are checked) */
+typedef struct {
+    const float *q, *ckv, *kv_ln, *cos, *sin;          /* [nh, nope + dr], [r + dr], [r], [dr/2], [dr/2] */
+    void *C, *K;                                       /* the caches, float32 or binary16 (half) */
+    const uint8_t *raw;                                /* kv_b */
+    const int64_t *g;
     float eps, scale;
     int interleave, half, threads;
-    Py_ssize_t pos, nope, v, min_weights;
-    if (!PyArg_ParseTuple(args, "OOOfOOpOOnpOOnnfOin", &o[0], &o[1], &o[2], &eps, &o[3], &o[4], &interleave,
-                          &o[5], &o[6], &pos, &half, &o[7], &o[8], &nope, &v, &scale, &o[9], &threads, &min_weights))
-        return NULL;
-    buf_t b[10];
-    memset(b, 0, sizeof b);
-    PyObject *ret = NULL;
+    int64_t pos, nope, v, nh, hd, min_weights;
+    float *out;                                        /* [nh, v] */
+} mla_t;
+
+/* the bad flag (kv_b's outliers corrupt), or -1 with an exception set */
+static int mla_core(const mla_t *m) {
+    const int64_t *g = m->g;
+    int64_t r = g[G_COLS], hd = m->hd, nh = m->nh, nope = m->nope, v = m->v, stride = nope + v, pos = m->pos;
+    int rc = -1;
     float *work = NULL, *xsc = NULL, *xs = NULL, *x8d = NULL, *x7d = NULL;
     int16_t *xq = NULL;
     int8_t *x8 = NULL, *x7 = NULL;
-    int64_t *jobs = NULL, es = half ? 2 : 4;
-    if (get_buf(o[0], &b[0], 0, 4, "q") || get_buf(o[1], &b[1], 0, 4, "ckv") || get_buf(o[2], &b[2], 0, 4, "kv_ln") ||
-        get_buf(o[3], &b[3], 0, 4, "cos") || get_buf(o[4], &b[4], 0, 4, "sin") || get_buf(o[5], &b[5], 1, es, "C") ||
-        get_buf(o[6], &b[6], 1, es, "K") || get_buf(o[7], &b[7], 0, 1, "raw") ||
-        get_buf(o[8], &b[8], 0, 8 * G_LEN, "geom") || get_buf(o[9], &b[9], 1, 4, "out"))
-        goto done;
-    const int64_t *g = b[8].b.buf;
-    int64_t r = b[8].b.len == 8 * G_LEN ? g[G_COLS] : 0, hd = b[3].b.len / 4, dr = 2 * hd;
-    int64_t nh = v > 0 ? b[9].b.len / (4 * v) : 0, stride = nope + v;
-    if (r <= 0 || r % 32 || !known_layout(g) || b[7].b.len < g[G_NBYTES] || nope < 1 || nh < 1 || hd < 1 ||
-        b[9].b.len != 4 * nh * v || b[4].b.len != b[3].b.len || b[0].b.len != 4 * nh * (nope + dr) ||
-        b[1].b.len != 4 * (r + dr) || b[2].b.len != 4 * r || nh * stride > g[G_ROWS] || pos < 0 ||
-        b[5].b.len < (pos + 1) * r * es || b[6].b.len < (pos + 1) * dr * es) {
-        PyErr_SetString(PyExc_ValueError, "mla_decode: q [nh, nope + dr], ckv [r + dr], kv_ln [r], cos and sin [dr/2], "
-                        "pos + 1 rows of both caches, kv_b [nh * (nope + v), r], out [nh, v]");
-        goto done;
-    }
-    const float *q = b[0].b.buf, *ckv = b[1].b.buf;
-    int64_t S = pos + 1, nspan = r / 32;
+    int64_t *jobs = NULL;
+    int64_t dr = 2 * hd, S = pos + 1, nspan = r / 32;
     work = malloc(sizeof(float) * (r + dr + nh * (nope + dr + 2 * r)));
     int64_t per = (1 << 15) / r > 8 ? (1 << 15) / r : 8, nb = (v + per - 1) / per;
     jobs = malloc(sizeof(int64_t) * JOB_LEN * nh * nb);
     if (!work || !jobs) { PyErr_NoMemory(); goto done; }
     float *lat = work, *krot = lat + r, *qn = krot + dr, *qr = qn + nh * nope, *qlat = qr + nh * dr, *olat = qlat + nh * r;
     /* the new position's latent and rotated key, into the caches */
-    rms_row(ckv, b[2].b.buf, r, eps, lat);
-    rope_row(ckv + r, b[3].b.buf, b[4].b.buf, hd, interleave, krot);
-    if (half) {
-        uint16_t *cr = (uint16_t *)b[5].b.buf + pos * r, *kr = (uint16_t *)b[6].b.buf + pos * dr;
+    rms_row(m->ckv, m->kv_ln, r, m->eps, lat);
+    rope_row(m->ckv + r, m->cos, m->sin, hd, m->interleave, krot);
+    if (m->half) {
+        uint16_t *cr = (uint16_t *)m->C + pos * r, *kr = (uint16_t *)m->K + pos * dr;
         for (int64_t i = 0; i < r; i++) cr[i] = half_bits(lat[i]);
         for (int64_t i = 0; i < dr; i++) kr[i] = half_bits(krot[i]);
     } else {
-        memcpy((float *)b[5].b.buf + pos * r, lat, sizeof(float) * r);
-        memcpy((float *)b[6].b.buf + pos * dr, krot, sizeof(float) * dr);
+        memcpy((float *)m->C + pos * r, lat, sizeof(float) * r);
+        memcpy((float *)m->K + pos * dr, krot, sizeof(float) * dr);
     }
     for (int64_t h = 0; h < nh; h++) {
-        memcpy(qn + h * nope, q + h * (nope + dr), sizeof(float) * nope);
-        rope_row(q + h * (nope + dr) + nope, b[3].b.buf, b[4].b.buf, hd, interleave, qr + h * dr);
+        memcpy(qn + h * nope, m->q + h * (nope + dr), sizeof(float) * nope);
+        rope_row(m->q + h * (nope + dr) + nope, m->cos, m->sin, hd, m->interleave, qr + h * dr);
     }
     /* q_nope folded into the latent: kv_b's key rows, transposed */
-    task_t t1 = {.job = heads_t_job, .raw = b[7].b.buf, .geoms = g, .xf = qn, .cols = r, .nspan = nspan, .n = nope,
+    task_t t1 = {.job = heads_t_job, .raw = m->raw, .geoms = g, .xf = qn, .cols = r, .nspan = nspan, .n = nope,
                  .stride = stride, .njobs = nh, .out = qlat, .scratch_floats = HEADS_T_SCRATCH(nope, nspan)};
-    int bad = run_unlocked(&t1, nh * nope * r >= min_weights ? threads : 1);
+    int bad = run_unlocked(&t1, nh * nope * r >= m->min_weights ? m->threads : 1);
     if (bad < 0) goto done;
-    att_t a = {.q = qlat, .qr = qr, .C = b[5].b.buf, .K = b[6].b.buf, .half = half, .S = S, .r = r, .dr = dr,
-               .nh = nh, .scale = scale, .o = olat};
-    if (attend_all(&a, nh * S * (r + dr) >= min_weights ? threads : 1)) goto done;
+    att_t a = {.q = qlat, .qr = qr, .C = m->C, .K = m->K, .half = m->half, .S = S, .r = r, .dr = dr,
+               .nh = nh, .scale = m->scale, .o = olat};
+    if (attend_all(&a, nh * S * (r + dr) >= m->min_weights ? m->threads : 1)) goto done;
     /* the latent output through kv_b's value rows, head by head */
     int64_t nj = 0;
     for (int64_t h = 0; h < nh; h++)
@@ -4220,17 +4217,162 @@ static PyObject *py_mla_decode(PyObject *self, PyObject *args) {
     if (quantize_rows(olat, nh, r, &xq, &xsc, &xs, x8_kind((int)g[G_KIND]) ? &x8 : NULL, &x8d) ||
         quantize_rows7(g, 1, olat, nh, r, 1, &x7, &x7d))
         goto done;
-    task_t t2 = {.job = rows_job, .raw = b[7].b.buf, .geoms = g, .xf = olat, .xsc = xsc, .xs = xs, .xq = xq,
+    task_t t2 = {.job = rows_job, .raw = m->raw, .geoms = g, .xf = olat, .xsc = xsc, .xs = xs, .xq = xq,
                  .xp = xq + nh * r, .x8 = x8, .x8d = x8d, .x8s = x8d ? x8d + nh * ((r + 127) / 128) : NULL,
                  .x7 = x7, .x7d = x7d, .x7s = x7d ? x7d + nh * (r / 128) : NULL,
-                 .cols = r, .nspan = nspan, .jobs = jobs, .njobs = nj, .out = b[9].b.buf, .ntok = 1,
+                 .cols = r, .nspan = nspan, .jobs = jobs, .njobs = nj, .out = m->out, .ntok = 1,
                  .scratch_floats = rows_scratch(per, 1, nspan)};
-    int bad2 = run_unlocked(&t2, nh * v * r >= min_weights ? threads : 1);
+    int bad2 = run_unlocked(&t2, nh * v * r >= m->min_weights ? m->threads : 1);
     if (bad2 < 0) goto done;
-    ret = PyLong_FromLong(bad || bad2);
+    rc = bad || bad2;
 done:
     free(work); free(jobs); free(xq); free(xsc); free(xs); free(x8); free(x8d); free(x7); free(x7d);
+    return rc;
+}
+
+#define MLA_SHAPES "q [nh, nope + dr], ckv [r + dr], kv_ln [r], cos and sin [dr/2], pos + 1 rows of both caches, " \
+                   "kv_b [nh * (nope + v), r], out [nh, v]"
+/* whether kv_b (geometry g over nraw bytes), caches of nC and nK bytes (es per value) and the heads fit
+   an mla_t call at position pos; ValueError set if not */
+static int mla_fits(const int64_t *g, int64_t ng_bytes, int64_t nraw, int64_t nope, int64_t v, int64_t nh, int64_t hd,
+                    int64_t pos, int64_t nC, int64_t nK, int64_t es, const char *what) {
+    int64_t r = ng_bytes == 8 * G_LEN ? g[G_COLS] : 0, dr = 2 * hd;
+    if (r <= 0 || r % 32 || !known_layout(g) || nraw < g[G_NBYTES] || nope < 1 || v < 1 || nh < 1 || hd < 1 ||
+        nh * (nope + v) > g[G_ROWS] || pos < 0 || nC < (pos + 1) * r * es || nK < (pos + 1) * dr * es) {
+        PyErr_Format(PyExc_ValueError, "%s: " MLA_SHAPES, what);
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *py_mla_decode(PyObject *self, PyObject *args) {
+    PyObject *o[10];
+    float eps, scale;
+    int interleave, half, threads;
+    Py_ssize_t pos, nope, v, min_weights;
+    if (!PyArg_ParseTuple(args, "OOOfOOpOOnpOOnnfOin", &o[0], &o[1], &o[2], &eps, &o[3], &o[4], &interleave,
+                          &o[5], &o[6], &pos, &half, &o[7], &o[8], &nope, &v, &scale, &o[9], &threads, &min_weights))
+        return NULL;
+    buf_t b[10];
+    memset(b, 0, sizeof b);
+    PyObject *ret = NULL;
+    int64_t es = half ? 2 : 4;
+    if (get_buf(o[0], &b[0], 0, 4, "q") || get_buf(o[1], &b[1], 0, 4, "ckv") || get_buf(o[2], &b[2], 0, 4, "kv_ln") ||
+        get_buf(o[3], &b[3], 0, 4, "cos") || get_buf(o[4], &b[4], 0, 4, "sin") || get_buf(o[5], &b[5], 1, es, "C") ||
+        get_buf(o[6], &b[6], 1, es, "K") || get_buf(o[7], &b[7], 0, 1, "raw") ||
+        get_buf(o[8], &b[8], 0, 8 * G_LEN, "geom") || get_buf(o[9], &b[9], 1, 4, "out"))
+        goto done;
+    const int64_t *g = b[8].b.buf;
+    int64_t hd = b[3].b.len / 4, nh = v > 0 ? b[9].b.len / (4 * v) : 0;
+    if (!mla_fits(g, b[8].b.len, b[7].b.len, nope, v, nh, hd, pos, b[5].b.len, b[6].b.len, es, "mla_decode"))
+        goto done;
+    int64_t r = g[G_COLS];
+    if (b[9].b.len != 4 * nh * v || b[4].b.len != b[3].b.len || b[0].b.len != 4 * nh * (nope + 2 * hd) ||
+        b[1].b.len != 4 * (r + 2 * hd) || b[2].b.len != 4 * r) {
+        PyErr_SetString(PyExc_ValueError, "mla_decode: " MLA_SHAPES);
+        goto done;
+    }
+    mla_t m = {.q = b[0].b.buf, .ckv = b[1].b.buf, .kv_ln = b[2].b.buf, .cos = b[3].b.buf, .sin = b[4].b.buf,
+               .C = b[5].b.buf, .K = b[6].b.buf, .raw = b[7].b.buf, .g = g, .eps = eps, .scale = scale,
+               .interleave = interleave, .half = half, .threads = threads, .pos = pos, .nope = nope, .v = v,
+               .nh = nh, .hd = hd, .min_weights = min_weights, .out = b[9].b.buf};
+    int bad = mla_core(&m);
+    if (bad >= 0) ret = PyLong_FromLong(bad);
+done:
     release(b, 10);
+    return ret;
+}
+
+PyDoc_STRVAR(attn_step_doc,
+"attn_step(x, consts, cos, sin, C, K, pos, half, x_out, h_out, threads, min_weights) -> int\n\n"
+"One decode token through a layer's attention half in one call: h1 = rms_norm(x, ln1); q_a and kv_a\n"
+"(one stacked product); q = q_b(rms_norm(q_a h1, q_ln)); mla_decode's attention from q and kv_a's output;\n"
+"x_out = x + o(attention), h_out = rms_norm(x_out, ln2). consts, worked out once per layer: (ln1, ln2,\n"
+"q_ln, kv_ln, eps, stack_base, stack_geoms, stack_jobs, q_b_raw, q_b_geoms, q_b_jobs, kv_b_raw, kv_b_geom,\n"
+"nope, v, o_raw, o_geoms, o_jobs, interleave, scale). Each product runs on `threads` threads from\n"
+"min_weights multiply-adds on. The same bits as those calls one by one. Returns 1 if a tensor's outlier\n"
+"columns are corrupt.");
+
+static PyObject *py_attn_step(PyObject *self, PyObject *args) {
+    PyObject *ox, *consts, *ocos, *osin, *oC, *oK, *oxo, *oho;
+    Py_ssize_t pos, min_weights;
+    int half, threads;
+    if (!PyArg_ParseTuple(args, "OO!OOOOnpOOin", &ox, &PyTuple_Type, &consts, &ocos, &osin, &oC, &oK, &pos, &half,
+                          &oxo, &oho, &threads, &min_weights))
+        return NULL;
+    PyObject *c[18];
+    float eps, scale;
+    Py_ssize_t nope, v;
+    int interleave;
+    if (!PyArg_ParseTuple(consts, "OOOOfOOOOOOOOnnOOOpf", &c[0], &c[1], &c[2], &c[3], &eps, &c[4], &c[5], &c[6],
+                          &c[7], &c[8], &c[9], &c[10], &c[11], &nope, &v, &c[12], &c[13], &c[14], &interleave, &scale))
+        return NULL;
+    enum { X, LN1, LN2, QLN, KVLN, SB, SG, SJ, QBR, QBG, QBJ, KVR, KVG, OR, OG, OJ, COS, SIN, CC, KK, XO, HO, NB };
+    buf_t b[NB];
+    memset(b, 0, sizeof b);
+    PyObject *ret = NULL;
+    float *work = NULL;
+    int64_t es = half ? 2 : 4;
+    if (get_buf(ox, &b[X], 0, 4, "x") || get_buf(c[0], &b[LN1], 0, 4, "ln1") || get_buf(c[1], &b[LN2], 0, 4, "ln2") ||
+        get_buf(c[2], &b[QLN], 0, 4, "q_ln") || get_buf(c[3], &b[KVLN], 0, 4, "kv_ln") ||
+        get_buf(c[4], &b[SB], 0, 1, "stack_base") || get_buf(c[5], &b[SG], 0, 8 * G_LEN, "stack_geoms") ||
+        get_buf(c[6], &b[SJ], 0, 8 * JOB_LEN, "stack_jobs") || get_buf(c[7], &b[QBR], 0, 1, "q_b") ||
+        get_buf(c[8], &b[QBG], 0, 8 * G_LEN, "q_b_geoms") || get_buf(c[9], &b[QBJ], 0, 8 * JOB_LEN, "q_b_jobs") ||
+        get_buf(c[10], &b[KVR], 0, 1, "kv_b") || get_buf(c[11], &b[KVG], 0, 8 * G_LEN, "kv_b_geom") ||
+        get_buf(c[12], &b[OR], 0, 1, "o") || get_buf(c[13], &b[OG], 0, 8 * G_LEN, "o_geoms") ||
+        get_buf(c[14], &b[OJ], 0, 8 * JOB_LEN, "o_jobs") || get_buf(ocos, &b[COS], 0, 4, "cos") ||
+        get_buf(osin, &b[SIN], 0, 4, "sin") || get_buf(oC, &b[CC], 1, es, "C") || get_buf(oK, &b[KK], 1, es, "K") ||
+        get_buf(oxo, &b[XO], 1, 4, "x_out") || get_buf(oho, &b[HO], 1, 4, "h_out"))
+        goto done;
+    const int64_t *sg = b[SG].b.buf, *qg = b[QBG].b.buf, *kg = b[KVG].b.buf, *og = b[OG].b.buf;
+    int64_t hidden = b[X].b.len / 4, ns = b[SG].b.len / (8 * G_LEN), hd = b[COS].b.len / 4, dr = 2 * hd;
+    int64_t qa = b[QLN].b.len / 4, r = b[KVLN].b.len / 4, nh = v > 0 && b[OG].b.len == 8 * G_LEN ? og[G_COLS] / v : 0;
+    if (!mla_fits(kg, b[KVG].b.len, b[KVR].b.len, nope, v, nh, hd, pos, b[CC].b.len, b[KK].b.len, es, "attn_step"))
+        goto done;
+    if (hidden < 1 || ns != 2 || b[QBG].b.len != 8 * G_LEN || b[LN1].b.len != 4 * hidden ||
+        b[LN2].b.len != 4 * hidden || b[XO].b.len != 4 * hidden || b[HO].b.len != 4 * hidden ||
+        b[SIN].b.len != b[COS].b.len || sg[G_ROWS] != qa || sg[G_LEN + G_ROWS] != r + dr || sg[G_COLS] != hidden ||
+        qg[G_COLS] != qa || qg[G_ROWS] != nh * (nope + dr) || kg[G_COLS] != r || og[G_COLS] != nh * v ||
+        og[G_ROWS] != hidden) {
+        PyErr_SetString(PyExc_ValueError, "attn_step: x [hidden], q_a [q_rank, hidden] stacked with kv_a [r + dr, hidden], "
+                        "q_b [nh (nope + dr), q_rank], o [hidden, nh v], ln1, ln2, x_out, h_out [hidden]");
+        goto done;
+    }
+    int64_t nq = nh * (nope + dr);
+    work = malloc(sizeof(float) * (hidden + qa + r + dr + qa + nq + nh * v + hidden));
+    if (!work) { PyErr_NoMemory(); goto done; }
+    float *h1 = work, *qkv = h1 + hidden, *qan = qkv + qa + r + dr, *q = qan + qa, *att = q + nq, *y = att + nh * v;
+    const float *x = b[X].b.buf;
+    float *xo = b[XO].b.buf;
+    int bad = 0, rc;
+#define THREADS(rows, cols) ((rows) * (cols) >= min_weights ? threads : 1)
+    rms_row(x, b[LN1].b.buf, hidden, eps, h1);
+    rc = run_rows(b[SB].b.buf, b[SB].b.len, sg, 2, h1, hidden, b[SJ].b.buf, b[SJ].b.len / (8 * JOB_LEN), qkv,
+                  qa + r + dr, THREADS(qa + r + dr, hidden), 1, qa + r + dr);
+    if (rc < 0) goto done;
+    bad |= rc;
+    rms_row(qkv, b[QLN].b.buf, qa, eps, qan);
+    rc = run_rows(b[QBR].b.buf, b[QBR].b.len, qg, 1, qan, qa, b[QBJ].b.buf, b[QBJ].b.len / (8 * JOB_LEN), q, nq,
+                  THREADS(nq, qa), 1, nq);
+    if (rc < 0) goto done;
+    bad |= rc;
+    mla_t m = {.q = q, .ckv = qkv + qa, .kv_ln = b[KVLN].b.buf, .cos = b[COS].b.buf, .sin = b[SIN].b.buf,
+               .C = b[CC].b.buf, .K = b[KK].b.buf, .raw = b[KVR].b.buf, .g = kg, .eps = eps, .scale = scale,
+               .interleave = interleave, .half = half, .threads = threads, .pos = pos, .nope = nope, .v = v,
+               .nh = nh, .hd = hd, .min_weights = min_weights, .out = att};
+    if ((rc = mla_core(&m)) < 0) goto done;
+    bad |= rc;
+    rc = run_rows(b[OR].b.buf, b[OR].b.len, og, 1, att, nh * v, b[OJ].b.buf, b[OJ].b.len / (8 * JOB_LEN), y, hidden,
+                  THREADS(hidden, nh * v), 1, hidden);
+    if (rc < 0) goto done;
+    bad |= rc;
+#undef THREADS
+    for (int64_t i = 0; i < hidden; i++) xo[i] = x[i] + y[i];
+    rms_row(xo, b[LN2].b.buf, hidden, eps, b[HO].b.buf);
+    ret = PyLong_FromLong(bad);
+done:
+    free(work);
+    release(b, NB);
     return ret;
 }
 
@@ -4329,6 +4471,7 @@ static PyMethodDef methods[] = {
     {"moe", py_moe, METH_VARARGS, moe_doc},
     {"attend", py_attend, METH_VARARGS, attend_doc},
     {"mla_decode", py_mla_decode, METH_VARARGS, mla_decode_doc},
+    {"attn_step", py_attn_step, METH_VARARGS, attn_step_doc},
     {"keep_heap", py_keep_heap, METH_VARARGS, keep_heap_doc},
     {"causal_softmax", py_causal_softmax, METH_VARARGS, causal_softmax_doc},
     {"swiglu", py_swiglu, METH_VARARGS, swiglu_doc},

@@ -10,6 +10,7 @@ t1 weights (the routed experts) take x as int8 per 128 values instead (q4/q6 too
 per 128 weights (one t1 token: 7 bits, so that its trits never have to be taken out of their bytes). Every caller hands it a list of row jobs (a linear, all routed experts of
 a token, kv_b's heads), shared out over a small thread pool.
 A decode step's attention from the projections to the heads' values is one call (LatentAttention),
+with q LoRA a layer's whole attention half is (AttentionStep: norms, projections and residual too),
 and so is a token's MoE layer once its experts' offsets are known (MoEStep).
 Several tokens (prefill, or the tokens routed to one expert): the same kernel takes each block's
 digits out once and multiplies them by four tokens at a time. From BLAS_MIN_TOKENS tokens on
@@ -727,6 +728,42 @@ class LatentAttention:
                             self.raw, self.g, self.nope, self.v, scale, out, _threads, PARALLEL_MIN_WEIGHTS):
             raise CodecError(f"{self.codec}: corrupt data: outlier columns out of range or not increasing")
         return out
+
+
+class AttentionStep:
+    """One decode token through a layer's attention half in one C call (`_qdot.attn_step`): x ->
+    (x + attention(rms_norm(x, ln1)), rms_norm(that, ln2)), for attention with q LoRA whose q_a and kv_a
+    stack (Stacked), q_b and o on the block kernels and kv_b packed (LatentAttention). The same bits as
+    the modules' calls one by one: the Python between about ten calls a layer cost more than the small
+    ones' arithmetic, and memory traffic stalls it (the products stream megabytes past its objects)."""
+    __slots__ = ("consts", "what")
+
+    def __init__(self, ln1, ln2, eps: float, qkv_a: Stacked, q_ln, q_b: Linear, mla: LatentAttention, kv_ln,
+                 o: Linear, interleave: bool, scale: float):
+        f32 = functools.partial(np.ascontiguousarray, dtype=np.float32)
+        self.consts = (f32(ln1), f32(ln2), f32(q_ln), f32(kv_ln), float(eps), qkv_a.base, qkv_a.geoms, qkv_a.jobs,
+                       q_b.raw, q_b.geoms, q_b.jobs, mla.raw, mla.g, mla.nope, mla.v, o.raw, o.geoms, o.jobs,
+                       bool(interleave), float(scale))
+        self.what = f"{qkv_a.what}, {q_b.codec}, {mla.codec}, {o.codec}"
+
+    @staticmethod
+    def fits(qkv_a, q_b: Linear, mla, o: Linear) -> bool:
+        """Whether these products can run as one step (block codecs on this project's kernels)."""
+        return (qkv_a is not None and mla is not None and len(qkv_a.splits) == 2 and
+                all(w.ggml is None and has_kernel(w.codec) for w in (q_b, o)))
+
+    def __call__(self, x: np.ndarray, pos: int, latent: np.ndarray, k_rot: np.ndarray, cos: np.ndarray,
+                 sin: np.ndarray):
+        """x [1, hidden] float32; one sequence's cache rows [context, r], [context, dr] (row pos is
+        written); cos, sin [1, dr/2] -> (x_out, h_out), each [1, hidden]."""
+        if latent.dtype != k_rot.dtype or latent.dtype not in (np.float32, np.float16):
+            raise ValueError("AttentionStep: the caches must both be float32 or both float16")
+        x = np.ascontiguousarray(x, np.float32)
+        x_out, h_out = np.empty_like(x), np.empty_like(x)
+        if _qdot.attn_step(x, self.consts, cos, sin, latent, k_rot, pos, latent.dtype == np.float16, x_out, h_out,
+                           _threads, PARALLEL_MIN_WEIGHTS):
+            raise CodecError(f"{self.what}: corrupt data: outlier columns out of range or not increasing")
+        return x_out, h_out
 
 
 def keep_heap(nbytes: int) -> int:

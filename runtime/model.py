@@ -158,6 +158,17 @@ class Attention:
             scale *= _yarn_mscale(cfg.rope.factor, cfg.rope.mscale_all_dim) ** 2
         self.softmax_scale = scale
 
+    def decode_step(self, ln1: np.ndarray, ln2: np.ndarray, eps: float):
+        """A kernels.AttentionStep for Layer's decode tokens (its attention half in one call), or None
+        where the weights do not allow one."""
+        if self.q_a is None:
+            return None
+        q_b, o = kernels.Linear(self.q_b.codec, self.q_b.raw, self.q_b.shape), kernels.Linear(self.o.codec, self.o.raw, self.o.shape)
+        if not kernels.AttentionStep.fits(self.qkv_a, q_b, self.mla, o):
+            return None
+        return kernels.AttentionStep(ln1, ln2, eps, self.qkv_a, self.q_ln, q_b, self.mla, self.kv_ln, o,
+                                     self.cfg.rope.interleave, self.softmax_scale)
+
     def split_kv_b(self, kv_b: np.ndarray):
         cfg = self.cfg
         nh, nope, v, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
@@ -473,10 +484,15 @@ class Layer:
 
     def __init__(self, index: int, ln1: np.ndarray, ln2: np.ndarray, attn: Attention, mlp: DenseMLP | MoE, eps: float):
         self.index, self.ln1, self.ln2, self.attn, self.mlp, self.eps = index, ln1, ln2, attn, mlp, eps
+        self.step = attn.decode_step(ln1, ln2, eps)     # one decode token's first two lines in one call
 
     def forward(self, x: np.ndarray, start: int, cache: KVCache, rope: Rope) -> np.ndarray:
-        x = x + self.attn.forward(rms_norm(x, self.ln1, self.eps), start, cache, rope)
-        h = rms_norm(x, self.ln2, self.eps)
+        if self.step is not None and x.shape[0] == 1 and cache.batch == 1:
+            cos, sin = rope.tables(start, 1, 1)
+            x, h = self.step(x, start, cache.latent[self.index][0], cache.k_rot[self.index][0], cos, sin)
+        else:
+            x = x + self.attn.forward(rms_norm(x, self.ln1, self.eps), start, cache, rope)
+            h = rms_norm(x, self.ln2, self.eps)
         return x + (self.mlp.forward(h, x) if isinstance(self.mlp, MoE) else self.mlp.forward(h))
 
 

@@ -304,6 +304,7 @@ def observing(model: Model, observer):
         setattr(obj, attr, value)
 
     for layer in model.layers:
+        wrap(layer, "step", None)           # each product on its own, where it is observed
         attn = layer.attn
         for attr in ("q", "q_a", "q_b", "kv_a", "o"):
             if getattr(attn, attr) is not None:

@@ -503,6 +503,68 @@ def test_latent_attention_equals_its_steps(name, dtype, interleave, threads, isa
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.fixture(scope="module")
+def lora_model(tmp_path_factory):
+    """A small synthetic DeepseekV3 file with q LoRA at the q2 preset (attention on q4, the block kernels)."""
+    import json
+    from kimistream.convert.synthetic import write_synthetic
+    from kimistream.formats.presets import PrecisionPlan
+    d = tmp_path_factory.mktemp("lora")
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 512,
+        "hidden_size": 256, "intermediate_size": 256, "moe_intermediate_size": 256, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "kv_lora_rank": 64, "q_lora_rank": 96, "qk_rope_head_dim": 16, "v_head_dim": 32,
+        "qk_nope_head_dim": 32, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "max_position_embeddings": 256}))
+    return write_synthetic(d / "config.json", d / "m.kst", PrecisionPlan.from_preset("q2"), seed=3)
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_attention_step_equals_the_modules(lora_model, kv_dtype, threads, isa, activations, monkeypatch):
+    """A decode token's attention half in one call (kernels.AttentionStep, Layer.step) gives the bits of
+    the modules' calls one by one: the logits of a prompt and six decode steps, and every cache row."""
+    from kimistream.runtime.model import Model
+    from kimistream.runtime.weights import ModelWeights
+    monkeypatch.setattr(kernels, "PARALLEL_MIN_WEIGHTS", 0 if threads > 1 else 1 << 62)
+    monkeypatch.setattr(kernels, "_threads", threads)
+    w = ModelWeights(lora_model)
+    w.load_resident()
+    runs = []
+    for fused in (True, False):
+        m = Model(w, 32, kv_dtype)
+        assert all(layer.step is not None for layer in m.layers)
+        if not fused:
+            for layer in m.layers:
+                layer.step = None
+        logits = [m.prefill(list(range(5, 12)), 7)] + [m.forward([t]) for t in (3, 9, 1, 4, 4, 8)]
+        runs.append((np.stack(logits), [c.copy() for c in m.cache.latent + m.cache.k_rot]))
+    np.testing.assert_array_equal(runs[0][0], runs[1][0])
+    for a, b in zip(runs[0][1], runs[1][1]):
+        np.testing.assert_array_equal(a, b)
+    w.close()
+
+
+def test_attention_step_refuses_mismatched_buffers(lora_model):
+    from kimistream.runtime.model import Model
+    from kimistream.runtime.weights import ModelWeights
+    w = ModelWeights(lora_model)
+    w.load_resident()
+    m = Model(w, 8)
+    step, x = m.layers[1].step, np.zeros((1, m.cfg.hidden_size), np.float32)
+    latent, k_rot = m.cache.latent[1][0], m.cache.k_rot[1][0]
+    cos, sin = m.rope.tables(0, 1, 1)
+    with pytest.raises(ValueError, match="attn_step"):              # x of another width
+        step(np.zeros((1, 7), np.float32), 0, latent, k_rot, cos, sin)
+    with pytest.raises(ValueError, match="attn_step"):              # the row to write lies past the cache
+        step(x, 8, latent, k_rot, cos, sin)
+    with pytest.raises(ValueError):                                 # the caches' dtypes differ
+        step(x, 0, latent, k_rot.astype(np.float16), cos, sin)
+    x_out, h = step(x, 0, latent, k_rot, cos, sin)
+    assert x_out.shape == h.shape == x.shape and np.isfinite(h).all()
+    w.close()
+
+
 def test_latent_attention_rounds_cache_rows_as_numpy():
     """Rows written to a binary16 cache are numpy's conversion of the float32 values: ties to even,
     subnormals, the largest finite value, overflow to infinity, signed zeros, infinities, NaNs."""
