@@ -2,11 +2,12 @@
 decode time split by part of the model (routed experts, attention, lm_head and other linears,
 routing, the rest = Python and numpy glue), from Python's profiler over the decode steps; then split
 by C kernel (`runtime/_qdot.c`, each call timed, a few hundred ns apiece), the rest being the Python
-between the calls (the unprofiled step less the kernels).
+between the calls (the unprofiled step less the kernels); last, decode steps with each layer's
+attention half in one call (`Layer.step`) against the modules' calls, in alternating rounds.
 
     python benchmarks/bench_step_split.py WEIGHTS.kst [--steps 32] [--prompt-tokens 256]
                                           [--prefill-batch 256] [--threads 2] [--gguf-inputs llama.cpp|f32]
-                                          [--no-keep-heap]
+                                          [--no-keep-heap] [--rounds 8]
 
 The prefill is timed after a warm-up prefill in the same process (as `kimi-run --warm-up`), with its
 minor page faults and kernel CPU seconds; freed temporaries are kept mapped as kimi-run keeps them
@@ -20,6 +21,7 @@ import cProfile
 import os
 import pstats
 import resource
+import statistics
 import time
 
 
@@ -30,6 +32,7 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--prefill-batch", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=8, help="alternating rounds of the one-call comparison")
     ap.add_argument("--gguf-inputs", default="llama.cpp", choices=("llama.cpp", "f32"),
                     help="as kimi-run's flag: how products by llama.cpp's blocks take their input")
     ap.add_argument("--no-keep-heap", action="store_true", help="leave glibc's allocator thresholds alone")
@@ -75,10 +78,12 @@ def main():
         return sum(v[3] for (f, line, name), v in st.stats.items()
                    if (f, line, name) == (code.co_filename, code.co_firstlineno, code.co_name))
     total = st.total_tt
-    moe, route, attention = cum(MoE.forward), cum(MoE.route), cum(Attention.forward)
+    # a decode token's attention half is one call where the weights allow (Layer.step), the modules' otherwise
+    moe, route = cum(MoE.forward), cum(MoE.route)
+    attention = cum(Attention.forward) + cum(kernels.AttentionStep.__call__)
     parts = {"routed and shared experts (MoE.forward, less routing)": moe - route,
              "routing (router product, top-k)": route,
-             "attention (projections, kv_b, scores)": attention,
+             "attention (its norms, projections, kv_b, scores, residual)": attention,
              "dense layer, lm_head, norms, embedding, Python glue": total - moe - attention}
     print(f"{args.weights}: prefill {args.prompt_tokens} tokens in batches of {args.prefill_batch}: "
           f"{prefill:.1f} tok/s ({faults} minor page faults, {system:.3f} s of kernel CPU time"
@@ -120,6 +125,25 @@ def main():
     c = sum(ms.values())
     print(f"| all kernels | {c:.2f} |\n| Python between the calls (the unprofiled step less the kernels) "
           f"| {dt * 1e3 - c:.2f} |")
+
+    # the attention half in one call against the modules' calls, alternating rounds
+    steps = [layer.step for layer in m.layers]
+    if any(s is not None for s in steps):
+        rounds, base = {True: [], False: []}, m.cache.length
+        for _ in range(args.rounds):
+            for fused in (True, False):
+                for layer, s in zip(m.layers, steps):
+                    layer.step = s if fused else None
+                m.cache.length = base                  # every round decodes the same positions
+                t = time.perf_counter()
+                decode()
+                rounds[fused].append((time.perf_counter() - t) / args.steps * 1e3)
+        for layer, s in zip(m.layers, steps):
+            layer.step = s
+        a, b = statistics.median(rounds[True]), statistics.median(rounds[False])
+        print(f"\nA decode step with each layer's attention half in one call (Layer.step) against the modules' "
+              f"calls, medians of {args.rounds} alternating rounds of {args.steps} steps: {a:.2f} against "
+              f"{b:.2f} ms ({b / a:.3f}x)")
 
 
 class _Timed:
