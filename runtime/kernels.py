@@ -7,8 +7,9 @@ multiplies each codec's stored digits by them in int32 lanes, applies each span'
 once, and adds each outlier's stored correction times its input; nothing is dequantized. q2, q1 and
 t1 weights (the routed experts) take x as int8 per 128 values instead (q4/q6 too with
 `set_activations("int8")`): byte products, the sub-block scales applied as integers, one float step
-per 128 weights (one t1 token: 7 bits, so that its trits never have to be taken out of their bytes). Every caller hands it a list of row jobs (a linear, all routed experts of
-a token, kv_b's heads), shared out over a small thread pool.
+per 128 weights (one t1 token: 7 bits, so that its trits never have to be taken out of their bytes).
+Every caller hands it a list of row jobs (a linear, all routed experts of a token, kv_b's heads),
+shared out over a small thread pool.
 A decode step's attention from the projections to the heads' values is one call (LatentAttention),
 with q LoRA a layer's whole attention half is (AttentionStep: norms, projections and residual too),
 and so is a token's MoE layer once its experts' offsets are known (MoEStep).

@@ -161,9 +161,9 @@ class Attention:
     def decode_step(self, ln1: np.ndarray, ln2: np.ndarray, eps: float):
         """A kernels.AttentionStep for Layer's decode tokens (its attention half in one call), or None
         where the weights do not allow one."""
-        if self.q_a is None:
+        if self.q_a is None or self.qkv_a is None or self.mla is None:
             return None
-        q_b, o = kernels.Linear(self.q_b.codec, self.q_b.raw, self.q_b.shape), kernels.Linear(self.o.codec, self.o.raw, self.o.shape)
+        q_b, o = (kernels.Linear(w.codec, w.raw, w.shape) for w in (self.q_b, self.o))
         if not kernels.AttentionStep.fits(self.qkv_a, q_b, self.mla, o):
             return None
         return kernels.AttentionStep(ln1, ln2, eps, self.qkv_a, self.q_ln, q_b, self.mla, self.kv_ln, o,
