@@ -2520,6 +2520,21 @@ static float dot_c(const float *a, const float *b, int64_t n) {
     return tot;
 }
 
+/* y[e] = W[e] . x for a float32 matrix W [E, cols] (a router): one row at a time, in a fixed order
+   whatever the threads, so a decode step's routing is the same however the call is reached */
+#if HAVE_X86
+AVX2 static void matvec_avx2(const float *W, int64_t E, int64_t cols, const float *x, float *y) {
+    for (int64_t e = 0; e < E; e++) y[e] = dot_avx2(W + e * cols, x, cols);
+}
+#endif
+
+static void matvec_f32(const float *W, int64_t E, int64_t cols, const float *x, float *y) {
+#if HAVE_X86
+    if (use_avx2) { matvec_avx2(W, E, cols, x, y); return; }
+#endif
+    for (int64_t e = 0; e < E; e++) y[e] = dot_c(W + e * cols, x, cols);
+}
+
 #if HAVE_X86
 /* att_scores_job on AVX2: the job's cache rows converted once (binary16 caches), then four heads at a
    time (their queries, 8 KiB for 512-wide latents, stay in L1) over every row pair of the job */
@@ -4054,40 +4069,26 @@ PyDoc_STRVAR(route_doc,
 "the lower index. weights (float32 [T, k]) are their scores, divided by their sum if norm, times scale.\n"
 "With logits, `scores` are the router's outputs z and the scores 1 / (1 + e^-z).");
 
-static PyObject *py_route(PyObject *self, PyObject *args) {
-    PyObject *o[4];
-    Py_ssize_t G, KG;
-    int norm;
-    float scale;
-    int logits = 0;
-    if (!PyArg_ParseTuple(args, "OOnnpfOO|p", &o[0], &o[1], &G, &KG, &norm, &scale, &o[2], &o[3], &logits)) return NULL;
-    buf_t b[4];
-    memset(b, 0, sizeof b);
-    PyObject *ret = NULL;
+/* route()'s work: T tokens' scores [T, E] (or the router's outputs, with logits) -> idx, w [T, k];
+   -1 with MemoryError set */
+static int route_rows(const float *scores, int64_t T, int64_t E, const float *bias_in, int64_t G, int64_t KG,
+                      int norm, float scale, int logits, int64_t k, int64_t *idx_out, float *w_out) {
+    int rc = -1;
     float *choice = NULL;
     unsigned char *taken = NULL;
-    if (get_buf(o[0], &b[0], 0, 4, "scores") || get_buf(o[1], &b[1], 0, 4, "bias") ||
-        get_buf(o[2], &b[2], 1, 8, "idx") || get_buf(o[3], &b[3], 1, 4, "weights"))
-        goto done;
-    int64_t E = b[1].b.len / 4, T = E ? b[0].b.len / 4 / E : 0, k = T ? b[2].b.len / 8 / T : 0;
-    if (E < 1 || b[0].b.len != 4 * T * E || b[2].b.len != 8 * T * k || b[3].b.len != 4 * T * k || k < 1 || k > E ||
-        G < 1 || E % G || KG < 1 || KG > G) {
-        PyErr_SetString(PyExc_ValueError, "route: scores [T, E], bias [E], idx and weights [T, k], k <= E, groups dividing E");
-        goto done;
-    }
     choice = malloc(sizeof(float) * (2 * E + G));
     taken = malloc(E + G);
     if (!choice || !taken) { PyErr_NoMemory(); goto done; }
     float *gsc = choice + E, *sig = gsc + G;
     int64_t per = E / G;
     for (int64_t t = 0; t < T; t++) {
-        const float *sc = (const float *)b[0].b.buf + t * E, *bias = b[1].b.buf;
+        const float *sc = scores + t * E, *bias = bias_in;
         if (logits) {           /* the router's outputs: their sigmoids, in float32 as numpy's form */
             for (int64_t e = 0; e < E; e++) sig[e] = 1.0f / (1.0f + expf(-sc[e]));
             sc = sig;
         }
-        int64_t *idx = (int64_t *)b[2].b.buf + t * k;
-        float *w = (float *)b[3].b.buf + t * k;
+        int64_t *idx = idx_out + t * k;
+        float *w = w_out + t * k;
         for (int64_t e = 0; e < E; e++) choice[e] = sc[e] + bias[e];
         if (G > 1) {
             for (int64_t g = 0; g < G; g++) {       /* the group's two best, summed as numpy's sort does */
@@ -4116,9 +4117,34 @@ static PyObject *py_route(PyObject *self, PyObject *args) {
         }
         for (int64_t j = 0; j < k; j++) w[j] = w[j] * scale;
     }
-    ret = Py_NewRef(Py_None);
+    rc = 0;
 done:
     free(choice); free(taken);
+    return rc;
+}
+
+static PyObject *py_route(PyObject *self, PyObject *args) {
+    PyObject *o[4];
+    Py_ssize_t G, KG;
+    int norm;
+    float scale;
+    int logits = 0;
+    if (!PyArg_ParseTuple(args, "OOnnpfOO|p", &o[0], &o[1], &G, &KG, &norm, &scale, &o[2], &o[3], &logits)) return NULL;
+    buf_t b[4];
+    memset(b, 0, sizeof b);
+    PyObject *ret = NULL;
+    if (get_buf(o[0], &b[0], 0, 4, "scores") || get_buf(o[1], &b[1], 0, 4, "bias") ||
+        get_buf(o[2], &b[2], 1, 8, "idx") || get_buf(o[3], &b[3], 1, 4, "weights"))
+        goto done;
+    int64_t E = b[1].b.len / 4, T = E ? b[0].b.len / 4 / E : 0, k = T ? b[2].b.len / 8 / T : 0;
+    if (E < 1 || b[0].b.len != 4 * T * E || b[2].b.len != 8 * T * k || b[3].b.len != 4 * T * k || k < 1 || k > E ||
+        G < 1 || E % G || KG < 1 || KG > G) {
+        PyErr_SetString(PyExc_ValueError, "route: scores [T, E], bias [E], idx and weights [T, k], k <= E, groups dividing E");
+        goto done;
+    }
+    if (route_rows(b[0].b.buf, T, E, b[1].b.buf, G, KG, norm, scale, logits, k, b[2].b.buf, b[3].b.buf) == 0)
+        ret = Py_NewRef(Py_None);
+done:
     release(b, 4);
     return ret;
 }
@@ -4283,23 +4309,61 @@ done:
     return ret;
 }
 
+PyDoc_STRVAR(matvec_doc,
+"matvec(W, x, out, cols): out [T, E] = x [T, cols] @ W.T for a float32 W [E, cols], row by row in a fixed\n"
+"order (a decode step's router product; the same bits inside attn_step).");
+
+static PyObject *py_matvec(PyObject *self, PyObject *args) {
+    PyObject *o[3];
+    Py_ssize_t cols;
+    if (!PyArg_ParseTuple(args, "OOOn", &o[0], &o[1], &o[2], &cols)) return NULL;
+    buf_t b[3];
+    memset(b, 0, sizeof b);
+    PyObject *ret = NULL;
+    if (get_buf(o[0], &b[0], 0, 4, "W") || get_buf(o[1], &b[1], 0, 4, "x") || get_buf(o[2], &b[2], 1, 4, "out"))
+        goto done;
+    int64_t E = cols > 0 ? b[0].b.len / 4 / cols : 0, T = cols > 0 ? b[1].b.len / 4 / cols : 0;
+    if (E < 1 || b[0].b.len != 4 * E * cols || b[1].b.len != 4 * T * cols || b[2].b.len != 4 * T * E) {
+        PyErr_SetString(PyExc_ValueError, "matvec: W [E, cols], x [T, cols], out [T, E]");
+        goto done;
+    }
+    for (int64_t t = 0; t < T; t++)
+        matvec_f32(b[0].b.buf, E, cols, (const float *)b[1].b.buf + t * cols, (float *)b[2].b.buf + t * E);
+    ret = Py_NewRef(Py_None);
+done:
+    release(b, 3);
+    return ret;
+}
+
 PyDoc_STRVAR(attn_step_doc,
-"attn_step(x, consts, cos, sin, C, K, pos, half, x_out, h_out, threads, min_weights) -> int\n\n"
+"attn_step(x, consts, cos, sin, C, K, pos, half, x_out, h_out, threads, min_weights, router=None, idx=None,\n"
+"          weights=None) -> int\n\n"
 "One decode token through a layer's attention half in one call: h1 = rms_norm(x, ln1); q_a and kv_a\n"
 "(one stacked product); q = q_b(rms_norm(q_a h1, q_ln)); mla_decode's attention from q and kv_a's output;\n"
 "x_out = x + o(attention), h_out = rms_norm(x_out, ln2). consts, worked out once per layer: (ln1, ln2,\n"
 "q_ln, kv_ln, eps, stack_base, stack_geoms, stack_jobs, q_b_raw, q_b_geoms, q_b_jobs, kv_b_raw, kv_b_geom,\n"
-"nope, v, o_raw, o_geoms, o_jobs, interleave, scale). Each product runs on `threads` threads from\n"
+"nope, v, o_raw, o_geoms, o_jobs, interleave, scale). With router = (W [E, hidden] float32, bias [E],\n"
+"n_group, topk_group, norm, scale), h_out is routed too (matvec, then route's logits form) into idx\n"
+"(int64 [k]) and weights (float32 [k]). Each product runs on `threads` threads from\n"
 "min_weights multiply-adds on. The same bits as those calls one by one. Returns 1 if a tensor's outlier\n"
 "columns are corrupt.");
 
 static PyObject *py_attn_step(PyObject *self, PyObject *args) {
-    PyObject *ox, *consts, *ocos, *osin, *oC, *oK, *oxo, *oho;
+    PyObject *ox, *consts, *ocos, *osin, *oC, *oK, *oxo, *oho, *orouter = Py_None, *oidx = Py_None, *ow = Py_None;
     Py_ssize_t pos, min_weights;
     int half, threads;
-    if (!PyArg_ParseTuple(args, "OO!OOOOnpOOin", &ox, &PyTuple_Type, &consts, &ocos, &osin, &oC, &oK, &pos, &half,
-                          &oxo, &oho, &threads, &min_weights))
+    if (!PyArg_ParseTuple(args, "OO!OOOOnpOOin|OOO", &ox, &PyTuple_Type, &consts, &ocos, &osin, &oC, &oK, &pos, &half,
+                          &oxo, &oho, &threads, &min_weights, &orouter, &oidx, &ow))
         return NULL;
+    PyObject *rW = NULL, *rbias = NULL;
+    Py_ssize_t rG = 1, rKG = 1;
+    int rnorm = 0;
+    float rscale = 1.0f;
+    if (orouter != Py_None && (!PyTuple_Check(orouter) ||
+                               !PyArg_ParseTuple(orouter, "OOnnpf", &rW, &rbias, &rG, &rKG, &rnorm, &rscale))) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "attn_step: router must be a tuple");
+        return NULL;
+    }
     PyObject *c[18];
     float eps, scale;
     Py_ssize_t nope, v;
@@ -4307,7 +4371,8 @@ static PyObject *py_attn_step(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(consts, "OOOOfOOOOOOOOnnOOOpf", &c[0], &c[1], &c[2], &c[3], &eps, &c[4], &c[5], &c[6],
                           &c[7], &c[8], &c[9], &c[10], &c[11], &nope, &v, &c[12], &c[13], &c[14], &interleave, &scale))
         return NULL;
-    enum { X, LN1, LN2, QLN, KVLN, SB, SG, SJ, QBR, QBG, QBJ, KVR, KVG, OR, OG, OJ, COS, SIN, CC, KK, XO, HO, NB };
+    enum { X, LN1, LN2, QLN, KVLN, SB, SG, SJ, QBR, QBG, QBJ, KVR, KVG, OR, OG, OJ, COS, SIN, CC, KK, XO, HO,
+           RW, RB, RI, RWT, NB };
     buf_t b[NB];
     memset(b, 0, sizeof b);
     PyObject *ret = NULL;
@@ -4324,6 +4389,9 @@ static PyObject *py_attn_step(PyObject *self, PyObject *args) {
         get_buf(osin, &b[SIN], 0, 4, "sin") || get_buf(oC, &b[CC], 1, es, "C") || get_buf(oK, &b[KK], 1, es, "K") ||
         get_buf(oxo, &b[XO], 1, 4, "x_out") || get_buf(oho, &b[HO], 1, 4, "h_out"))
         goto done;
+    if (rW && (get_buf(rW, &b[RW], 0, 4, "router") || get_buf(rbias, &b[RB], 0, 4, "bias") ||
+               get_buf(oidx, &b[RI], 1, 8, "idx") || get_buf(ow, &b[RWT], 1, 4, "weights")))
+        goto done;
     const int64_t *sg = b[SG].b.buf, *qg = b[QBG].b.buf, *kg = b[KVG].b.buf, *og = b[OG].b.buf;
     int64_t hidden = b[X].b.len / 4, ns = b[SG].b.len / (8 * G_LEN), hd = b[COS].b.len / 4, dr = 2 * hd;
     int64_t qa = b[QLN].b.len / 4, r = b[KVLN].b.len / 4, nh = v > 0 && b[OG].b.len == 8 * G_LEN ? og[G_COLS] / v : 0;
@@ -4336,6 +4404,13 @@ static PyObject *py_attn_step(PyObject *self, PyObject *args) {
         og[G_ROWS] != hidden) {
         PyErr_SetString(PyExc_ValueError, "attn_step: x [hidden], q_a [q_rank, hidden] stacked with kv_a [r + dr, hidden], "
                         "q_b [nh (nope + dr), q_rank], o [hidden, nh v], ln1, ln2, x_out, h_out [hidden]");
+        goto done;
+    }
+    int64_t E = rW ? b[RB].b.len / 4 : 0, rk = rW ? b[RI].b.len / 8 : 0;
+    if (rW && (E < 1 || b[RW].b.len != 4 * E * hidden || rk < 1 || rk > E || b[RWT].b.len != 4 * rk || rG < 1 ||
+               E % rG || rKG < 1 || rKG > rG)) {
+        PyErr_SetString(PyExc_ValueError, "attn_step: router [E, hidden], bias [E], idx and weights [k], k <= E, "
+                        "groups dividing E");
         goto done;
     }
     int64_t nq = nh * (nope + dr);
@@ -4369,6 +4444,14 @@ static PyObject *py_attn_step(PyObject *self, PyObject *args) {
 #undef THREADS
     for (int64_t i = 0; i < hidden; i++) xo[i] = x[i] + y[i];
     rms_row(xo, b[LN2].b.buf, hidden, eps, b[HO].b.buf);
+    if (rW) {                      /* the next half's routing: the router's outputs, then top-k */
+        float *z = malloc(sizeof(float) * E);
+        if (!z) { PyErr_NoMemory(); goto done; }
+        matvec_f32(b[RW].b.buf, E, hidden, b[HO].b.buf, z);
+        rc = route_rows(z, 1, E, b[RB].b.buf, rG, rKG, rnorm, rscale, 1, rk, b[RI].b.buf, b[RWT].b.buf);
+        free(z);
+        if (rc < 0) goto done;
+    }
     ret = PyLong_FromLong(bad);
 done:
     free(work);
@@ -4472,6 +4555,7 @@ static PyMethodDef methods[] = {
     {"attend", py_attend, METH_VARARGS, attend_doc},
     {"mla_decode", py_mla_decode, METH_VARARGS, mla_decode_doc},
     {"attn_step", py_attn_step, METH_VARARGS, attn_step_doc},
+    {"matvec", py_matvec, METH_VARARGS, matvec_doc},
     {"keep_heap", py_keep_heap, METH_VARARGS, keep_heap_doc},
     {"causal_softmax", py_causal_softmax, METH_VARARGS, causal_softmax_doc},
     {"swiglu", py_swiglu, METH_VARARGS, swiglu_doc},

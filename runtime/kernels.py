@@ -686,6 +686,15 @@ def route(scores: np.ndarray, bias: np.ndarray, k: int, n_group: int = 1, topk_g
     return idx, weights
 
 
+def matvec(x: np.ndarray, W: np.ndarray) -> np.ndarray:
+    """x [T, cols] @ W.T for a float32 W [E, cols], each row's sum in one fixed order (a decode step's
+    router product: the same bits as inside AttentionStep)."""
+    x = np.ascontiguousarray(x, np.float32)
+    out = np.empty((x.shape[0], W.shape[0]), np.float32)
+    _qdot.matvec(np.ascontiguousarray(W, np.float32), x, out, W.shape[1])
+    return out
+
+
 def attend(q: np.ndarray, q_rot: np.ndarray, latent: np.ndarray, k_rot: np.ndarray, length: int,
            scale: float) -> np.ndarray:
     """One token's absorbed attention for every head: q [nh, r] against the first `length` rows of the
@@ -737,15 +746,23 @@ class AttentionStep:
     stack (Stacked), q_b and o on the block kernels and kv_b packed (LatentAttention). The same bits as
     the modules' calls one by one: the Python between about ten calls a layer cost more than the small
     ones' arithmetic, and memory traffic stalls it (the products stream megabytes past its objects)."""
-    __slots__ = ("consts", "what")
+    __slots__ = ("consts", "what", "router", "k")
 
     def __init__(self, ln1, ln2, eps: float, qkv_a: Stacked, q_ln, q_b: Linear, mla: LatentAttention, kv_ln,
-                 o: Linear, interleave: bool, scale: float):
+                 o: Linear, interleave: bool, scale: float, router=None):
+        """router: (W float32 [E, hidden], bias, k, n_group, topk_group, norm, scale) to route the output
+        too (MoE.router_spec: the same bits as MoE.route for one token), or None."""
         f32 = functools.partial(np.ascontiguousarray, dtype=np.float32)
         self.consts = (f32(ln1), f32(ln2), f32(q_ln), f32(kv_ln), float(eps), qkv_a.base, qkv_a.geoms, qkv_a.jobs,
                        q_b.raw, q_b.geoms, q_b.jobs, mla.raw, mla.g, mla.nope, mla.v, o.raw, o.geoms, o.jobs,
                        bool(interleave), float(scale))
         self.what = f"{qkv_a.what}, {q_b.codec}, {mla.codec}, {o.codec}"
+        self.router, self.k = None, 0
+        if router is not None:
+            W, bias, k, n_group, topk_group, norm, rscale = router
+            self.router = (np.ascontiguousarray(W, np.float32), np.ascontiguousarray(bias, np.float32), int(n_group),
+                           int(topk_group), bool(norm), float(rscale))
+            self.k = int(k)
 
     @staticmethod
     def fits(qkv_a, q_b: Linear, mla, o: Linear) -> bool:
@@ -756,15 +773,17 @@ class AttentionStep:
     def __call__(self, x: np.ndarray, pos: int, latent: np.ndarray, k_rot: np.ndarray, cos: np.ndarray,
                  sin: np.ndarray):
         """x [1, hidden] float32; one sequence's cache rows [context, r], [context, dr] (row pos is
-        written); cos, sin [1, dr/2] -> (x_out, h_out), each [1, hidden]."""
+        written); cos, sin [1, dr/2] -> (x_out, h_out, routed): x_out and h_out [1, hidden], routed the
+        expert ids [1, k] and weights [1, k] with a router, else None."""
         if latent.dtype != k_rot.dtype or latent.dtype not in (np.float32, np.float16):
             raise ValueError("AttentionStep: the caches must both be float32 or both float16")
         x = np.ascontiguousarray(x, np.float32)
         x_out, h_out = np.empty_like(x), np.empty_like(x)
+        routed = (np.empty((1, self.k), np.int64), np.empty((1, self.k), np.float32)) if self.router else None
         if _qdot.attn_step(x, self.consts, cos, sin, latent, k_rot, pos, latent.dtype == np.float16, x_out, h_out,
-                           _threads, PARALLEL_MIN_WEIGHTS):
+                           _threads, PARALLEL_MIN_WEIGHTS, self.router, *(routed or (None, None))):
             raise CodecError(f"{self.what}: corrupt data: outlier columns out of range or not increasing")
-        return x_out, h_out
+        return x_out, h_out, routed
 
 
 def keep_heap(nbytes: int) -> int:

@@ -158,16 +158,16 @@ class Attention:
             scale *= _yarn_mscale(cfg.rope.factor, cfg.rope.mscale_all_dim) ** 2
         self.softmax_scale = scale
 
-    def decode_step(self, ln1: np.ndarray, ln2: np.ndarray, eps: float):
-        """A kernels.AttentionStep for Layer's decode tokens (its attention half in one call), or None
-        where the weights do not allow one."""
+    def decode_step(self, ln1: np.ndarray, ln2: np.ndarray, eps: float, router=None):
+        """A kernels.AttentionStep for Layer's decode tokens (its attention half in one call, and the
+        next half's routing with `router`, MoE.router_spec), or None where the weights do not allow one."""
         if self.q_a is None or self.qkv_a is None or self.mla is None:
             return None
         q_b, o = (kernels.Linear(w.codec, w.raw, w.shape) for w in (self.q_b, self.o))
         if not kernels.AttentionStep.fits(self.qkv_a, q_b, self.mla, o):
             return None
         return kernels.AttentionStep(ln1, ln2, eps, self.qkv_a, self.q_ln, q_b, self.mla, self.kv_ln, o,
-                                     self.cfg.rope.interleave, self.softmax_scale)
+                                     self.cfg.rope.interleave, self.softmax_scale, router)
 
     def split_kv_b(self, kv_b: np.ndarray):
         cfg = self.cfg
@@ -361,18 +361,32 @@ class MoE:
         self._buffer = experts.buffer       # what the two below were worked out for
         self._shared_fused = False          # not yet worked out (see _shared_in_buffer)
         self._step = False                  # not yet worked out (see _one_token)
+        # a float32 router (the usual case) multiplies one token in C, as Layer.step does it
+        self._router_f32 = np.ascontiguousarray(router.dense()) if router.codec == "f32" else None
 
     def route(self, h: np.ndarray):
         """Top-k expert ids [T, k] and weights [T, k] (DeepSeek-V3 noaux_tc routing): the sigmoid
         scores plus the correction bias choose among the topk_group best groups (n_group > 1); the
         chosen scores, normalised (norm_topk_prob), times routed_scaling_factor weigh them."""
         cfg = self.cfg
-        return kernels.route(linear(h, self.router), self.bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+        z = (kernels.matvec(h, self._router_f32) if h.shape[0] == 1 and self._router_f32 is not None
+             else linear(h, self.router))
+        return kernels.route(z, self.bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
                              cfg.norm_topk_prob, cfg.routed_scaling_factor, logits=True)
 
-    def forward(self, h: np.ndarray, x: np.ndarray) -> np.ndarray:
-        """h: the normalised input [T, hidden]; x: the residual stream, for guessing the next layer."""
-        idx, weights = self.route(h)
+    def router_spec(self):
+        """(router [E, hidden] float32, bias, k, n_group, topk_group, norm, scale) for routing one token in
+        C (kernels.AttentionStep), or None for a router stored in another codec."""
+        if self._router_f32 is None:
+            return None
+        cfg = self.cfg
+        return (self._router_f32, self.bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+                cfg.norm_topk_prob, cfg.routed_scaling_factor)
+
+    def forward(self, h: np.ndarray, x: np.ndarray, routed=None) -> np.ndarray:
+        """h: the normalised input [T, hidden]; x: the residual stream, for guessing the next layer;
+        routed: route(h) when the caller has it already (Layer.step)."""
+        idx, weights = routed if routed is not None else self.route(h)
         if self.experts.buffer is not self._buffer:        # the provider changed it between steps
             self._buffer, self._shared_fused, self._step = self.experts.buffer, False, False
         if idx.shape[0] == 1:
@@ -484,16 +498,18 @@ class Layer:
 
     def __init__(self, index: int, ln1: np.ndarray, ln2: np.ndarray, attn: Attention, mlp: DenseMLP | MoE, eps: float):
         self.index, self.ln1, self.ln2, self.attn, self.mlp, self.eps = index, ln1, ln2, attn, mlp, eps
-        self.step = attn.decode_step(ln1, ln2, eps)     # one decode token's first two lines in one call
+        # one decode token's first two lines, and its routing, in one call
+        self.step = attn.decode_step(ln1, ln2, eps, mlp.router_spec() if isinstance(mlp, MoE) else None)
 
     def forward(self, x: np.ndarray, start: int, cache: KVCache, rope: Rope) -> np.ndarray:
+        routed = None
         if self.step is not None and x.shape[0] == 1 and cache.batch == 1:
             cos, sin = rope.tables(start, 1, 1)
-            x, h = self.step(x, start, cache.latent[self.index][0], cache.k_rot[self.index][0], cos, sin)
+            x, h, routed = self.step(x, start, cache.latent[self.index][0], cache.k_rot[self.index][0], cos, sin)
         else:
             x = x + self.attn.forward(rms_norm(x, self.ln1, self.eps), start, cache, rope)
             h = rms_norm(x, self.ln2, self.eps)
-        return x + (self.mlp.forward(h, x) if isinstance(self.mlp, MoE) else self.mlp.forward(h))
+        return x + (self.mlp.forward(h, x, routed) if isinstance(self.mlp, MoE) else self.mlp.forward(h))
 
 
 def load_layer(w: ModelWeights, cfg: ModelConfig, i: int) -> Layer:

@@ -522,8 +522,9 @@ def lora_model(tmp_path_factory):
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_attention_step_equals_the_modules(lora_model, kv_dtype, threads, isa, activations, monkeypatch):
-    """A decode token's attention half in one call (kernels.AttentionStep, Layer.step) gives the bits of
-    the modules' calls one by one: the logits of a prompt and six decode steps, and every cache row."""
+    """A decode token's attention half in one call (kernels.AttentionStep, Layer.step), the next half's
+    routing included, gives the bits of the modules' calls one by one: the logits of a prompt and six
+    decode steps, and every cache row."""
     from kimistream.runtime.model import Model
     from kimistream.runtime.weights import ModelWeights
     monkeypatch.setattr(kernels, "PARALLEL_MIN_WEIGHTS", 0 if threads > 1 else 1 << 62)
@@ -534,6 +535,7 @@ def test_attention_step_equals_the_modules(lora_model, kv_dtype, threads, isa, a
     for fused in (True, False):
         m = Model(w, 32, kv_dtype)
         assert all(layer.step is not None for layer in m.layers)
+        assert all(layer.step.router is not None for layer in m.layers[1:])       # the MoE layers route there
         if not fused:
             for layer in m.layers:
                 layer.step = None
@@ -560,9 +562,19 @@ def test_attention_step_refuses_mismatched_buffers(lora_model):
         step(x, 8, latent, k_rot, cos, sin)
     with pytest.raises(ValueError):                                 # the caches' dtypes differ
         step(x, 0, latent, k_rot.astype(np.float16), cos, sin)
-    x_out, h = step(x, 0, latent, k_rot, cos, sin)
+    x_out, h, (idx, wts) = step(x, 0, latent, k_rot, cos, sin)
     assert x_out.shape == h.shape == x.shape and np.isfinite(h).all()
+    np.testing.assert_array_equal(idx, m.layers[1].mlp.route(h)[0])         # routed as MoE.route routes
+    np.testing.assert_array_equal(wts, m.layers[1].mlp.route(h)[1])
     w.close()
+
+
+def test_matvec_is_the_float_product():
+    rng = np.random.default_rng(9)
+    W, x = rng.standard_normal((40, 96)).astype(np.float32), rng.standard_normal((3, 96)).astype(np.float32)
+    assert rel(kernels.matvec(x, W), x.astype(np.float64) @ W.T.astype(np.float64)) < 1e-6
+    with pytest.raises(ValueError, match="matvec"):
+        _qdot.matvec(W, x, np.empty((3, 39), np.float32), 96)
 
 
 def test_latent_attention_rounds_cache_rows_as_numpy():
