@@ -742,8 +742,9 @@ class LatentAttention:
 
 class AttentionStep:
     """One decode token through a layer's attention half in one C call (`_qdot.attn_step`): x ->
-    (x + attention(rms_norm(x, ln1)), rms_norm(that, ln2)), for attention with q LoRA whose q_a and kv_a
-    stack (Stacked), q_b and o on the block kernels and kv_b packed (LatentAttention). The same bits as
+    (x + attention(rms_norm(x, ln1)), rms_norm(that, ln2)) and, with a float32 router, that output's
+    routing, for attention with q LoRA whose q_a and kv_a stack (Stacked), q_b and o on the block
+    kernels and kv_b packed (LatentAttention). The same bits as
     the modules' calls one by one: the Python between about ten calls a layer cost more than the small
     ones' arithmetic, and memory traffic stalls it (the products stream megabytes past its objects)."""
     __slots__ = ("consts", "what", "router", "k")
