@@ -2,8 +2,11 @@
 decode time split by part of the model (routed experts, attention, lm_head and other linears,
 routing, the rest = Python and numpy glue), from Python's profiler over the decode steps; then split
 by C kernel (`runtime/_qdot.c`, each call timed, a few hundred ns apiece), the rest being the Python
-between the calls (the unprofiled step less the kernels); last, decode steps with each layer's
-attention half in one call (`Layer.step`) against the modules' calls, in alternating rounds.
+between the calls (the unprofiled step less the kernels); last, in alternating rounds, decode steps
+with each layer's attention half in one call (`Layer.step`) against the modules' calls, and with
+each MoE half's call running on the thread pool while the interpreter goes on (launched by the
+attention call, collected by the next) against without. The splits are measured without that
+overlap: with it, a MoE call's time would show up in the next layer's attention call.
 
     python benchmarks/bench_step_split.py WEIGHTS.kst [--steps 32] [--prompt-tokens 256]
                                           [--prefill-batch 256] [--threads 2] [--gguf-inputs llama.cpp|f32]
@@ -66,6 +69,16 @@ def main():
     def decode():
         for _ in range(args.steps):
             m.forward([5])
+    moes = [layer.mlp for layer in m.layers if isinstance(layer.mlp, MoE)]
+    specs = [moe.launch_spec for moe in moes]           # (kept from the warm-up steps; None: never launched)
+
+    def overlap(on: bool):
+        for moe, spec in zip(moes, specs):
+            moe.launch_spec = spec if on else None
+    t = time.perf_counter()
+    decode()
+    dt_overlap = (time.perf_counter() - t) / args.steps
+    overlap(False)
     t = time.perf_counter()
     decode()
     dt = (time.perf_counter() - t) / args.steps
@@ -88,8 +101,9 @@ def main():
     print(f"{args.weights}: prefill {args.prompt_tokens} tokens in batches of {args.prefill_batch}: "
           f"{prefill:.1f} tok/s ({faults} minor page faults, {system:.3f} s of kernel CPU time"
           f"{', freed heap not kept' if args.no_keep_heap else ''}); "
-          f"decode {1 / dt:.2f} tok/s ({dt * 1e3:.1f} ms/token), {args.threads} threads "
-          f"(split below from a profiled second pass: {total / args.steps * 1e3:.1f} ms/token)")
+          f"decode {1 / dt_overlap:.2f} tok/s ({dt_overlap * 1e3:.1f} ms/token; {dt * 1e3:.1f} without the MoE calls "
+          f"overlapping the interpreter), {args.threads} threads (split below from a profiled pass without that "
+          f"overlap: {total / args.steps * 1e3:.1f} ms/token)")
     print("| part of a decode step | ms/token | share |\n| --- | --- | --- |")
     for k, v in parts.items():
         print(f"| {k} | {v / args.steps * 1e3:.1f} | {v / total:.0%} |")
@@ -144,6 +158,20 @@ def main():
         print(f"\nA decode step with each layer's attention half in one call (Layer.step) against the modules' "
               f"calls, medians of {args.rounds} alternating rounds of {args.steps} steps: {a:.2f} against "
               f"{b:.2f} ms ({b / a:.3f}x)")
+    if any(spec is not None for spec in specs):
+        rounds, base = {True: [], False: []}, m.cache.length
+        for _ in range(args.rounds):
+            for on in (True, False):
+                overlap(on)
+                m.cache.length = base
+                t = time.perf_counter()
+                decode()
+                rounds[on].append((time.perf_counter() - t) / args.steps * 1e3)
+        a, b = statistics.median(rounds[True]), statistics.median(rounds[False])
+        print(f"A decode step with each MoE half's call on the thread pool while the interpreter goes on "
+              f"({sum(spec is not None for spec in specs)} of {len(moes)} MoE layers) against without, medians "
+              f"of {args.rounds} alternating rounds: {a:.2f} against {b:.2f} ms ({b / a:.3f}x)")
+    overlap(True)
 
 
 class _Timed:

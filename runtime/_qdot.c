@@ -1410,6 +1410,7 @@ struct task {
     range_t ranges[MAX_RANGES];
     atomic_ullong sum;                                    /* read_sum's result */
     const att_t *att;
+    void *ctx;                                            /* moe_launch's driver jobs: their call */
 };
 
 #if HAVE_X86
@@ -2891,7 +2892,10 @@ static void *worker_main(void *arg) {
     return NULL;
 }
 
+typedef struct moe_async moe_async_t;
+static moe_async_t *moe_pending;       /* moe_launch's call, until collected */
 static void pool_after_fork(void) {   /* in a forked child the workers do not exist */
+    moe_pending = NULL;                /* (a launched call's memory is left to the parent's copy) */
     pool_workers = 0;
     pool_task = NULL;
     atomic_store(&pool_active, 0);
@@ -2916,7 +2920,10 @@ static void pool_grow(int n) {
     pthread_mutex_unlock(&pool_mu);
 }
 
+static void moe_settle(void);
+
 static void run_task(task_t *t, int threads) {
+    moe_settle();                  /* a launched MoE call first: the pool runs one task at a time */
     if (threads > 1 && t->njobs > 1) {
         pool_grow(threads - 1);
         pthread_mutex_lock(&pool_mu);
@@ -2974,9 +2981,8 @@ static void release(buf_t *bs, int n) {
     for (int i = 0; i < n; i++) if (bs[i].held) PyBuffer_Release(&bs[i].b);
 }
 
-/* run a task without the GIL; -1 with MemoryError set if a thread could not get its scratch,
-   else the task's bad flag */
-static int run_unlocked(task_t *t, int threads) {
+/* a task's ranges of jobs for `threads` threads, its counters at zero */
+static void task_ranges(task_t *t, int threads) {
     int64_t nr = threads < 1 ? 1 : threads;
     if (nr > MAX_RANGES) nr = MAX_RANGES;
     if (nr > t->njobs) nr = t->njobs > 0 ? t->njobs : 1;
@@ -2989,6 +2995,12 @@ static int run_unlocked(task_t *t, int threads) {
     atomic_init(&t->done, 0);
     atomic_init(&t->bad, 0);
     atomic_init(&t->sum, 0);
+}
+
+/* run a task without the GIL; -1 with MemoryError set if a thread could not get its scratch,
+   else the task's bad flag */
+static int run_unlocked(task_t *t, int threads) {
+    task_ranges(t, threads);
     Py_BEGIN_ALLOW_THREADS
     run_task(t, threads);
     Py_END_ALLOW_THREADS
@@ -3005,20 +3017,26 @@ PyDoc_STRVAR(rows_doc,
 
 /* nx rows of xf [nx, cols] quantised for rows_job: *xq holds the natural order then the de-interleaved
    one (AVX2), *xsc the span scales, *xs the span sums; -1 with MemoryError set */
+/* MemoryError, except on a pool thread without the GIL (quiet_oom: the caller reports it later) */
+static __thread int quiet_oom;
+static void no_memory(void) {
+    if (!quiet_oom) PyErr_NoMemory();
+}
+
 static int quantize_rows(const float *xf, int64_t nx, int64_t cols, int16_t **xq, float **xsc, float **xs,
                          int8_t **x8, float **x8d) {
     int64_t nspan = cols / 32, n = nx * cols, nq = (cols + 127) / 128;
     *xq = malloc(sizeof(int16_t) * 2 * (n ? n : 1));
     *xsc = malloc(sizeof(float) * (nx * nspan + 1));
     *xs = malloc(sizeof(float) * (nx * nspan + 1));
-    if (!*xq || !*xsc || !*xs) { PyErr_NoMemory(); return -1; }
+    if (!*xq || !*xsc || !*xs) { no_memory(); return -1; }
 #if HAVE_X86
     if (use_avx2 && x8) {
         /* sixteen rows of zeros past the last: the AMX tiles read sixteen tokens' rows at a time */
         *x8 = malloc(n + 16 * cols + 1);
         if (*x8) memset(*x8 + n, 0, 16 * cols + 1);
         *x8d = malloc(sizeof(float) * (nx * (nq + nspan) + 1));        /* the steps, then the sums */
-        if (!*x8 || !*x8d) { PyErr_NoMemory(); return -1; }
+        if (!*x8 || !*x8d) { no_memory(); return -1; }
         for (int64_t i = 0; i < nx; i++)
             quantize_x8(xf + i * cols, cols, *x8 + i * cols, *x8d + i * nq, *x8d + nx * nq + i * nspan);
     }
@@ -3037,7 +3055,7 @@ static int quantize_rows(const float *xf, int64_t nx, int64_t cols, int16_t **xq
 
 /* one t1 token's input (rows_t1_x7) when a call's geometries hold t1 and it takes int8 inputs: x7 as
    -63 .. 63 per 128 values, *x7d their steps then the rounded values' sums per 32; nothing where it
-   does not apply (*x7 stays NULL); -1 with MemoryError set */
+   does not apply (*x7 stays NULL); -1 with MemoryError set (no_memory) */
 static int quantize_rows7(const int64_t *geoms, int64_t ng, const float *xf, int64_t nx, int64_t cols, int64_t ntok,
                           int8_t **x7, float **x7d) {
     *x7 = NULL;
@@ -3049,7 +3067,7 @@ static int quantize_rows7(const int64_t *geoms, int64_t ng, const float *xf, int
     int64_t n = nx * cols, nq = cols / 128, nspan = cols / 32;
     *x7 = malloc(n + 1);
     *x7d = malloc(sizeof(float) * (nx * (nq + nspan) + 1));
-    if (!*x7 || !*x7d) { PyErr_NoMemory(); return -1; }
+    if (!*x7 || !*x7d) { no_memory(); return -1; }
     for (int64_t i = 0; i < nx; i++)
         quantize_x7(xf + i * cols, cols, *x7 + i * cols, *x7d + i * nq, *x7d + nx * nq + i * nspan);
 #else
@@ -3336,8 +3354,8 @@ static int64_t moe_jobs(int64_t *jb, int64_t off, int64_t gi, int64_t rows, int6
     return n;
 }
 
-/* a MoE call's buffers: jobs for either pass, gate and up outputs then the activations, down outputs;
-   -1 with MemoryError set */
+/* a ggml MoE call's buffers: jobs for either pass, gate and up outputs then the activations, down
+   outputs; -1 with MemoryError set */
 static int moe_buffers(int64_t n, int64_t hidden, int64_t inter, int64_t **jobs, float **h, float **y) {
     int64_t per1 = moe_rows_per_job(hidden), per2 = moe_rows_per_job(inter);
     int64_t nb1 = (inter + per1 - 1) / per1, nb2 = (hidden + per2 - 1) / per2;
@@ -3372,106 +3390,310 @@ static void moe_sum(float *out, const float *y, const float *wts, const int64_t 
     }
 }
 
-PyDoc_STRVAR(moe_doc,
-"moe(base, geoms, offs, pick, tok, wts, x, out, threads) -> int\n\n"
-"Tokens through their experts: out[tok[i]] += wts[i] * down_i(silu(gate_i x[tok[i]]) * up_i x[tok[i]])\n"
-"for every pair i, in two passes over the thread pool (all gate and up rows, then all down rows).\n"
-"geoms (int64 [2m, 22]) holds m (gate/up, down) geometries of one shape, pick (int64 [n]) chooses pair\n"
-"i's, offs (int64 [n, 3]) are the byte offsets in base of its gate, up and down tensors, tok (int64 [n])\n"
-"its token, wts (float32 [n]) its weight; x and out are float32 [T, hidden].\n"
-"Returns 1 if a tensor's outlier columns are corrupt.");
+/* One MoE call (moe, moe_launch): its inputs, both passes' jobs and tasks, the buffers between them. */
+typedef struct {
+    const uint8_t *base;
+    const int64_t *geoms, *offs, *pick, *tok;
+    const float *wts, *x;
+    int64_t ng, n, T, hidden, inter;
+    int any_x8;
+    int64_t *jobs1, *jobs2;
+    float *h, *y, *xsc, *xs, *asc, *as, *x8d, *a8d, *x7d, *a7d;
+    int16_t *xq, *aq;
+    int8_t *x8, *a8, *x7, *a7;
+    task_t t1, t2;                     /* gate and up rows of every pair; down rows */
+} moe_run_t;
 
-static PyObject *py_moe(PyObject *self, PyObject *args) {
-    PyObject *o[8];
-    int threads;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOi", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], &threads))
-        return NULL;
-    buf_t b[8];
-    memset(b, 0, sizeof b);
-    PyObject *ret = NULL;
-    int64_t *jobs = NULL;
-    float *h = NULL, *y = NULL, *xsc = NULL, *xs = NULL, *asc = NULL, *as = NULL, *x8d = NULL, *a8d = NULL;
-    float *x7d = NULL, *a7d = NULL;
-    int16_t *xq = NULL, *aq = NULL;
-    int8_t *x8 = NULL, *a8 = NULL, *x7 = NULL, *a7 = NULL;
-    if (get_buf(o[0], &b[0], 0, 1, "base") || get_buf(o[1], &b[1], 0, 8 * G_LEN, "geoms") ||
-        get_buf(o[2], &b[2], 0, 24, "offs") || get_buf(o[3], &b[3], 0, 8, "pick") ||
-        get_buf(o[4], &b[4], 0, 8, "tok") || get_buf(o[5], &b[5], 0, 4, "wts") || get_buf(o[6], &b[6], 0, 4, "x") ||
-        get_buf(o[7], &b[7], 1, 4, "out"))
-        goto done;
-    const int64_t *geoms = b[1].b.buf, *offs = b[2].b.buf, *pick = b[3].b.buf, *tok = b[4].b.buf;
-    const float *wts = b[5].b.buf, *x = b[6].b.buf;
-    float *out = b[7].b.buf;
-    int64_t ng = b[1].b.len / (8 * G_LEN), n = b[2].b.len / 24, nraw = b[0].b.len;
-    if (ng < 2 || ng % 2) { PyErr_SetString(PyExc_ValueError, "moe: geometries come in (gate/up, down) pairs"); goto done; }
-    int64_t hidden = geoms[G_COLS], inter = geoms[G_ROWS];
-    for (int64_t p = 0; p < ng; p += 2) {
+static void moe_free(moe_run_t *m) {
+    free(m->jobs1); free(m->jobs2); free(m->h); free(m->y); free(m->xq); free(m->xsc); free(m->xs); free(m->aq);
+    free(m->asc); free(m->as); free(m->x8); free(m->x8d); free(m->a8); free(m->a8d); free(m->x7); free(m->x7d);
+    free(m->a7); free(m->a7d);
+}
+
+/* whether moe's arguments (m's inputs, nraw bytes of base) fit; ValueError set if not */
+static int moe_fits(moe_run_t *m, int64_t nraw, int64_t npick, int64_t ntok, int64_t nwts, int64_t nx, int64_t nout) {
+    const int64_t *geoms = m->geoms;
+    if (m->ng < 2 || m->ng % 2) { PyErr_SetString(PyExc_ValueError, "moe: geometries come in (gate/up, down) pairs"); return 0; }
+    int64_t hidden = m->hidden = geoms[G_COLS], inter = m->inter = geoms[G_ROWS];
+    for (int64_t p = 0; p < m->ng; p += 2) {
         const int64_t *gu = geoms + G_LEN * p, *d = gu + G_LEN;
         if (gu[G_COLS] != hidden || gu[G_ROWS] != inter || d[G_COLS] != inter || d[G_ROWS] != hidden ||
             hidden <= 0 || hidden % 32 || inter <= 0 || inter % 32 || !known_layout(gu) || !known_layout(d)) {
             PyErr_SetString(PyExc_ValueError, "moe: expert shapes do not chain: gate/up [inter, hidden], down [hidden, inter]");
-            goto done;
+            return 0;
         }
     }
-    int64_t T = b[6].b.len / (4 * hidden);
-    if (b[3].b.len != 8 * n || b[4].b.len != 8 * n || b[5].b.len != 4 * n || b[6].b.len != 4 * T * hidden ||
-        b[7].b.len != b[6].b.len) {
+    int64_t n = m->n, T = m->T = nx / hidden;
+    if (npick != n || ntok != n || nwts != n || nx != T * hidden || nout != nx) {
         PyErr_SetString(PyExc_ValueError, "moe: pick, tok, wts need one entry per pair; x and out [T, hidden]");
-        goto done;
+        return 0;
     }
     for (int64_t i = 0; i < n; i++) {
-        const int64_t *gu = geoms + G_LEN * 2 * pick[i];
-        if (pick[i] < 0 || 2 * pick[i] >= ng || tok[i] < 0 || tok[i] >= T) {
+        const int64_t *gu = geoms + G_LEN * 2 * m->pick[i], *o = m->offs + 3 * i;
+        if (m->pick[i] < 0 || 2 * m->pick[i] >= m->ng || m->tok[i] < 0 || m->tok[i] >= T) {
             PyErr_SetString(PyExc_ValueError, "moe: a pair's geometry or token is out of range");
-            goto done;
+            return 0;
         }
-        if (offs[3 * i] < 0 || offs[3 * i] > nraw - gu[G_NBYTES] || offs[3 * i + 1] < 0 ||
-            offs[3 * i + 1] > nraw - gu[G_NBYTES] || offs[3 * i + 2] < 0 || offs[3 * i + 2] > nraw - gu[G_LEN + G_NBYTES]) {
+        if (o[0] < 0 || o[0] > nraw - gu[G_NBYTES] || o[1] < 0 || o[1] > nraw - gu[G_NBYTES] || o[2] < 0 ||
+            o[2] > nraw - gu[G_LEN + G_NBYTES]) {
             PyErr_SetString(PyExc_ValueError, "moe: expert tensors lie outside their buffer");
-            goto done;
+            return 0;
         }
     }
-    if (!n) { ret = PyLong_FromLong(0); goto done; }
-    if (moe_buffers(n, hidden, inter, &jobs, &h, &y)) goto done;
-    /* gate and up rows of every pair */
-    int64_t nj = 0;
-    for (int64_t i = 0; i < n; i++)
+    return 1;
+}
+
+/* both passes' jobs, the first pass's inputs and task; -1 with MemoryError set (no_memory) */
+static int moe_setup(moe_run_t *m) {
+    int64_t n = m->n, T = m->T, hidden = m->hidden, inter = m->inter;
+    int64_t per1 = moe_rows_per_job(hidden), per2 = moe_rows_per_job(inter);
+    int64_t nb1 = (inter + per1 - 1) / per1, nb2 = (hidden + per2 - 1) / per2;
+    m->jobs1 = malloc(sizeof(int64_t) * JOB_LEN * 2 * n * nb1);
+    m->jobs2 = malloc(sizeof(int64_t) * JOB_LEN * n * nb2);
+    m->h = malloc(sizeof(float) * 3 * n * inter);
+    m->y = malloc(sizeof(float) * n * hidden);
+    if (!m->jobs1 || !m->jobs2 || !m->h || !m->y) { no_memory(); return -1; }
+    int64_t nj1 = 0, nj2 = 0;
+    for (int64_t i = 0; i < n; i++) {
         for (int w = 0; w < 2; w++)
-            nj += moe_jobs(jobs + JOB_LEN * nj, offs[3 * i + w], 2 * pick[i], inter, hidden, tok[i], (2 * i + w) * inter);
-    int any_x8 = 0;          /* as rows(): codecs whose products take int8 inputs, at any token count */
-    for (int64_t i = 0; i < ng; i++) any_x8 |= x8_kind((int)geoms[G_LEN * i + G_KIND]);
-    if (quantize_rows(x, T, hidden, &xq, &xsc, &xs, any_x8 ? &x8 : NULL, &x8d) ||
-        quantize_rows7(geoms, ng, x, T, hidden, 1, &x7, &x7d))
-        goto done;
-    task_t t1 = {.job = rows_job, .raw = b[0].b.buf, .geoms = geoms, .xf = x, .xsc = xsc, .xs = xs, .xq = xq,
-                 .x8 = x8, .x8d = x8d, .x8s = x8d ? x8d + T * ((hidden + 127) / 128) : NULL,
-                 .x7 = x7, .x7d = x7d, .x7s = x7d ? x7d + T * (hidden / 128) : NULL,
-                 .xp = xq + T * hidden, .cols = hidden, .nspan = hidden / 32, .jobs = jobs, .njobs = nj, .out = h,
-                 .ntok = 1, .scratch_floats = rows_scratch(moe_rows_per_job(hidden), 1, hidden / 32)};
-    int bad = run_unlocked(&t1, threads);
-    if (bad < 0) goto done;
-    float *act = swiglu_pairs(h, n, inter);
-    /* down rows of every pair */
-    nj = 0;
-    for (int64_t i = 0; i < n; i++)
-        nj += moe_jobs(jobs + JOB_LEN * nj, offs[3 * i + 2], 2 * pick[i] + 1, hidden, inter, i, i * hidden);
-    if (quantize_rows(act, n, inter, &aq, &asc, &as, any_x8 ? &a8 : NULL, &a8d) ||
-        quantize_rows7(geoms, ng, act, n, inter, 1, &a7, &a7d))
-        goto done;
-    task_t t2 = {.job = rows_job, .raw = b[0].b.buf, .geoms = geoms, .xf = act, .xsc = asc, .xs = as, .xq = aq,
-                 .x8 = a8, .x8d = a8d, .x8s = a8d ? a8d + n * ((inter + 127) / 128) : NULL,
-                 .x7 = a7, .x7d = a7d, .x7s = a7d ? a7d + n * (inter / 128) : NULL,
-                 .xp = aq + n * inter, .cols = inter, .nspan = inter / 32, .jobs = jobs, .njobs = nj, .out = y,
-                 .ntok = 1, .scratch_floats = rows_scratch(moe_rows_per_job(inter), 1, inter / 32)};
-    int bad2 = run_unlocked(&t2, threads);
+            nj1 += moe_jobs(m->jobs1 + JOB_LEN * nj1, m->offs[3 * i + w], 2 * m->pick[i], inter, hidden, m->tok[i],
+                            (2 * i + w) * inter);
+        nj2 += moe_jobs(m->jobs2 + JOB_LEN * nj2, m->offs[3 * i + 2], 2 * m->pick[i] + 1, hidden, inter, i, i * hidden);
+    }
+    m->any_x8 = 0;          /* as rows(): codecs whose products take int8 inputs, at any token count */
+    for (int64_t i = 0; i < m->ng; i++) m->any_x8 |= x8_kind((int)m->geoms[G_LEN * i + G_KIND]);
+    if (quantize_rows(m->x, T, hidden, &m->xq, &m->xsc, &m->xs, m->any_x8 ? &m->x8 : NULL, &m->x8d) ||
+        quantize_rows7(m->geoms, m->ng, m->x, T, hidden, 1, &m->x7, &m->x7d))
+        return -1;
+    m->t1 = (task_t){.job = rows_job, .raw = m->base, .geoms = m->geoms, .xf = m->x, .xsc = m->xsc, .xs = m->xs,
+                     .xq = m->xq, .x8 = m->x8, .x8d = m->x8d, .x8s = m->x8d ? m->x8d + T * ((hidden + 127) / 128) : NULL,
+                     .x7 = m->x7, .x7d = m->x7d, .x7s = m->x7d ? m->x7d + T * (hidden / 128) : NULL,
+                     .xp = m->xq + T * hidden, .cols = hidden, .nspan = hidden / 32, .jobs = m->jobs1, .njobs = nj1,
+                     .out = m->h, .ntok = 1, .scratch_floats = rows_scratch(per1, 1, hidden / 32)};
+    m->t2 = (task_t){.job = rows_job, .raw = m->base, .geoms = m->geoms, .cols = inter, .nspan = inter / 32,
+                     .jobs = m->jobs2, .njobs = nj2, .out = m->y, .ntok = 1, .scratch_floats = rows_scratch(per2, 1, inter / 32)};
+    return 0;
+}
+
+/* between the passes: every pair's SwiGLU, as the second pass's input; -1 with MemoryError set (no_memory) */
+static int moe_between(moe_run_t *m) {
+    int64_t n = m->n, inter = m->inter;
+    float *act = swiglu_pairs(m->h, n, inter);
+    if (quantize_rows(act, n, inter, &m->aq, &m->asc, &m->as, m->any_x8 ? &m->a8 : NULL, &m->a8d) ||
+        quantize_rows7(m->geoms, m->ng, act, n, inter, 1, &m->a7, &m->a7d))
+        return -1;
+    task_t *t = &m->t2;
+    t->xf = act; t->xsc = m->asc; t->xs = m->as; t->xq = m->aq; t->xp = m->aq + n * inter;
+    t->x8 = m->a8; t->x8d = m->a8d; t->x8s = m->a8d ? m->a8d + n * ((inter + 127) / 128) : NULL;
+    t->x7 = m->a7; t->x7d = m->a7d; t->x7s = m->a7d ? m->a7d + n * (inter / 128) : NULL;
+    return 0;
+}
+
+#define MOE_ARGS "base, geoms, offs, pick, tok, wts, x, out, threads"
+#define MOE_DOC \
+"Tokens through their experts: out[tok[i]] += wts[i] * down_i(silu(gate_i x[tok[i]]) * up_i x[tok[i]])\n" \
+"for every pair i, in two passes over the thread pool (all gate and up rows, then all down rows).\n" \
+"geoms (int64 [2m, 22]) holds m (gate/up, down) geometries of one shape, pick (int64 [n]) chooses pair\n" \
+"i's, offs (int64 [n, 3]) are the byte offsets in base of its gate, up and down tensors, tok (int64 [n])\n" \
+"its token, wts (float32 [n]) its weight; x and out are float32 [T, hidden].\n"
+
+/* moe's and moe_launch's arguments into m (their buffers into b[8]); 0, or -1 with an exception set */
+static int moe_args(PyObject *args, moe_run_t *m, buf_t *b, int *threads, int out_given) {
+    PyObject *o[8];
+    int ok = out_given ? PyArg_ParseTuple(args, "OOOOOOOOi", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], threads)
+                       : PyArg_ParseTuple(args, "OOOOOOOi", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], threads);
+    if (!ok) return -1;
+    if (get_buf(o[0], &b[0], 0, 1, "base") || get_buf(o[1], &b[1], 0, 8 * G_LEN, "geoms") ||
+        get_buf(o[2], &b[2], 0, 24, "offs") || get_buf(o[3], &b[3], 0, 8, "pick") ||
+        get_buf(o[4], &b[4], 0, 8, "tok") || get_buf(o[5], &b[5], 0, 4, "wts") || get_buf(o[6], &b[6], 0, 4, "x") ||
+        (out_given && get_buf(o[7], &b[7], 1, 4, "out")))
+        return -1;
+    *m = (moe_run_t){.base = b[0].b.buf, .geoms = b[1].b.buf, .offs = b[2].b.buf, .pick = b[3].b.buf, .tok = b[4].b.buf,
+                     .wts = b[5].b.buf, .x = b[6].b.buf, .ng = b[1].b.len / (8 * G_LEN), .n = b[2].b.len / 24};
+    return moe_fits(m, b[0].b.len, b[3].b.len / 8, b[4].b.len / 8, b[5].b.len / 4, b[6].b.len / 4,
+                    out_given ? b[7].b.len / 4 : b[6].b.len / 4) ? 0 : -1;
+}
+
+PyDoc_STRVAR(moe_doc, "moe(" MOE_ARGS ") -> int\n\n" MOE_DOC "Returns 1 if a tensor's outlier columns are corrupt.");
+
+static PyObject *py_moe(PyObject *self, PyObject *args) {
+    buf_t b[8];
+    memset(b, 0, sizeof b);
+    moe_run_t m;
+    memset(&m, 0, sizeof m);
+    int threads;
+    PyObject *ret = NULL;
+    if (moe_args(args, &m, b, &threads, 1)) goto done;
+    if (!m.n) { ret = PyLong_FromLong(0); goto done; }
+    if (moe_setup(&m)) goto done;
+    int bad = run_unlocked(&m.t1, threads);
+    if (bad < 0 || moe_between(&m)) goto done;
+    int bad2 = run_unlocked(&m.t2, threads);
     if (bad2 < 0) goto done;
-    moe_sum(out, y, wts, tok, n, hidden);
+    moe_sum(b[7].b.buf, m.y, m.wts, m.tok, m.n, m.hidden);
     ret = PyLong_FromLong(bad || bad2);
 done:
-    free(jobs); free(h); free(y); free(xq); free(xsc); free(xs); free(aq); free(asc); free(as);
-    free(x8); free(x8d); free(a8); free(a8d); free(x7); free(x7d); free(a7); free(a7d);
+    moe_free(&m);
     release(b, 8);
     return ret;
+}
+
+/* ---------------------------------------------------------------- a MoE call while the caller goes on */
+/* moe_launch hands a call to the pool and returns: the workers run it while the interpreter does a
+ * decode step's bookkeeping, and the caller joins in at moe_join (or at its next use of the pool). One
+ * driver job per thread walks both passes: its share of the first pass's rows, then, once every one of
+ * them is done, the SwiGLU and its rounding (by whichever driver gets there first) and its share of
+ * the second pass. The call's inputs are copied and its buffer held until joined. */
+struct moe_async {
+    moe_run_t m;
+    buf_t base;                          /* the experts' buffer, held until the call is collected */
+    void *copies;                        /* geoms, offs, pick, tok, wts, x */
+    float *out;                          /* [T, hidden]: the result, summed into zeros */
+    task_t drive;
+    atomic_int claimed, ready, failed;
+    int threads, settled;
+};
+
+static void moe_drive_job(task_t *t, int64_t j, float *scratch) {
+    (void)j; (void)scratch;
+    moe_async_t *a = t->ctx;
+    run_jobs(&a->m.t1);
+    while (atomic_load_explicit(&a->m.t1.done, memory_order_acquire) < a->m.t1.njobs) cpu_relax();
+    if (atomic_exchange(&a->claimed, 1) == 0) {
+        quiet_oom = 1;
+        if (moe_between(&a->m)) atomic_store(&a->failed, 1);
+        quiet_oom = 0;
+        atomic_store_explicit(&a->ready, 1, memory_order_release);
+    } else {
+        while (!atomic_load_explicit(&a->ready, memory_order_acquire)) cpu_relax();
+    }
+    if (!atomic_load(&a->failed)) run_jobs(&a->m.t2);
+}
+
+/* finish the pending call on this thread and the pool (no GIL needed): the drivers' jobs it finds
+   left, then every row's, then the sum */
+static void moe_settle(void) {
+    moe_async_t *a = moe_pending;
+    if (!a || a->settled) return;
+    run_jobs(&a->drive);
+    while (atomic_load_explicit(&a->drive.done, memory_order_acquire) < a->drive.njobs) cpu_relax();
+    if (!atomic_load(&a->failed))
+        while (atomic_load_explicit(&a->m.t2.done, memory_order_acquire) < a->m.t2.njobs) cpu_relax();
+    pthread_mutex_lock(&pool_mu);
+    if (pool_task == &a->drive) pool_task = NULL;
+    pthread_mutex_unlock(&pool_mu);
+    while (atomic_load(&pool_active)) cpu_relax();
+    if (!atomic_load(&a->failed)) moe_sum(a->out, a->m.y, a->m.wts, a->m.tok, a->m.n, a->m.hidden);
+    a->settled = 1;
+}
+
+static void moe_discard(void) {
+    moe_async_t *a = moe_pending;
+    moe_pending = NULL;
+    if (!a) return;
+    moe_free(&a->m);
+    release(&a->base, 1);
+    free(a->copies);
+    free(a->out);
+    free(a);
+}
+
+PyDoc_STRVAR(moe_launch_doc, "moe_launch(base, geoms, offs, pick, tok, wts, x, threads)\n\n"
+"moe's call handed to the thread pool (threads >= 2), returning at once; moe_join(out) collects it.\n"
+"Until then the pool's next user waits for it first. A call not yet collected is discarded.\n" MOE_DOC);
+
+/* hand m's call (its inputs checked, base's buffer held in *base: taken over) to the pool and return;
+   -1 with an exception set */
+static int moe_start(moe_run_t m, buf_t *base, int threads) {
+    if (moe_pending) {                    /* never collected: finish and drop it */
+        Py_BEGIN_ALLOW_THREADS
+        moe_settle();
+        Py_END_ALLOW_THREADS
+        moe_discard();
+    }
+    if (threads < 2 || m.n < 1) {
+        PyErr_SetString(PyExc_ValueError, "moe_launch: two threads or more, one pair or more");
+        return -1;
+    }
+    moe_async_t *a = calloc(1, sizeof *a);
+    size_t ng = m.ng * G_LEN, n = m.n, nx = m.T * m.hidden;
+    char *c = a ? malloc(8 * (ng + 3 * n + 2 * n) + 4 * (n + nx)) : NULL;
+    float *out = c ? calloc(nx, sizeof(float)) : NULL;
+    if (!a || !c || !out) { free(a); free(c); free(out); PyErr_NoMemory(); return -1; }
+    a->copies = c;
+    a->out = out;
+    int64_t *geoms = (int64_t *)c, *offs = geoms + ng, *pick = offs + 3 * n, *tok = pick + n;
+    float *wts = (float *)(tok + n), *x = wts + n;
+    memcpy(geoms, m.geoms, 8 * ng); memcpy(offs, m.offs, 24 * n); memcpy(pick, m.pick, 8 * n); memcpy(tok, m.tok, 8 * n);
+    memcpy(wts, m.wts, 4 * n); memcpy(x, m.x, 4 * nx);
+    m.geoms = geoms; m.offs = offs; m.pick = pick; m.tok = tok; m.wts = wts; m.x = x;
+    a->m = m;
+    a->base = *base;                       /* the buffer stays held with the call */
+    base->held = 0;
+    a->threads = threads;
+    moe_pending = a;
+    if (moe_setup(&a->m)) { moe_discard(); return -1; }
+    task_ranges(&a->m.t1, threads);
+    task_ranges(&a->m.t2, threads);
+    a->drive = (task_t){.job = moe_drive_job, .njobs = threads, .ctx = a, .scratch_floats = 16};
+    task_ranges(&a->drive, threads);
+    pool_grow(threads - 1);
+    pthread_mutex_lock(&pool_mu);
+    pool_task = &a->drive;
+    atomic_fetch_add_explicit(&pool_gen, 1, memory_order_release);
+    if (atomic_load(&pool_sleepers)) pthread_cond_broadcast(&pool_cv);
+    pthread_mutex_unlock(&pool_mu);
+    return 0;
+}
+
+/* collect the launched call: settled here (without the GIL), its output added into x [nx]; the bad
+   flag, or -1 with an exception set */
+static int moe_collect(float *x, int64_t nx) {
+    moe_async_t *a = moe_pending;
+    if (!a) { PyErr_SetString(PyExc_ValueError, "moe_join: no call launched"); return -1; }
+    Py_BEGIN_ALLOW_THREADS
+    moe_settle();
+    Py_END_ALLOW_THREADS
+    int rc;
+    if (atomic_load(&a->failed) || atomic_load(&a->m.t1.bad) == 2 || atomic_load(&a->m.t2.bad) == 2) {
+        PyErr_NoMemory();
+        rc = -1;
+    } else if (nx != a->m.T * a->m.hidden) {
+        PyErr_SetString(PyExc_ValueError, "moe_join: out [T, hidden] as launched");
+        rc = -1;
+    } else {
+        for (int64_t i = 0; i < nx; i++) x[i] += a->out[i];
+        rc = atomic_load(&a->m.t1.bad) || atomic_load(&a->m.t2.bad);
+    }
+    moe_discard();
+    return rc;
+}
+
+static PyObject *py_moe_launch(PyObject *self, PyObject *args) {
+    buf_t b[8];
+    memset(b, 0, sizeof b);
+    moe_run_t m;
+    int threads;
+    PyObject *ret = NULL;
+    if (moe_args(args, &m, b, &threads, 0) == 0 && moe_start(m, &b[0], threads) == 0) ret = Py_NewRef(Py_None);
+    release(b, 8);
+    return ret;
+}
+
+PyDoc_STRVAR(moe_join_doc, "moe_join(out) -> int\n\n"
+"The launched call's result (float32 [T, hidden]) added into out, this thread helping with what is left.\n"
+"Returns 1 if a tensor's outlier columns are corrupt.");
+
+static PyObject *py_moe_join(PyObject *self, PyObject *args) {
+    PyObject *o;
+    if (!PyArg_ParseTuple(args, "O", &o)) return NULL;
+    buf_t b;
+    memset(&b, 0, sizeof b);
+    if (!moe_pending) { PyErr_SetString(PyExc_ValueError, "moe_join: no call launched"); return NULL; }
+    if (get_buf(o, &b, 1, 4, "out")) return NULL;
+    int rc = moe_collect(b.b.buf, b.b.len / 4);
+    release(&b, 1);
+    return rc < 0 ? NULL : PyLong_FromLong(rc);
 }
 
 /* n input values x of a product by a `type` weight, as it takes them: Q8_K codes in *q8 (use_int), or
@@ -4335,9 +4557,40 @@ done:
     return ret;
 }
 
+/* attn_step's launch: when every routed expert's offsets are known (table rows >= 0), the MoE call
+   of h (one token) through them, and the shared expert after them when given, handed to the pool
+   (moe_start). b[at ..] holds base, geoms, the table [E, 3], the shared expert's offsets [3] (or not
+   held), pick and tok as MoEStep keeps them. 1 launched, 0 not, -1 with an exception set. */
+static int launch_routed(buf_t *b, int at, const int64_t *idx, const float *wts, int64_t k, int64_t E,
+                         const float *h, int64_t hidden, int threads) {
+    const int64_t *table = b[at + 2].b.buf;
+    int64_t n = b[at + 4].b.len / 8, shared = b[at + 3].held;
+    if (b[at + 2].b.len != 24 * E || n != k + shared || b[at + 5].b.len != 8 * n || (shared && b[at + 3].b.len != 24)) {
+        PyErr_SetString(PyExc_ValueError, "attn_step: launch's offsets [E, 3], pick and tok [k (+ 1)], shared [3]");
+        return -1;
+    }
+    if (threads < 2) return 0;                 /* nothing to overlap (the thread count may change in a run) */
+    for (int64_t j = 0; j < k; j++)
+        if (table[3 * idx[j]] < 0) return 0;
+    int64_t offs[3 * (k + 1)];
+    float w[k + 1];
+    for (int64_t j = 0; j < k; j++) {
+        memcpy(offs + 3 * j, table + 3 * idx[j], 24);
+        w[j] = wts[j];
+    }
+    if (shared) {
+        memcpy(offs + 3 * k, b[at + 3].b.buf, 24);
+        w[k] = 1.0f;
+    }
+    moe_run_t m = {.base = b[at].b.buf, .geoms = b[at + 1].b.buf, .offs = offs, .pick = b[at + 4].b.buf,
+                   .tok = b[at + 5].b.buf, .wts = w, .x = h, .ng = b[at + 1].b.len / (8 * G_LEN), .n = n};
+    if (!moe_fits(&m, b[at].b.len, n, n, n, hidden, hidden) || moe_start(m, &b[at], threads)) return -1;
+    return 1;
+}
+
 PyDoc_STRVAR(attn_step_doc,
 "attn_step(x, consts, cos, sin, C, K, pos, half, x_out, h_out, threads, min_weights, router=None, idx=None,\n"
-"          weights=None) -> int\n\n"
+"          weights=None, launch=None, join=False) -> int\n\n"
 "One decode token through a layer's attention half in one call: h1 = rms_norm(x, ln1); q_a and kv_a\n"
 "(one stacked product); q = q_b(rms_norm(q_a h1, q_ln)); mla_decode's attention from q and kv_a's output;\n"
 "x_out = x + o(attention), h_out = rms_norm(x_out, ln2). consts, worked out once per layer: (ln1, ln2,\n"
@@ -4345,16 +4598,27 @@ PyDoc_STRVAR(attn_step_doc,
 "nope, v, o_raw, o_geoms, o_jobs, interleave, scale). With router = (W [E, hidden] float32, bias [E],\n"
 "n_group, topk_group, norm, scale), h_out is routed too (matvec, then route's logits form) into idx\n"
 "(int64 [k]) and weights (float32 [k]). Each product runs on `threads` threads from\n"
-"min_weights multiply-adds on. The same bits as those calls one by one. Returns 1 if a tensor's outlier\n"
-"columns are corrupt.");
+"min_weights multiply-adds on. The same bits as those calls one by one. With join, the MoE call launched\n"
+"before (moe_launch, or a launch here) is collected first, its output added into x. With launch = (base,\n"
+"geoms, offsets [E, 3], shared [3] or None, pick, tok) and a router, the routed experts' MoE call (as\n"
+"moe_launch makes it: offsets[idx] then the shared expert's, weights then 1) is launched on h_out when\n"
+"every one of their offsets is known (>= 0). Returns bits: 1 a tensor's outlier columns are corrupt, 2 the\n"
+"joined call's are, 4 the call was launched.");
 
 static PyObject *py_attn_step(PyObject *self, PyObject *args) {
     PyObject *ox, *consts, *ocos, *osin, *oC, *oK, *oxo, *oho, *orouter = Py_None, *oidx = Py_None, *ow = Py_None;
+    PyObject *olaunch = Py_None;
     Py_ssize_t pos, min_weights;
-    int half, threads;
-    if (!PyArg_ParseTuple(args, "OO!OOOOnpOOin|OOO", &ox, &PyTuple_Type, &consts, &ocos, &osin, &oC, &oK, &pos, &half,
-                          &oxo, &oho, &threads, &min_weights, &orouter, &oidx, &ow))
+    int half, threads, join = 0;
+    if (!PyArg_ParseTuple(args, "OO!OOOOnpOOin|OOOOp", &ox, &PyTuple_Type, &consts, &ocos, &osin, &oC, &oK, &pos, &half,
+                          &oxo, &oho, &threads, &min_weights, &orouter, &oidx, &ow, &olaunch, &join))
         return NULL;
+    PyObject *lo[6] = {NULL};
+    if (olaunch != Py_None && (!PyTuple_Check(olaunch) || orouter == Py_None ||
+                               !PyArg_ParseTuple(olaunch, "OOOOOO", &lo[0], &lo[1], &lo[2], &lo[3], &lo[4], &lo[5]))) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "attn_step: launch must be a tuple, with a router");
+        return NULL;
+    }
     PyObject *rW = NULL, *rbias = NULL;
     Py_ssize_t rG = 1, rKG = 1;
     int rnorm = 0;
@@ -4372,13 +4636,13 @@ static PyObject *py_attn_step(PyObject *self, PyObject *args) {
                           &c[7], &c[8], &c[9], &c[10], &c[11], &nope, &v, &c[12], &c[13], &c[14], &interleave, &scale))
         return NULL;
     enum { X, LN1, LN2, QLN, KVLN, SB, SG, SJ, QBR, QBG, QBJ, KVR, KVG, OR, OG, OJ, COS, SIN, CC, KK, XO, HO,
-           RW, RB, RI, RWT, NB };
+           RW, RB, RI, RWT, LBASE, LGEOM, LTAB, LSH, LPICK, LTOK, NB };
     buf_t b[NB];
     memset(b, 0, sizeof b);
     PyObject *ret = NULL;
     float *work = NULL;
     int64_t es = half ? 2 : 4;
-    if (get_buf(ox, &b[X], 0, 4, "x") || get_buf(c[0], &b[LN1], 0, 4, "ln1") || get_buf(c[1], &b[LN2], 0, 4, "ln2") ||
+    if (get_buf(ox, &b[X], join, 4, "x") || get_buf(c[0], &b[LN1], 0, 4, "ln1") || get_buf(c[1], &b[LN2], 0, 4, "ln2") ||
         get_buf(c[2], &b[QLN], 0, 4, "q_ln") || get_buf(c[3], &b[KVLN], 0, 4, "kv_ln") ||
         get_buf(c[4], &b[SB], 0, 1, "stack_base") || get_buf(c[5], &b[SG], 0, 8 * G_LEN, "stack_geoms") ||
         get_buf(c[6], &b[SJ], 0, 8 * JOB_LEN, "stack_jobs") || get_buf(c[7], &b[QBR], 0, 1, "q_b") ||
@@ -4391,6 +4655,10 @@ static PyObject *py_attn_step(PyObject *self, PyObject *args) {
         goto done;
     if (rW && (get_buf(rW, &b[RW], 0, 4, "router") || get_buf(rbias, &b[RB], 0, 4, "bias") ||
                get_buf(oidx, &b[RI], 1, 8, "idx") || get_buf(ow, &b[RWT], 1, 4, "weights")))
+        goto done;
+    if (lo[0] && (get_buf(lo[0], &b[LBASE], 0, 1, "base") || get_buf(lo[1], &b[LGEOM], 0, 8 * G_LEN, "geoms") ||
+                  get_buf(lo[2], &b[LTAB], 0, 24, "offsets") || (lo[3] != Py_None && get_buf(lo[3], &b[LSH], 0, 24, "shared")) ||
+                  get_buf(lo[4], &b[LPICK], 0, 8, "pick") || get_buf(lo[5], &b[LTOK], 0, 8, "tok")))
         goto done;
     const int64_t *sg = b[SG].b.buf, *qg = b[QBG].b.buf, *kg = b[KVG].b.buf, *og = b[OG].b.buf;
     int64_t hidden = b[X].b.len / 4, ns = b[SG].b.len / (8 * G_LEN), hd = b[COS].b.len / 4, dr = 2 * hd;
@@ -4420,6 +4688,10 @@ static PyObject *py_attn_step(PyObject *self, PyObject *args) {
     const float *x = b[X].b.buf;
     float *xo = b[XO].b.buf;
     int bad = 0, rc;
+    if (join) {                    /* the last layer's MoE call, launched before: its output into x first */
+        if ((rc = moe_collect(b[X].b.buf, hidden)) < 0) goto done;
+        bad |= rc ? 2 : 0;
+    }
 #define THREADS(rows, cols) ((rows) * (cols) >= min_weights ? threads : 1)
     rms_row(x, b[LN1].b.buf, hidden, eps, h1);
     rc = run_rows(b[SB].b.buf, b[SB].b.len, sg, 2, h1, hidden, b[SJ].b.buf, b[SJ].b.len / (8 * JOB_LEN), qkv,
@@ -4451,6 +4723,11 @@ static PyObject *py_attn_step(PyObject *self, PyObject *args) {
         rc = route_rows(z, 1, E, b[RB].b.buf, rG, rKG, rnorm, rscale, 1, rk, b[RI].b.buf, b[RWT].b.buf);
         free(z);
         if (rc < 0) goto done;
+        if (lo[0]) {
+            if ((rc = launch_routed(b, LBASE, b[RI].b.buf, b[RWT].b.buf, rk, E, b[HO].b.buf, hidden, threads)) < 0)
+                goto done;
+            bad |= rc ? 4 : 0;
+        }
     }
     ret = PyLong_FromLong(bad);
 done:
@@ -4567,6 +4844,8 @@ static PyMethodDef methods[] = {
     {"quantize", py_quantize, METH_VARARGS, "quantize(x, xq, xsc, xs): x float32 [cols] -> int16 per 32 values"},
     {"set_x8", py_set_x8, METH_VARARGS, "set_x8(kinds): the codec kinds (a bit mask of 1 << kind) whose products take int8 activations (per 128 values); returns the old mask"},
     {"set_isa", py_set_isa, METH_VARARGS, "set_isa('avx2' | 'generic'): the kernels' instruction set"},
+    {"moe_launch", py_moe_launch, METH_VARARGS, moe_launch_doc},
+    {"moe_join", py_moe_join, METH_VARARGS, moe_join_doc},
     {"isa", py_isa, METH_NOARGS, "the instruction set in use"},
     {"pool_wait", py_pool_wait, METH_NOARGS, "seconds callers have waited, their own jobs done, for the pool's workers to finish theirs (all calls so far)"},
     {"vnni", py_vnni, METH_NOARGS, "the VNNI form the int8 kernels use (0 none, 1 AVX-VNNI, 2 AVX512-VNNI, 3 and 512-bit registers)"},

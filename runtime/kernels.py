@@ -605,6 +605,35 @@ class MoEStep:
             raise CodecError(f"{self.codec}: corrupt data: outlier columns out of range or not increasing")
         return out
 
+    def overlaps(self) -> bool:
+        """Whether this call may run on the thread pool while the interpreter goes on (AttentionStep's
+        launch): two threads or more, and work enough for them."""
+        return _threads >= 2 and self.work >= PARALLEL_MIN_WEIGHTS
+
+    def launch_spec(self, base: np.ndarray, offsets: np.ndarray) -> tuple:
+        """AttentionStep's launch argument for this call over `base`, with the experts' offsets in it
+        (int64 [E, 3], -1 where not known: a token routed to such an expert is not launched)."""
+        shared = np.array(self.shared, np.int64) if self.shared is not None else None
+        return (base, self.geoms, offsets, shared, self.pick, self.tok)
+
+
+class PendingMoE:
+    """A MoE call running on the thread pool (launched by AttentionStep); result() waits for its
+    output, or the next layer's AttentionStep adds it into its input (join)."""
+    __slots__ = ("codec", "shape")
+
+    def __init__(self, codec: str, shape):
+        self.codec, self.shape = codec, shape
+
+    def result(self) -> np.ndarray:
+        out = np.zeros(self.shape, np.float32)
+        if _qdot.moe_join(out):
+            raise self.corrupt()
+        return out
+
+    def corrupt(self) -> CodecError:
+        return CodecError(f"{self.codec}: corrupt data: outlier columns out of range or not increasing")
+
 
 def ggml_moe_decode(base: np.ndarray, offsets: np.ndarray, gate_up: tuple, down: tuple, x: np.ndarray,
                     weights: np.ndarray, out: np.ndarray) -> None:
@@ -772,19 +801,25 @@ class AttentionStep:
                 all(w.ggml is None and has_kernel(w.codec) for w in (q_b, o)))
 
     def __call__(self, x: np.ndarray, pos: int, latent: np.ndarray, k_rot: np.ndarray, cos: np.ndarray,
-                 sin: np.ndarray):
+                 sin: np.ndarray, launch: tuple | None = None, join: PendingMoE | None = None):
         """x [1, hidden] float32; one sequence's cache rows [context, r], [context, dr] (row pos is
-        written); cos, sin [1, dr/2] -> (x_out, h_out, routed): x_out and h_out [1, hidden], routed the
-        expert ids [1, k] and weights [1, k] with a router, else None."""
+        written); cos, sin [1, dr/2] -> (x_out, h_out, routed, launched): x_out and h_out [1, hidden],
+        routed the expert ids [1, k] and weights [1, k] with a router, else None. join: the previous
+        layer's MoE call, still running, whose output is added into x (in place) first. launch: the
+        MoE half's call (MoEStep.launch_spec), handed to the thread pool at once when every routed
+        expert's offsets are known; launched says whether it was (the MoE half then collects it)."""
         if latent.dtype != k_rot.dtype or latent.dtype not in (np.float32, np.float16):
             raise ValueError("AttentionStep: the caches must both be float32 or both float16")
         x = np.ascontiguousarray(x, np.float32)
         x_out, h_out = np.empty_like(x), np.empty_like(x)
         routed = (np.empty((1, self.k), np.int64), np.empty((1, self.k), np.float32)) if self.router else None
-        if _qdot.attn_step(x, self.consts, cos, sin, latent, k_rot, pos, latent.dtype == np.float16, x_out, h_out,
-                           _threads, PARALLEL_MIN_WEIGHTS, self.router, *(routed or (None, None))):
-            raise CodecError(f"{self.what}: corrupt data: outlier columns out of range or not increasing")
-        return x_out, h_out, routed
+        bits = _qdot.attn_step(x, self.consts, cos, sin, latent, k_rot, pos, latent.dtype == np.float16, x_out, h_out,
+                               _threads, PARALLEL_MIN_WEIGHTS, self.router, *(routed or (None, None)),
+                               launch if self.router else None, join is not None)
+        if bits & 3:
+            raise (join.corrupt() if bits & 2 else
+                   CodecError(f"{self.what}: corrupt data: outlier columns out of range or not increasing"))
+        return x_out, h_out, routed, bool(bits & 4)
 
 
 def keep_heap(nbytes: int) -> int:

@@ -361,6 +361,8 @@ class MoE:
         self._buffer = experts.buffer       # what the two below were worked out for
         self._shared_fused = False          # not yet worked out (see _shared_in_buffer)
         self._step = False                  # not yet worked out (see _one_token)
+        self._offsets = None                # known experts' offsets in the buffer (see _learn)
+        self.launch_spec = None             # AttentionStep's launch of this layer's call (see _learn)
         # a float32 router (the usual case) multiplies one token in C, as Layer.step does it
         self._router_f32 = np.ascontiguousarray(router.dense()) if router.codec == "f32" else None
 
@@ -383,16 +385,26 @@ class MoE:
         return (self._router_f32, self.bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
                 cfg.norm_topk_prob, cfg.routed_scaling_factor)
 
-    def forward(self, h: np.ndarray, x: np.ndarray, routed=None) -> np.ndarray:
+    def forward(self, h: np.ndarray, x: np.ndarray, routed=None, launched: bool = False, defer: bool = False):
         """h: the normalised input [T, hidden]; x: the residual stream, for guessing the next layer;
-        routed: route(h) when the caller has it already (Layer.step)."""
+        routed: route(h) when the caller has it already (Layer.step); launched: the caller's step has
+        handed this token's call to the thread pool already (launch_spec). Returns the output, or with
+        defer the launched call itself (kernels.PendingMoE), to be collected later."""
         idx, weights = routed if routed is not None else self.route(h)
         if self.experts.buffer is not self._buffer:        # the provider changed it between steps
             self._buffer, self._shared_fused, self._step = self.experts.buffer, False, False
+            self.forget_offsets()
+        if launched:
+            pending = kernels.PendingMoE(self._step.codec, h.shape)
+            if self.experts.held(self.index, idx[0]) is not None:      # the provider's bookkeeping meanwhile
+                self._guess(x)
+                return pending if defer else pending.result()
+            pending.result()            # (offsets_stay: not reached) not held after all: go the usual way
         if idx.shape[0] == 1:
             step = self._one_token()
             held = step and self.experts.held(self.index, idx[0])
             if held:                        # a warm decode step: every expert in memory, one kernel call
+                self._learn(step, idx[0], held)
                 self._guess(x)
                 out = step(self.experts.buffer, held, h, weights)
                 return out + self.shared.forward(h) if self.shared is not None and step.shared is None else out
@@ -416,6 +428,21 @@ class MoE:
         if self.shared is not None:
             out += self.shared.forward(h)
         return out
+
+    def _learn(self, step, ids: np.ndarray, held: list) -> None:
+        """Keep the offsets `held` gave for these experts when the provider says they stay (offsets_stay):
+        a later step that routes only to known experts can then be launched by the attention half's
+        call, before the provider is asked (launch_spec)."""
+        if not (self.experts.offsets_stay and step.overlaps() and (step.shared is not None or self.shared is None)):
+            return
+        if self._offsets is None:
+            self._offsets = np.full((self.cfg.n_routed_experts, 3), -1, np.int64)
+            self.launch_spec = step.launch_spec(self.experts.buffer, self._offsets)
+        self._offsets[ids] = held
+
+    def forget_offsets(self) -> None:
+        """The experts' buffer changed (the provider's pager did): no offsets known, nothing launched."""
+        self._offsets = self.launch_spec = None
 
     def _guess(self, x: np.ndarray) -> None:
         if self.next is not None and self.experts.wants_guesses:
@@ -501,15 +528,42 @@ class Layer:
         # one decode token's first two lines, and its routing, in one call
         self.step = attn.decode_step(ln1, ln2, eps, mlp.router_spec() if isinstance(mlp, MoE) else None)
 
-    def forward(self, x: np.ndarray, start: int, cache: KVCache, rope: Rope) -> np.ndarray:
-        routed = None
-        if self.step is not None and x.shape[0] == 1 and cache.batch == 1:
+    def forward(self, x, start: int, cache: KVCache, rope: Rope, defer: bool = False):
+        """x [T, hidden] -> the next layer's input. With defer (Model.forward), a decode step may take
+        and return a Deferred x (the sum with a MoE call still running on the thread pool): the next
+        step's attention call collects it, so the interpreter's work in between overlaps the call."""
+        routed, launched, mlp = None, False, self.mlp
+        if self.step is not None and cache.batch == 1 and (type(x) is Deferred or x.shape[0] == 1):
             cos, sin = rope.tables(start, 1, 1)
-            x, h, routed = self.step(x, start, cache.latent[self.index][0], cache.k_rot[self.index][0], cos, sin)
+            spec = mlp.launch_spec if defer and type(mlp) is MoE else None
+            latent, k_rot = cache.latent[self.index][0], cache.k_rot[self.index][0]
+            if type(x) is Deferred:
+                x, h, routed, launched = self.step(x.x, start, latent, k_rot, cos, sin, spec, x.pending)
+            else:
+                x, h, routed, launched = self.step(x, start, latent, k_rot, cos, sin, spec)
         else:
+            x = settled(x)
             x = x + self.attn.forward(rms_norm(x, self.ln1, self.eps), start, cache, rope)
             h = rms_norm(x, self.ln2, self.eps)
-        return x + (self.mlp.forward(h, x, routed) if isinstance(self.mlp, MoE) else self.mlp.forward(h))
+        if type(mlp) is not MoE:
+            return x + mlp.forward(h)
+        out = mlp.forward(h, x, routed, launched, defer)
+        return Deferred(x, out) if type(out) is kernels.PendingMoE else x + out
+
+
+class Deferred:
+    """x + the output of a MoE call still running on the thread pool (MoE.forward with defer)."""
+    __slots__ = ("x", "pending")
+
+    def __init__(self, x: np.ndarray, pending):
+        self.x, self.pending = x, pending
+
+    def value(self) -> np.ndarray:
+        return self.x + self.pending.result()
+
+
+def settled(x) -> np.ndarray:
+    return x.value() if type(x) is Deferred else x
 
 
 def load_layer(w: ModelWeights, cfg: ModelConfig, i: int) -> Layer:
@@ -550,6 +604,7 @@ class Model:
         moe = [L for L in self.layers if isinstance(L.mlp, MoE)]
         for a, b in zip(moe, moe[1:]):
             a.mlp.next = b
+        self._experts_buffer = weights.buffer
         self.embed = weights.embed_rows
         self.final_norm = weights.vector("model.norm.weight")
         self.lm_head = weights.resident("lm_head.weight" if weights.has("lm_head.weight") else "model.embed_tokens.weight")
@@ -568,9 +623,15 @@ class Model:
         blas.set_threads(1 if T == 1 else _THREADS)   # see formats/blas.py: decode steps, one or several sequences
         kernels.set_decoding(T == 1)
         self.w.step_begins()
+        if self.w.buffer is not self._experts_buffer:   # the pager changed: launches must not use the old one
+            self._experts_buffer = self.w.buffer
+            for layer in self.layers:
+                if type(layer.mlp) is MoE:
+                    layer.mlp.forget_offsets()
         x = self.embed(ids2.reshape(-1))
         for layer in self.layers:
-            x = layer.forward(x, start, self.cache, self.rope)
+            x = layer.forward(x, start, self.cache, self.rope, defer=True)
+        x = settled(x)
         self.cache.length = start + T
         if not all_logits:
             x = x.reshape(B, T, -1)[:, -1]

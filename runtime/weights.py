@@ -97,6 +97,9 @@ class ExpertProvider:
     ahead and guessing the next layer are the provider's decisions."""
     wants_guesses: bool = False         # take guesses of the next layer's experts (speculative reads)
     buffer: np.ndarray | None = None    # the buffer every expert tensor lies in (fused kernel calls)
+    # once `held` has given an expert's offsets in `buffer`, they and its bytes stay there for the run
+    # (a mapping of the whole file that never evicts): the model may then use them before asking again
+    offsets_stay: bool = False
 
     def step_begins(self) -> None:
         """A model step (a prefill chunk or a decoded token) begins: no expert's weights are in use,
@@ -150,9 +153,13 @@ class ModelWeights(ExpertProvider):
         self._advise_experts_random()
         self.pager: ExpertPager = make_pager(io, self.file, cache_bytes, policy, direct, page_cache)
         self.buffer = self.pager.base
+        self.offsets_stay = self._offsets_stay()
         self.io = io
         self.wants_guesses, self.prefetch_policy = self._prefetch_policy(cache_bytes)
         self.pager.watch_reads = self.prefetch == "auto" and self.wants_guesses
+
+    def _offsets_stay(self) -> bool:
+        return self.pager.mode == "mmap" and self.pager.capacity >= sum(e.nbytes for e in self._extents(EXTENT_EXPERT))
 
     def _prefetch_policy(self, cache_bytes: int) -> tuple[bool, str]:
         """(guess the next layer's experts, the decision in words) for --prefetch."""
@@ -260,6 +267,7 @@ class ModelWeights(ExpertProvider):
         if self.pager.wants_direct:
             self.pager = direct_successor(self.pager)
             self.buffer = self.pager.base
+            self.offsets_stay = self._offsets_stay()
             self._expert_weights.clear()
 
     def routed(self, layer: int, experts) -> None:

@@ -562,7 +562,8 @@ def test_attention_step_refuses_mismatched_buffers(lora_model):
         step(x, 8, latent, k_rot, cos, sin)
     with pytest.raises(ValueError):                                 # the caches' dtypes differ
         step(x, 0, latent, k_rot.astype(np.float16), cos, sin)
-    x_out, h, (idx, wts) = step(x, 0, latent, k_rot, cos, sin)
+    x_out, h, (idx, wts), launched = step(x, 0, latent, k_rot, cos, sin)
+    assert not launched                                              # no launch asked for
     assert x_out.shape == h.shape == x.shape and np.isfinite(h).all()
     np.testing.assert_array_equal(idx, m.layers[1].mlp.route(h)[0])         # routed as MoE.route routes
     np.testing.assert_array_equal(wts, m.layers[1].mlp.route(h)[1])
@@ -748,6 +749,77 @@ def test_fused_experts_with_a_shared_expert(isa):
     with pytest.raises(ValueError, match="chain"):
         kernels.moe_decode(base, where[choice], ("q2", (inter, hidden)), ("q2", (hidden, inter)), x, w, out,
                            (shared[0], ("q4", (inter + 32, hidden)), ("q6", (hidden, inter + 32))))
+
+
+def test_a_launched_moe_call_equals_the_call_made_at_once(isa):
+    """_qdot.moe_launch hands the call to the thread pool and returns; moe_join collects it: the bits of
+    moe() itself, whether the caller joins at once, after another use of the pool (which waits for the
+    launched call first), or launches again without joining (the first call is dropped)."""
+    hidden, inter, k = 256, 192, 3
+    rng = np.random.default_rng(21)
+    base, where, _ = _expert_buffer(rng, 4, "q2", "q4", hidden, inter)
+    geoms = kernels._moe_geometries((("q2", (inter, hidden)), ("q4", (hidden, inter))))
+    pick, tok = kernels._moe_pairs(1, k, False)
+    offs, wts = where[[2, 0, 3]], np.array([0.5, -1.25, 2.0], np.float32)
+    x = rng.standard_normal((1, hidden)).astype(np.float32)
+    want = np.zeros((1, hidden), np.float32)
+    _qdot.moe(base, geoms, offs, pick, tok, wts, x, want, 2)
+    assert np.abs(want).max() > 0
+
+    def joined(launch_more=False, use_pool=False):
+        _qdot.moe_launch(base, geoms, offs, pick, tok, wts, x, 2)
+        if launch_more:
+            _qdot.moe_launch(base, geoms, offs, pick, tok, wts, x * 0, 2)
+        if use_pool:
+            kernels.linear(x, "q2", base[where[1, 0]:], (inter, hidden))
+        out = np.zeros((1, hidden), np.float32)
+        assert _qdot.moe_join(out) == 0
+        return out
+    np.testing.assert_array_equal(joined(), want)
+    np.testing.assert_array_equal(joined(use_pool=True), want)
+    np.testing.assert_array_equal(joined(launch_more=True), np.zeros_like(want))     # the second call's x is 0
+    with pytest.raises(ValueError, match="no call launched"):
+        _qdot.moe_join(np.zeros((1, hidden), np.float32))
+    with pytest.raises(ValueError, match="two threads"):
+        _qdot.moe_launch(base, geoms, offs, pick, tok, wts, x, 1)
+    with pytest.raises(ValueError, match="outside"):
+        _qdot.moe_launch(base[:-1], geoms, where[[3, 3, 3]], pick, tok, wts, x, 2)
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
+def test_decode_overlapping_the_moe_call_gives_the_same_bits(lora_model, kv_dtype, monkeypatch):
+    """A warm decode step hands each MoE half's call to the thread pool from the attention half's call
+    (its experts' offsets known from earlier steps, the mapping never evicting) and the next layer's
+    attention call collects it, the interpreter's bookkeeping in between: the logits and cache rows of
+    a prompt and eight decode steps are those of steps that never launch."""
+    from kimistream.runtime.model import Model, MoE
+    from kimistream.runtime.weights import ModelWeights
+    monkeypatch.setattr(kernels, "PARALLEL_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(kernels, "_threads", 2)
+    launches = []
+    call = kernels.AttentionStep.__call__
+
+    def counted(self, *a):
+        got = call(self, *a)
+        launches.append(got[3])
+        return got
+    monkeypatch.setattr(kernels.AttentionStep, "__call__", counted)
+    w = ModelWeights(lora_model)
+    w.load_resident()
+    assert w.offsets_stay
+    runs = []
+    for overlap in (True, False):
+        w.offsets_stay = overlap
+        m = Model(w, 32, kv_dtype)
+        launches.clear()
+        logits = [m.prefill(list(range(5, 12)), 7)] + [m.forward([t]) for t in (3, 9, 1, 4, 4, 8, 2, 6)]
+        runs.append((np.stack(logits), [c.copy() for c in m.cache.latent + m.cache.k_rot], sum(launches)))
+        assert all((layer.mlp.launch_spec is not None) == overlap for layer in m.layers if type(layer.mlp) is MoE)
+    assert runs[0][2] > 0 and runs[1][2] == 0
+    np.testing.assert_array_equal(runs[0][0], runs[1][0])
+    for a, b in zip(runs[0][1], runs[1][1]):
+        np.testing.assert_array_equal(a, b)
+    w.close()
 
 
 # ----------------------------------------------------------------------------------- decode attention
