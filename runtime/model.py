@@ -413,6 +413,10 @@ class MoE:
         self._guess(x)
         out = np.zeros(h.shape, np.float32)
         experts = self.experts.together(self.index, used)
+        if experts is not None and self.experts.offsets_stay:        # (a prompt's chunk teaches most of them)
+            step = self._one_token()
+            if step is not None:
+                self._learn(step, used, [(g.offset, u.offset, d.offset) for g, u, d in experts.values()])
         if experts is not None and self._fusing_pays(idx, experts):
             rg, _, rd = next(iter(experts.values()))
             shared = self._shared_in_buffer((rg.codec, rg.shape), (rd.codec, rd.shape))
@@ -438,7 +442,9 @@ class MoE:
         if self._offsets is None:
             self._offsets = np.full((self.cfg.n_routed_experts, 3), -1, np.int64)
             self.launch_spec = step.launch_spec(self.experts.buffer, self._offsets)
-        self._offsets[ids] = held
+        held = np.asarray(held, np.int64).reshape(-1, 3)
+        ok = (held >= 0).all(axis=1)          # (an offset of -1: not in the buffer, the expert stays unknown)
+        self._offsets[np.asarray(ids)[ok]] = held[ok]
 
     def forget_offsets(self) -> None:
         """The experts' buffer changed (the provider's pager did): no offsets known, nothing launched."""
