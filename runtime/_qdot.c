@@ -2387,8 +2387,9 @@ AVX2 static void heads_t_job_avx2(task_t *t, int64_t h, float *scratch) {
     }
     for (int64_t s = 0; s < nfs; s++)
         for (int i = 0; i < 32; i++) acc[32 * s + i] += bacc[s];
-    for (int64_t j = 0; j < n; j++)
-        heads_t_rest(t, h * t->stride + j, t->xf[h * n + j], acc, lev);
+    if (g[G_K] || done < cols)                  /* (a row without tail or outliers has nothing left) */
+        for (int64_t j = 0; j < n; j++)
+            heads_t_rest(t, h * t->stride + j, t->xf[h * n + j], acc, lev);
 }
 #endif
 
