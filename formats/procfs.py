@@ -1,6 +1,7 @@
 """The kernel's own memory accounting, for both commands: this process's counters from
-/proc/self/status (VmRSS, VmHWM, RssAnon, RssFile, ...) and the machine's from /proc/meminfo, in
-bytes. Read in microseconds (smaps_rollup walks every mapping: milliseconds)."""
+/proc/self/status (VmRSS, VmHWM, RssAnon, RssFile, ...), the machine's from /proc/meminfo and the
+memory limit of this process's cgroup, in bytes. Read in microseconds (smaps_rollup walks every
+mapping: milliseconds)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,34 @@ def status() -> dict[str, int]:
 def meminfo(key: str) -> int:
     """One /proc/meminfo field in bytes (0 where it is missing)."""
     return _read_kb("/proc/meminfo", lambda k: k == key).get(key, 0)
+
+
+UNLIMITED = 1 << 60          # cgroup v1 writes "no limit" as the largest page-aligned 63-bit number
+
+
+def cgroup_memory_limit(proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """The memory limit of this process's own cgroup in bytes (v2 memory.max, v1's memory controller's
+    memory.limit_in_bytes; both count the page cache), or None where there is none or it cannot be read."""
+    try:
+        with open(proc) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hid, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if "memory" in controllers.split(","):
+            where = f"{root}/memory{path}/memory.limit_in_bytes"
+        elif hid == "0" and controllers == "":
+            where = f"{root}{path}/memory.max"
+        else:
+            continue
+        try:
+            with open(where.replace("//", "/")) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < UNLIMITED:
+            return int(text)
+        return None
+    return None

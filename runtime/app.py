@@ -175,9 +175,14 @@ def open_session(args, log, weights_path=None, describe: bool = True, hold_back:
     free = plan.expert_cache - plan.min_cache_experts * plan.expert_bytes
     held_back = int(max(0, free) * hold_back)
     cache_bytes = min(plan.cache_experts * plan.expert_bytes, plan.expert_cache - held_back)
+    page_cache, tight = args.page_cache, None
+    if args.io == "auto" and page_cache == "auto" and (tight := B.no_page_cache_room(plan)):
+        page_cache = "drop"             # O_DIRECT reads from the start (make_pager), no trial of keeping pages
     weights = ModelWeights(path, io=args.io, cache_bytes=cache_bytes,
                            policy=args.cache_policy, direct=args.direct, prefetch=args.prefetch,
-                           page_cache=args.page_cache)
+                           page_cache=page_cache)
+    if tight:
+        weights.pager.page_cache_policy = f"drop evicted experts (auto: {tight})"
     tok_meta = weights.header.get("tokenizer") or {}
     try:
         tok = Tokenizer(tok_meta.get("kind", ""), {n: weights.file.blob(n) for n in tok_meta.get("files", [])})

@@ -1,5 +1,5 @@
 """The memory budget as this process sees it: the default budget, the process's own memory (its
-baseline is measured, not assumed). The plan's arithmetic (footprint, KV cache, activations, the
+baseline is measured, not assumed), what a memory limit leaves the page cache. The plan's arithmetic (footprint, KV cache, activations, the
 expert cache left over) is formats/memplan.py, shared with the converter; its names are re-exported
 here for the runtime's modules."""
 
@@ -23,3 +23,20 @@ def mem_available() -> int:
 
 def current_rss() -> int:
     return procfs.status().get("VmRSS", 0)
+
+
+def no_page_cache_room(plan: MemoryPlan, limit: int | None = None) -> str | None:
+    """Why evicted experts' pages cannot stay in the page cache, known before the run: this process's
+    cgroup has a memory limit (it counts the page cache) that leaves less than one layer's experts
+    beside the budget, and the cache holds no more experts than one layer routes to, so nearly every
+    expert is read again at every token. None where either does not hold: the pager's page-cache
+    policy then decides by measuring (a budget on a machine with memory to spare leaves the page
+    cache all of it). `limit`: the cgroup's, read here when not given."""
+    limit = procfs.cgroup_memory_limit() if limit is None else limit
+    if limit is None or plan.cache_experts > plan.min_cache_experts:
+        return None
+    room = limit - plan.budget
+    if room >= plan.min_cache_experts * plan.expert_bytes:
+        return None
+    return (f"the memory limit of {fmt(limit)} leaves {fmt(max(room, 0))} beside the budget for the page cache, "
+            f"and the cache holds only one layer's {plan.cache_experts} experts")

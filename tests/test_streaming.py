@@ -816,3 +816,60 @@ def test_io_auto_reads_with_o_direct_below_a_share_kept_worth_keeping(synthetic,
         decision = "drop" if direct else "keep"
         assert w.pager.page_cache_policy.startswith(f"{decision} evicted experts (auto: {share:.0%} of 4 evicted")
     w.close()
+
+
+def test_cgroup_memory_limit_read_from_v1_and_v2(tmp_path):
+    """procfs.cgroup_memory_limit finds this process's cgroup (/proc/self/cgroup) and its limit: v1's
+    memory controller's memory.limit_in_bytes, v2's memory.max; none where unlimited or unreadable."""
+    from kimistream.formats import procfs
+    proc = tmp_path / "cgroup"
+    (tmp_path / "memory" / "jobs" / "a").mkdir(parents=True)
+    (tmp_path / "memory" / "jobs" / "a" / "memory.limit_in_bytes").write_text("201916416\n")
+    proc.write_text("5:devices:/\n4:memory:/jobs/a\n0::/\n")
+    assert procfs.cgroup_memory_limit(str(proc), str(tmp_path)) == 201916416
+    (tmp_path / "memory" / "jobs" / "a" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    assert procfs.cgroup_memory_limit(str(proc), str(tmp_path)) is None
+    (tmp_path / "u").mkdir()
+    (tmp_path / "u" / "memory.max").write_text("max\n")
+    proc.write_text("0::/u\n")
+    assert procfs.cgroup_memory_limit(str(proc), str(tmp_path)) is None
+    (tmp_path / "u" / "memory.max").write_text("268435456\n")
+    assert procfs.cgroup_memory_limit(str(proc), str(tmp_path)) == 268435456
+    assert procfs.cgroup_memory_limit(str(tmp_path / "missing"), str(tmp_path)) is None
+
+
+def test_no_page_cache_room_only_under_a_hard_limit_and_a_cache_of_one_layer():
+    """O_DIRECT from the start (budget.no_page_cache_room) only when a cgroup limit leaves less than one
+    layer's experts beside the budget and the cache holds no more than one layer's: a budget on a
+    machine with memory to spare, or a cache of more experts, leaves the decision to measurement."""
+    from kimistream.runtime import budget as B
+    plan = B.MemoryPlan(budget=200 << 20, baseline=60 << 20, resident=100 << 20, metadata=2 << 20,
+                        kv_cache=9 << 20, activations=17 << 20, expert_cache=6 << 20, expert_bytes=1 << 20,
+                        cache_experts=6, min_cache_experts=6, total_experts=704)
+    why = B.no_page_cache_room(plan, limit=200 << 20)
+    assert why and "leaves 0 B" in why and "6 experts" in why
+    assert B.no_page_cache_room(plan, limit=(200 + 5) << 20)                 # less than one layer's room
+    assert B.no_page_cache_room(plan, limit=(200 + 6) << 20) is None         # one layer's experts fit beside
+    import dataclasses
+    assert B.no_page_cache_room(dataclasses.replace(plan, cache_experts=7), limit=200 << 20) is None
+
+
+def test_no_page_cache_room_means_o_direct_reads_from_the_start(synthetic, monkeypatch, capsys):
+    """When the memory limit leaves the page cache no room (budget.no_page_cache_room gives its reason),
+    kimi-run's --io auto --page-cache auto drops evicted experts' pages from the first step, with no
+    trial of keeping them; the run summary says why, and the tokens are those of a run that decides
+    by measuring."""
+    from kimistream.runtime import budget as B
+    from kimistream.runtime import cli
+
+    def run():
+        assert cli.main(["--weights", str(synthetic), "--json", "--prefill-batch-size", "16", "--memory-budget",
+                         "150M", "--max-context", "64", "--prompt", "abcdefghij", "--max-tokens", "6"]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    free = run()
+    monkeypatch.setattr(B, "no_page_cache_room", lambda plan: "the memory limit of 150 MiB leaves 0 B beside it")
+    tight = run()
+    policy = "drop evicted experts (auto: the memory limit of 150 MiB leaves 0 B beside it)"
+    assert tight["stats"]["page_cache_policy"] == policy and free["stats"]["page_cache_policy"] != policy
+    assert tight["stats"]["io"] != free["stats"]["io"]          # O_DIRECT reads (or, without them, mapped pages dropped)
+    assert tight["tokens"] == free["tokens"]
