@@ -864,12 +864,12 @@ def test_no_page_cache_room_means_o_direct_reads_from_the_start(synthetic, monke
 
     def run():
         assert cli.main(["--weights", str(synthetic), "--json", "--prefill-batch-size", "16", "--memory-budget",
-                         "150M", "--max-context", "64", "--prompt", "abcdefghij", "--max-tokens", "6"]) == 0
+                         "4G", "--max-context", "64", "--prompt", "abcdefghij", "--max-tokens", "6"]) == 0
         return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     free = run()
-    monkeypatch.setattr(B, "no_page_cache_room", lambda plan: "the memory limit of 150 MiB leaves 0 B beside it")
+    monkeypatch.setattr(B, "no_page_cache_room", lambda plan: "the memory limit of 4 GiB leaves 0 B beside it")
     tight = run()
-    policy = "drop evicted experts (auto: the memory limit of 150 MiB leaves 0 B beside it)"
+    policy = "drop evicted experts (auto: the memory limit of 4 GiB leaves 0 B beside it)"
     assert tight["stats"]["page_cache_policy"] == policy and free["stats"]["page_cache_policy"] != policy
     assert tight["stats"]["io"] != free["stats"]["io"]          # O_DIRECT reads (or, without them, mapped pages dropped)
     assert tight["tokens"] == free["tokens"]
