@@ -2249,7 +2249,7 @@ AVX2 static inline __attribute__((always_inline)) void heads_t_body(const int ki
    their digits interleaved column by column so that one vpmaddwd by the pair's coefficients adds both
    rows into 32-bit sums; span by span, so four accumulators are all the registers a span needs. The
    float form above costs two conversions per weight; this one about a quarter of the instructions. */
-AVX2 static inline __attribute__((always_inline)) void heads_t_int_body(const int kind, const int spc,
+AVX2 static inline __attribute__((always_inline)) void heads_t_int_body(const int kind, const int spc, const int vn,
                                                                       const uint8_t *codes0, int64_t code_row,
                                                                       int64_t n, const int32_t *P, const float *alpha,
                                                                       int64_t nsp, int64_t nch, int64_t lo_bytes,
@@ -2265,10 +2265,10 @@ AVX2 static inline __attribute__((always_inline)) void heads_t_int_body(const in
                 chunk_digits(kind, codes0 + j * code_row, ch, lo_bytes, ev, od);
                 chunk_digits(kind, codes0 + (j + 1 < n ? j + 1 : j) * code_row, ch, lo_bytes, ev1, od1);
                 __m256i c = _mm256_set1_epi32(P[(j >> 1) * nsp + s]);
-                e_lo = _mm256_add_epi32(e_lo, _mm256_madd_epi16(_mm256_unpacklo_epi16(ev[k], ev1[k]), c));
-                e_hi = _mm256_add_epi32(e_hi, _mm256_madd_epi16(_mm256_unpackhi_epi16(ev[k], ev1[k]), c));
-                o_lo = _mm256_add_epi32(o_lo, _mm256_madd_epi16(_mm256_unpacklo_epi16(od[k], od1[k]), c));
-                o_hi = _mm256_add_epi32(o_hi, _mm256_madd_epi16(_mm256_unpackhi_epi16(od[k], od1[k]), c));
+                e_lo = dp_words(vn, e_lo, _mm256_unpacklo_epi16(ev[k], ev1[k]), c);
+                e_hi = dp_words(vn, e_hi, _mm256_unpackhi_epi16(ev[k], ev1[k]), c);
+                o_lo = dp_words(vn, o_lo, _mm256_unpacklo_epi16(od[k], od1[k]), c);
+                o_hi = dp_words(vn, o_hi, _mm256_unpackhi_epi16(od[k], od1[k]), c);
             }
             /* e_lo: columns 0 2 4 6 | 16 18 20 22, e_hi 8 .. 14 | 24 .. 30, o_*: the odd ones */
             __m256 a = _mm256_set1_ps(alpha[s]);
@@ -2298,12 +2298,31 @@ AVX2 static void heads_t_int_coefs(const float *a, int64_t n, int64_t nsp, int64
     double lim = 2147483647.0 / ((double)ne * 512.0);
     float A = lim < 32767.0 ? (float)floor(lim) : 32767.0f;
     float *inv = alpha + nsp;                       /* (scratch: nsp more floats) */
-    for (int64_t s = 0; s < nfs; s++) alpha[s] = 0.0f;
-    for (int64_t j = 0; j < n; j++)
-        for (int64_t s = 0; s < nfs; s++) {
-            float v = fabsf(a[j * nsp + s]);
-            alpha[s] = v > alpha[s] ? v : alpha[s];
+    /* each span's largest magnitude, eight spans at a time in a register (through memory, every row's
+       maximum had waited on the last row's store) */
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    int64_t s8 = nfs / 8 * 8;
+    for (int64_t s = 0; s < s8; s += 8) {
+        __m256 m0 = _mm256_setzero_ps(), m1 = m0, m2 = m0, m3 = m0;     /* four chains: a max waits 4 cycles */
+        int64_t j = 0;
+        for (; j + 4 <= n; j += 4) {
+            const float *r = a + j * nsp + s;
+            m0 = _mm256_max_ps(m0, _mm256_and_ps(_mm256_loadu_ps(r), absmask));
+            m1 = _mm256_max_ps(m1, _mm256_and_ps(_mm256_loadu_ps(r + nsp), absmask));
+            m2 = _mm256_max_ps(m2, _mm256_and_ps(_mm256_loadu_ps(r + 2 * nsp), absmask));
+            m3 = _mm256_max_ps(m3, _mm256_and_ps(_mm256_loadu_ps(r + 3 * nsp), absmask));
         }
+        for (; j < n; j++) m0 = _mm256_max_ps(m0, _mm256_and_ps(_mm256_loadu_ps(a + j * nsp + s), absmask));
+        _mm256_storeu_ps(alpha + s, _mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));
+    }
+    for (int64_t s = s8; s < nfs; s++) {
+        float m = 0.0f;
+        for (int64_t j = 0; j < n; j++) {
+            float v = fabsf(a[j * nsp + s]);
+            m = v > m ? v : m;
+        }
+        alpha[s] = m;
+    }
     for (int64_t s = 0; s < nfs; s++) {
         float m = alpha[s];
         inv[s] = m > 0 ? A / m : 0.0f;
@@ -2330,13 +2349,21 @@ AVX2 static void heads_t_int_coefs(const float *a, int64_t n, int64_t nsp, int64
 AVX2 static void heads_t_int_avx2(int kind, const uint8_t *codes0, int64_t code_row, int64_t n, const int32_t *P,
                                   const float *alpha, int64_t nsp, int64_t done, int64_t cols, float *out) {
     int64_t lb = q6_lo_bytes(cols);
-    switch (kind) {
-    case K_Q2: case K_Q2RTN: heads_t_int_body(K_Q2, 4, codes0, code_row, n, P, alpha, nsp, done / 128, lb, out); break;
-    case K_Q4: heads_t_int_body(K_Q4, 2, codes0, code_row, n, P, alpha, nsp, done / 64, lb, out); break;
-    case K_Q8: heads_t_int_body(K_Q8, 1, codes0, code_row, n, P, alpha, nsp, done / 32, lb, out); break;
-    case K_Q6: heads_t_int_body(K_Q6, 4, codes0, code_row, n, P, alpha, nsp, done / 128, lb, out); break;
-    default: heads_t_int_body(K_Q1, 8, codes0, code_row, n, P, alpha, nsp, done / 256, lb, out); break;
+    /* vpdpwssd where the CPU has it: the same integers as vpmaddwd + add (tests/test_kernels.py) */
+#define HEADS_T_INT(vn)                                                                                        \
+    switch (kind) {                                                                                         \
+    case K_Q2: case K_Q2RTN: heads_t_int_body(K_Q2, 4, vn, codes0, code_row, n, P, alpha, nsp, done / 128, lb, out); break; \
+    case K_Q4: heads_t_int_body(K_Q4, 2, vn, codes0, code_row, n, P, alpha, nsp, done / 64, lb, out); break;   \
+    case K_Q8: heads_t_int_body(K_Q8, 1, vn, codes0, code_row, n, P, alpha, nsp, done / 32, lb, out); break;   \
+    case K_Q6: heads_t_int_body(K_Q6, 4, vn, codes0, code_row, n, P, alpha, nsp, done / 128, lb, out); break;  \
+    default: heads_t_int_body(K_Q1, 8, vn, codes0, code_row, n, P, alpha, nsp, done / 256, lb, out); break;    \
     }
+    switch (use_vnni) {
+    case 0: HEADS_T_INT(0) break;
+    case 1: HEADS_T_INT(1) break;
+    default: HEADS_T_INT(2) break;
+    }
+#undef HEADS_T_INT
 }
 
 AVX2 static void heads_t_avx2(int kind, const uint8_t *codes0, int64_t code_row, int64_t n, const float *a,
@@ -2367,10 +2394,16 @@ AVX2 static void heads_t_job_avx2(task_t *t, int64_t h, float *scratch) {
     float *acc = t->out + h * cols, *a = scratch, *ce = a + n * nsp, *bacc = ce + 2 * nsp,
           *ones = bacc + nsp, *zeros = ones + nsp, lev[256];
     for (int64_t s = 0; s < nsp; s++) { ones[s] = 1.0f; zeros[s] = 0.0f; bacc[s] = 0.0f; }
+    int64_t s8 = nfs / 8 * 8;
     for (int64_t j = 0; j < n; j++) {           /* span coefficients, digits' powers of two divided out */
         float cj = t->xf[h * n + j];
         coefs_avx2(t->raw, g, h * t->stride + j, ones, zeros, nfs, ce, 1);
-        for (int64_t s = 0; s < nfs; s++) {
+        __m256 c8 = _mm256_set1_ps(cj);
+        for (int64_t s = 0; s < s8; s += 8) {
+            _mm256_storeu_ps(a + j * nsp + s, _mm256_mul_ps(c8, _mm256_loadu_ps(ce + s)));
+            _mm256_storeu_ps(bacc + s, _mm256_add_ps(_mm256_loadu_ps(bacc + s), _mm256_mul_ps(c8, _mm256_loadu_ps(ce + nfs + s))));
+        }
+        for (int64_t s = s8; s < nfs; s++) {
             a[j * nsp + s] = cj * ce[s];
             bacc[s] += cj * ce[nfs + s];
         }

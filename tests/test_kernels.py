@@ -434,6 +434,33 @@ def heads_t_bound(name, raw, shape, v, stride):
     return out
 
 
+@pytest.mark.parametrize("name", ["q2", "q4", "q6", "q8", "q1"])
+def test_heads_t_equals_across_vnni_levels(name):
+    """heads_t's integer sums with vpdpwssd (each VNNI form the CPU runs) are vpmaddwd + add's: the same
+    floats to the last bit, outliers and a second span group included."""
+    if kernels.isa() != "avx2" or _qdot.vnni() == 0:
+        pytest.skip("no VNNI on this machine")
+    nh, nope, vdim, cols = 4, 24, 8, 640
+    shape = (nh * (nope + vdim), cols)
+    w = weight(shape, seed=13)
+    w[3, 70] = 7.0
+    raw = encode(name, w)
+    v = np.random.default_rng(13).standard_normal((nh, nope)).astype(np.float32)
+    default, got = _qdot.vnni(), {}
+    try:
+        for level in (0, 1, 2, 3):
+            try:
+                _qdot.set_vnni(level)
+            except ValueError:
+                continue
+            got[level] = kernels.heads_t(name, raw, shape, v, nope + vdim)
+    finally:
+        _qdot.set_vnni(default)
+    assert len(got) >= 2
+    for level, y in got.items():
+        np.testing.assert_array_equal(y, got[0], err_msg=f"VNNI level {level}")
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_heads_of_kv_b(name, isa, monkeypatch):
     """heads_t (per head, v times a block of rows, transposed) and heads (per head, a block of rows
