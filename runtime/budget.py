@@ -1,7 +1,7 @@
 """The memory budget as this process sees it: the default budget, the process's own memory (its
-baseline is measured, not assumed), what a memory limit leaves the page cache. The plan's arithmetic (footprint, KV cache, activations, the
-expert cache left over) is formats/memplan.py, shared with the converter; its names are re-exported
-here for the runtime's modules."""
+baseline is measured, not assumed), what a memory limit leaves the page cache. The plan's arithmetic
+(footprint, KV cache, activations, the expert cache left over) is formats/memplan.py, shared with
+the converter; its names are re-exported here for the runtime's modules."""
 
 from __future__ import annotations
 

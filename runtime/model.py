@@ -537,7 +537,7 @@ class Layer:
     def forward(self, x, start: int, cache: KVCache, rope: Rope, defer: bool = False):
         """x [T, hidden] -> the next layer's input. With defer (Model.forward), a decode step may take
         and return a Deferred x (the sum with a MoE call still running on the thread pool): the next
-        step's attention call collects it, so the interpreter's work in between overlaps the call."""
+        layer's attention call collects it, so the interpreter's work in between overlaps the call."""
         routed, launched, mlp = None, False, self.mlp
         if self.step is not None and cache.batch == 1 and (type(x) is Deferred or x.shape[0] == 1):
             cos, sin = rope.tables(start, 1, 1)
