@@ -326,6 +326,7 @@ def _generate(args, log) -> int:
         "io": weights.io_policy,
         "activations": kernels.activations(),
         "threads": tuner.policy if tuner is not None else f"{kernels.threads()} (--threads)",
+        "moe_overlap": moe_overlap(model, weights),
         "warm_up": bool(args.warm_up),
         **tele,
     }
@@ -337,6 +338,18 @@ def _generate(args, log) -> int:
             print_summary(stats, report, tele, plan)
     weights.close()
     return 0
+
+
+def moe_overlap(model: Model, weights: ModelWeights) -> str:
+    """How many decode steps' MoE calls ran on the thread pool beside the interpreter, or why none did."""
+    launched, calls = model.moe_overlap()
+    if launched:
+        return f"{launched} of {calls} decode MoE calls beside the interpreter"
+    if not weights.offsets_stay:
+        return "none: the expert cache may evict (it holds fewer than every expert, or reads into a pool)"
+    if kernels.threads() < 2:
+        return "none: one thread"
+    return f"none of {calls} decode MoE calls (experts too small to share, or none known yet)"
 
 
 def _thread_tuner(args) -> ThreadTuner | None:
@@ -365,6 +378,7 @@ def print_summary(stats: GenerationStats, report: dict, tele: dict, plan: B.Memo
         ("page cache", report["page_cache_policy"]),
         ("expert reads", report["io"]),
         ("threads", report["threads"]),
+        ("MoE calls overlapped", report["moe_overlap"]),
         ("prefetch recall / wasted",
          na if tele["prefetch_recall"] is None else f"{tele['prefetch_recall']:.1%} / {B.fmt(tele['prefetch_wasted_bytes'])}"),
         ("major faults", str(tele["major_faults"])),

@@ -363,6 +363,7 @@ class MoE:
         self._step = False                  # not yet worked out (see _one_token)
         self._offsets = None                # known experts' offsets in the buffer (see _learn)
         self.launch_spec = None             # AttentionStep's launch of this layer's call (see _learn)
+        self.one_token_calls = self.launched_calls = 0      # (the run summary's: how often it launched)
         # a float32 router (the usual case) multiplies one token in C, as Layer.step does it
         self._router_f32 = np.ascontiguousarray(router.dense()) if router.codec == "f32" else None
 
@@ -394,6 +395,9 @@ class MoE:
         if self.experts.buffer is not self._buffer:        # the provider changed it between steps
             self._buffer, self._shared_fused, self._step = self.experts.buffer, False, False
             self.forget_offsets()
+        if idx.shape[0] == 1:
+            self.one_token_calls += 1
+            self.launched_calls += launched
         if launched:
             pending = kernels.PendingMoE(self._step.codec, h.shape)
             if self.experts.held(self.index, idx[0]) is not None:      # the provider's bookkeeping meanwhile
@@ -642,6 +646,11 @@ class Model:
         if not all_logits:
             x = x.reshape(B, T, -1)[:, -1]
         return linear(rms_norm(x, self.final_norm, self.cfg.rms_norm_eps), self.lm_head)
+
+    def moe_overlap(self) -> tuple[int, int]:
+        """(one-token MoE calls launched beside the interpreter, one-token MoE calls) so far."""
+        moe = [layer.mlp for layer in self.layers if type(layer.mlp) is MoE]
+        return sum(m.launched_calls for m in moe), sum(m.one_token_calls for m in moe)
 
     def sequences(self, batch: int):
         """A context in which the model runs `batch` sequences side by side in a cache of their own

@@ -873,3 +873,25 @@ def test_no_page_cache_room_means_o_direct_reads_from_the_start(synthetic, monke
     assert tight["stats"]["page_cache_policy"] == policy and free["stats"]["page_cache_policy"] != policy
     assert tight["stats"]["io"] != free["stats"]["io"]          # O_DIRECT reads (or, without them, mapped pages dropped)
     assert tight["tokens"] == free["tokens"]
+
+
+def test_run_summary_says_how_many_moe_calls_overlapped(synthetic_q2, monkeypatch, capsys):
+    """kimi-run's report counts the decode steps' MoE calls launched beside the interpreter, or says why
+    there were none (experts too small to share between two threads; an expert cache that may evict),
+    and the tokens do not depend on the overlap."""
+    from kimistream.runtime import cli, kernels
+
+    def run(*flags):
+        assert cli.main(["--weights", str(synthetic_q2), "--json", "--prefill-batch-size", "16", "--max-context",
+                         "64", "--prompt", "abcdefghij", "--max-tokens", "8", "--memory-budget", "4G", *flags]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    small = run()
+    assert small["stats"]["moe_overlap"].startswith("none of ")                     # too small to share
+    monkeypatch.setattr(kernels, "PARALLEL_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(kernels, "_threads", 2)
+    shared = run()
+    launched, _, calls = shared["stats"]["moe_overlap"].split()[:3]
+    assert 0 < int(launched) <= int(calls)
+    evicting = run("--io", "pread")
+    assert evicting["stats"]["moe_overlap"].startswith("none: the expert cache may evict")
+    assert small["tokens"] == shared["tokens"]
