@@ -2260,16 +2260,41 @@ AVX2 static inline __attribute__((always_inline)) void heads_t_int_body(const in
 #pragma GCC unroll 8
         for (int k = 0; k < spc; k++) {       /* unrolled: k constant, so only span k's digits are taken out */
             int64_t s = ch * spc + k;
+            /* two sets of sums, pairs of rows alternating between them: each vpdpwssd waits on its own
+               accumulator's last one, so one set would run at the instruction's latency, not its
+               throughput (integer sums: the order does not change them) */
             __m256i e_lo = _mm256_setzero_si256(), e_hi = e_lo, o_lo = e_lo, o_hi = e_lo;
-            for (int64_t j = 0; j < n; j += 2) {
-                chunk_digits(kind, codes0 + j * code_row, ch, lo_bytes, ev, od);
-                chunk_digits(kind, codes0 + (j + 1 < n ? j + 1 : j) * code_row, ch, lo_bytes, ev1, od1);
-                __m256i c = _mm256_set1_epi32(P[(j >> 1) * nsp + s]);
+            __m256i f_lo = e_lo, f_hi = e_lo, p_lo = e_lo, p_hi = e_lo;
+            const uint8_t *rj = codes0;
+            const int32_t *Pj = P + s;
+            int64_t j = 0;
+            for (; j + 4 <= n; j += 4, rj += 4 * code_row, Pj += 2 * nsp) {
+                chunk_digits(kind, rj, ch, lo_bytes, ev, od);
+                chunk_digits(kind, rj + code_row, ch, lo_bytes, ev1, od1);
+                __m256i c = _mm256_set1_epi32(Pj[0]);
+                e_lo = dp_words(vn, e_lo, _mm256_unpacklo_epi16(ev[k], ev1[k]), c);
+                e_hi = dp_words(vn, e_hi, _mm256_unpackhi_epi16(ev[k], ev1[k]), c);
+                o_lo = dp_words(vn, o_lo, _mm256_unpacklo_epi16(od[k], od1[k]), c);
+                o_hi = dp_words(vn, o_hi, _mm256_unpackhi_epi16(od[k], od1[k]), c);
+                chunk_digits(kind, rj + 2 * code_row, ch, lo_bytes, ev, od);
+                chunk_digits(kind, rj + 3 * code_row, ch, lo_bytes, ev1, od1);
+                c = _mm256_set1_epi32(Pj[nsp]);
+                f_lo = dp_words(vn, f_lo, _mm256_unpacklo_epi16(ev[k], ev1[k]), c);
+                f_hi = dp_words(vn, f_hi, _mm256_unpackhi_epi16(ev[k], ev1[k]), c);
+                p_lo = dp_words(vn, p_lo, _mm256_unpacklo_epi16(od[k], od1[k]), c);
+                p_hi = dp_words(vn, p_hi, _mm256_unpackhi_epi16(od[k], od1[k]), c);
+            }
+            for (; j < n; j += 2, rj += 2 * code_row, Pj += nsp) {
+                chunk_digits(kind, rj, ch, lo_bytes, ev, od);
+                chunk_digits(kind, j + 1 < n ? rj + code_row : rj, ch, lo_bytes, ev1, od1);
+                __m256i c = _mm256_set1_epi32(Pj[0]);
                 e_lo = dp_words(vn, e_lo, _mm256_unpacklo_epi16(ev[k], ev1[k]), c);
                 e_hi = dp_words(vn, e_hi, _mm256_unpackhi_epi16(ev[k], ev1[k]), c);
                 o_lo = dp_words(vn, o_lo, _mm256_unpacklo_epi16(od[k], od1[k]), c);
                 o_hi = dp_words(vn, o_hi, _mm256_unpackhi_epi16(od[k], od1[k]), c);
             }
+            e_lo = _mm256_add_epi32(e_lo, f_lo); e_hi = _mm256_add_epi32(e_hi, f_hi);
+            o_lo = _mm256_add_epi32(o_lo, p_lo); o_hi = _mm256_add_epi32(o_hi, p_hi);
             /* e_lo: columns 0 2 4 6 | 16 18 20 22, e_hi 8 .. 14 | 24 .. 30, o_*: the odd ones */
             __m256 a = _mm256_set1_ps(alpha[s]);
             __m256 El = _mm256_mul_ps(a, _mm256_cvtepi32_ps(e_lo)), Eh = _mm256_mul_ps(a, _mm256_cvtepi32_ps(e_hi));
@@ -2395,7 +2420,16 @@ AVX2 static void heads_t_job_avx2(task_t *t, int64_t h, float *scratch) {
           *ones = bacc + nsp, *zeros = ones + nsp, lev[256];
     for (int64_t s = 0; s < nsp; s++) { ones[s] = 1.0f; zeros[s] = 0.0f; bacc[s] = 0.0f; }
     int64_t s8 = nfs / 8 * 8;
+    const uint8_t *codes0 = t->raw + g[G_OFFCODE] + h * t->stride * g[G_CODEROW];
     for (int64_t j = 0; j < n; j++) {           /* span coefficients, digits' powers of two divided out */
+        /* the head's code rows are read column by column below, a stride the hardware prefetcher
+           follows badly from DRAM: fetch each row while its coefficients are worked out */
+        for (int64_t b = 0; b < g[G_CODEROW]; b += 64) __builtin_prefetch(codes0 + j * g[G_CODEROW] + b);
+        if (j + 8 < n) {                        /* and the scales coefs_avx2 reads eight rows on */
+            int64_t rr = h * t->stride + j + 8;
+            __builtin_prefetch(t->raw + g[G_OFFPAR] + rr * g[G_PARROW]);
+            __builtin_prefetch(t->raw + g[G_OFFSUB] + rr * g[G_SUBROW]);
+        }
         float cj = t->xf[h * n + j];
         coefs_avx2(t->raw, g, h * t->stride + j, ones, zeros, nfs, ce, 1);
         __m256 c8 = _mm256_set1_ps(cj);
@@ -2409,7 +2443,6 @@ AVX2 static void heads_t_job_avx2(task_t *t, int64_t h, float *scratch) {
         }
     }
     memset(acc + done, 0, sizeof(float) * (cols - done));
-    const uint8_t *codes0 = t->raw + g[G_OFFCODE] + h * t->stride * g[G_CODEROW];
     if (heads_t_int_kind(kind)) {
         int32_t *P = (int32_t *)(zeros + nsp);
         float *alpha = (float *)(P + ((n + 1) / 2) * nsp);
@@ -2503,15 +2536,6 @@ static inline const float *cache_row(const void *base, int half, int64_t n, int6
 }
 
 #if HAVE_X86
-AVX2 static const float *cache_row_avx2(const void *base, int half, int64_t n, int64_t p, float *buf) {
-    if (!half) return (const float *)base + p * n;
-    const uint16_t *h = (const uint16_t *)base + p * n;
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
-    for (; i < n; i++) buf[i] = _cvtsh_ss(h[i]);
-    return buf;
-}
-
 /* a . b over n floats, eight lanes and a scalar tail */
 AVX2 static inline float dot_avx2(const float *a, const float *b, int64_t n) {
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
@@ -2526,23 +2550,6 @@ AVX2 static inline float dot_avx2(const float *a, const float *b, int64_t n) {
     return tot;
 }
 
-/* the scores of two cache rows (c0, c1) for four heads (q + h * n): eight dot products in one pass */
-AVX2 static inline void dot4x2(const float *q, const float *c0, const float *c1, int64_t n, float *o) {
-    __m256 a[8];
-    for (int k = 0; k < 8; k++) a[k] = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 x0 = _mm256_loadu_ps(c0 + i), x1 = _mm256_loadu_ps(c1 + i);
-        for (int h = 0; h < 4; h++) {
-            __m256 w = _mm256_loadu_ps(q + h * n + i);
-            a[2 * h] = _mm256_fmadd_ps(w, x0, a[2 * h]);
-            a[2 * h + 1] = _mm256_fmadd_ps(w, x1, a[2 * h + 1]);
-        }
-    }
-    for (int k = 0; k < 8; k++) o[k] = hsum8(a[k]);
-    for (; i < n; i++)
-        for (int h = 0; h < 4; h++) { o[2 * h] += q[h * n + i] * c0[i]; o[2 * h + 1] += q[h * n + i] * c1[i]; }
-}
 #endif
 
 static float dot_c(const float *a, const float *b, int64_t n) {
@@ -2571,37 +2578,94 @@ static void matvec_f32(const float *W, int64_t E, int64_t cols, const float *x, 
 }
 
 #if HAVE_X86
-/* att_scores_job on AVX2: the job's cache rows converted once (binary16 caches), then four heads at a
-   time (their queries, 8 KiB for 512-wide latents, stay in L1) over every row pair of the job */
-AVX2 static void att_scores_avx2(task_t *t, int64_t j, float *scratch) {
-    const att_t *a = t->att;
-    int64_t p0 = ATT_POS * j, p1 = p0 + ATT_POS < a->S ? p0 + ATT_POS : a->S, np = p1 - p0;
-    int64_t r = a->r, dr = a->dr, nh = a->nh, S = a->S;
-    const float *c[ATT_POS], *k[ATT_POS];
-    for (int64_t i = 0; i < np; i++) {
-        c[i] = cache_row_avx2(a->C, a->half, r, p0 + i, scratch + i * r);
-        k[i] = cache_row_avx2(a->K, a->half, dr, p0 + i, scratch + ATT_POS * r + i * dr);
-    }
-    int64_t h = 0;
-    for (; h + 4 <= nh; h += 4) {
-        int64_t i = 0;
-        for (; i + 2 <= np; i += 2) {
-            float o[8], orot[8];
-            dot4x2(a->q + h * r, c[i], c[i + 1], r, o);
-            dot4x2(a->qr + h * dr, k[i], k[i + 1], dr, orot);
-            for (int q = 0; q < 4; q++) {
-                t->out[(h + q) * S + p0 + i] = a->scale * (o[2 * q] + orot[2 * q]);
-                t->out[(h + q) * S + p0 + i + 1] = a->scale * (o[2 * q + 1] + orot[2 * q + 1]);
-            }
+/* eight values of a cache row (binary16 converted on the way) */
+AVX2 static inline __attribute__((always_inline)) __m256 row8(const int half, const void *base, int64_t i) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i)))
+                : _mm256_loadu_ps((const float *)base + i);
+}
+
+/* the four lanes' sums of a0..a3, as one vector */
+AVX2 static inline __m128 hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* Scores of NP cache rows (positions p..) for NH heads (h..), NH x NP sums in registers: per eight
+   dimensions NH query loads and NP row loads (converted once, used by every head) feed NH x NP
+   multiply-adds, the latent's dimensions and then the rotated key's into the same sums. */
+AVX2 static inline __attribute__((always_inline)) void att_tile(const int half, const int NH, const int NP,
+                                                               const att_t *a, int64_t h, int64_t p, float *out) {
+    int64_t r = a->r, dr = a->dr, S = a->S, r8 = r / 8 * 8, dr8 = dr / 8 * 8;
+    __m256 acc[4][3];
+    for (int i = 0; i < NH; i++)
+        for (int k = 0; k < NP; k++) acc[i][k] = _mm256_setzero_ps();
+    const float *q = a->q + h * r, *qr = a->qr + h * dr;
+    for (int64_t d = 0; d < r8; d += 8) {
+        __m256 x[3];
+        for (int k = 0; k < NP; k++) x[k] = row8(half, a->C, (p + k) * r + d);
+        for (int i = 0; i < NH; i++) {
+            __m256 w = _mm256_loadu_ps(q + i * r + d);
+            for (int k = 0; k < NP; k++) acc[i][k] = _mm256_fmadd_ps(w, x[k], acc[i][k]);
         }
-        for (; i < np; i++)
-            for (int q = 0; q < 4; q++)
-                t->out[(h + q) * S + p0 + i] = a->scale * (dot_avx2(a->q + (h + q) * r, c[i], r) +
-                                                           dot_avx2(a->qr + (h + q) * dr, k[i], dr));
     }
-    for (; h < nh; h++)
-        for (int64_t i = 0; i < np; i++)
-            t->out[h * S + p0 + i] = a->scale * (dot_avx2(a->q + h * r, c[i], r) + dot_avx2(a->qr + h * dr, k[i], dr));
+    for (int64_t d = 0; d < dr8; d += 8) {
+        __m256 x[3];
+        for (int k = 0; k < NP; k++) x[k] = row8(half, a->K, (p + k) * dr + d);
+        for (int i = 0; i < NH; i++) {
+            __m256 w = _mm256_loadu_ps(qr + i * dr + d);
+            for (int k = 0; k < NP; k++) acc[i][k] = _mm256_fmadd_ps(w, x[k], acc[i][k]);
+        }
+    }
+    for (int k = 0; k < NP; k++) {
+        float sums[4];
+        if (NH == 4) _mm_storeu_ps(sums, hsum4x8(acc[0][k], acc[1][k], acc[2][k], acc[3][k]));
+        else for (int i = 0; i < NH; i++) sums[i] = hsum8(acc[i][k]);
+        for (int i = 0; i < NH; i++) {
+            float v = sums[i];
+            for (int64_t d = r8; d < r; d++) v += q[i * r + d] * (half ? _cvtsh_ss(((const uint16_t *)a->C)[(p + k) * r + d]) : ((const float *)a->C)[(p + k) * r + d]);
+            for (int64_t d = dr8; d < dr; d++) v += qr[i * dr + d] * (half ? _cvtsh_ss(((const uint16_t *)a->K)[(p + k) * dr + d]) : ((const float *)a->K)[(p + k) * dr + d]);
+            out[(h + i) * S + p + k] = a->scale * v;
+        }
+    }
+}
+
+/* att_scores_job on AVX2: four heads at a time (their queries stay in L1) over the job's rows three at
+   a time (from L2 after the first group: the job's rows are fetched at its start, a layer's cache having
+   been last read a token ago) */
+/* rows p .. p + n - 1 of both caches into the cache hierarchy (those before p1) */
+static inline void att_fetch(const att_t *a, int64_t p, int64_t n, int64_t p1) {
+    int64_t es = a->half ? 2 : 4, e = p + n < p1 ? p + n : p1;
+    if (p >= e) return;
+    const uint8_t *c = (const uint8_t *)a->C + es * p * a->r, *k = (const uint8_t *)a->K + es * p * a->dr;
+    for (int64_t b = 0; b < es * (e - p) * a->r; b += 64) __builtin_prefetch(c + b);
+    for (int64_t b = 0; b < es * (e - p) * a->dr; b += 64) __builtin_prefetch(k + b);
+}
+
+AVX2 static inline __attribute__((always_inline)) void att_scores_kind(const int half, const att_t *a, int64_t p0,
+                                                                     int64_t p1, float *out) {
+    int64_t nh = a->nh, h = 0;
+    att_fetch(a, p0, 6, p1);
+    for (; h + 4 <= nh; h += 4) {
+        int64_t p = p0;
+        for (; p + 3 <= p1; p += 3) {
+            if (h == 0) att_fetch(a, p + 6, 3, p1);         /* two tiles ahead, while the first heads read them */
+            att_tile(half, 4, 3, a, h, p, out);
+        }
+        for (; p < p1; p++) att_tile(half, 4, 1, a, h, p, out);
+    }
+    for (; h < nh; h++) {
+        int64_t p = p0;
+        for (; p + 3 <= p1; p += 3) att_tile(half, 1, 3, a, h, p, out);
+        for (; p < p1; p++) att_tile(half, 1, 1, a, h, p, out);
+    }
+}
+
+AVX2 static void att_scores_avx2(task_t *t, int64_t j, float *scratch) {
+    (void)scratch;
+    const att_t *a = t->att;
+    int64_t p0 = ATT_POS * j, p1 = p0 + ATT_POS < a->S ? p0 + ATT_POS : a->S;
+    if (a->half) att_scores_kind(1, a, p0, p1, t->out);
+    else att_scores_kind(0, a, p0, p1, t->out);
 }
 #endif
 
