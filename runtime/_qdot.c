@@ -2590,6 +2590,20 @@ AVX2 static inline __m128 hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+/* acc[i][k] += the first n8 of n dimensions of query i (q + i * n) times those of cache row p + k */
+AVX2 static inline __attribute__((always_inline)) void tile_dims(const int half, const int NH, const int NP,
+                                                                const void *base, const float *q, int64_t n,
+                                                                int64_t n8, int64_t p, __m256 acc[4][3]) {
+    for (int64_t d = 0; d < n8; d += 8) {
+        __m256 x[3];
+        for (int k = 0; k < NP; k++) x[k] = row8(half, base, (p + k) * n + d);
+        for (int i = 0; i < NH; i++) {
+            __m256 w = _mm256_loadu_ps(q + i * n + d);
+            for (int k = 0; k < NP; k++) acc[i][k] = _mm256_fmadd_ps(w, x[k], acc[i][k]);
+        }
+    }
+}
+
 /* Scores of NP cache rows (positions p..) for NH heads (h..), NH x NP sums in registers: per eight
    dimensions NH query loads and NP row loads (converted once, used by every head) feed NH x NP
    multiply-adds, the latent's dimensions and then the rotated key's into the same sums. */
@@ -2600,22 +2614,8 @@ AVX2 static inline __attribute__((always_inline)) void att_tile(const int half, 
     for (int i = 0; i < NH; i++)
         for (int k = 0; k < NP; k++) acc[i][k] = _mm256_setzero_ps();
     const float *q = a->q + h * r, *qr = a->qr + h * dr;
-    for (int64_t d = 0; d < r8; d += 8) {
-        __m256 x[3];
-        for (int k = 0; k < NP; k++) x[k] = row8(half, a->C, (p + k) * r + d);
-        for (int i = 0; i < NH; i++) {
-            __m256 w = _mm256_loadu_ps(q + i * r + d);
-            for (int k = 0; k < NP; k++) acc[i][k] = _mm256_fmadd_ps(w, x[k], acc[i][k]);
-        }
-    }
-    for (int64_t d = 0; d < dr8; d += 8) {
-        __m256 x[3];
-        for (int k = 0; k < NP; k++) x[k] = row8(half, a->K, (p + k) * dr + d);
-        for (int i = 0; i < NH; i++) {
-            __m256 w = _mm256_loadu_ps(qr + i * dr + d);
-            for (int k = 0; k < NP; k++) acc[i][k] = _mm256_fmadd_ps(w, x[k], acc[i][k]);
-        }
-    }
+    tile_dims(half, NH, NP, a->C, q, r, r8, p, acc);
+    tile_dims(half, NH, NP, a->K, qr, dr, dr8, p, acc);
     for (int k = 0; k < NP; k++) {
         float sums[4];
         if (NH == 4) _mm_storeu_ps(sums, hsum4x8(acc[0][k], acc[1][k], acc[2][k], acc[3][k]));
