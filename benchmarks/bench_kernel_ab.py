@@ -6,10 +6,14 @@ bytes differently.
 
     python benchmarks/bench_kernel_ab.py OTHER_QDOT.so [--codec q2] [--shape 2048x7168] [--tokens 1]
                                          [--threads 2] [--rounds 20] [--heads NH:NOPE:V]
+                                         [--attend NH:R:DR:S]
 
 --heads NH:NOPE:V times the transposed product of absorbed attention instead (`heads_t`: each
 head's NOPE query values times its NOPE key rows of kv_b, a weight of NH * (NOPE + V) rows; the
 columns are --shape's, e.g. `--codec q4 --shape 0x512 --heads 64:128:128` for Kimi K2's kv_b).
+--attend NH:R:DR:S times one decode token's attention over S positions of binary16 caches instead
+(`attend`: NH heads, a latent of R and rotated keys of DR values per position); every call reads
+another copy of the caches, as a decode step finds a layer's rows after the whole model went by.
 
 To build the other side: `git worktree add /tmp/old COMMIT && (cd /tmp/old && python setup.py
 build_ext --inplace)`, then pass /tmp/old/runtime/_qdot.*.so.
@@ -46,8 +50,12 @@ def main():
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--heads", default=None, metavar="NH:NOPE:V",
                     help="time heads_t on a kv_b of NH heads (the rows of --shape are ignored)")
+    ap.add_argument("--attend", default=None, metavar="NH:R:DR:S",
+                    help="time one token's attention over S positions instead (--codec, --shape ignored)")
     a = ap.parse_args()
     other = load_other(a.other)
+    if a.attend:
+        return attend_ab(other, a)
     rows, cols = (int(v) for v in a.shape.split("x"))
     if a.heads:
         nh, nope, vdim = (int(v) for v in a.heads.split(":"))
@@ -95,6 +103,33 @@ def main():
         t = float(np.median(ts))
         print(f"  {name}: {t * 1e3:.3f} ms per call, {raw.nbytes / t / 1e9:.2f} GB/s of packed weights "
               f"(the whole tensor), {flops / t / 1e9:.1f} GFLOP/s")
+    print(f"  speed, this checkout / other: {np.median(times['other']) / np.median(times['this checkout']):.3f}")
+
+
+def attend_ab(other, a) -> None:
+    nh, r, dr, S = (int(v) for v in a.attend.split(":"))
+    rng = np.random.default_rng(0)
+    q, qr = rng.standard_normal((nh, r)).astype(np.float32), rng.standard_normal((nh, dr)).astype(np.float32)
+    C, K = rng.standard_normal((S, r)).astype(np.float16), rng.standard_normal((S, dr)).astype(np.float16)
+    n = max(2, (128 << 20) // (C.nbytes + K.nbytes))          # copies past the last-level cache
+    copies = [(C.copy(), K.copy()) for _ in range(n)]
+    out = np.empty((nh, r), np.float32)
+    times = {"this checkout": [], "other": []}
+    builds = [("this checkout", _qdot), ("other", other)]
+    for rd in range(a.rounds):
+        for name, mod in builds if rd % 2 == 0 else builds[::-1]:
+            k, t0 = 0, time.perf_counter()
+            while k < n or time.perf_counter() - t0 < 0.15:
+                c, kk = copies[k % n]
+                mod.attend(q, qr, c, kk, S, nh, True, 0.05, out, a.threads)
+                k += 1
+            times[name].append((time.perf_counter() - t0) / k)
+    print(f"attend: {nh} heads, latent {r}, rope {dr}, {S} positions (binary16), {a.threads} threads, "
+          f"{a.rounds} alternating rounds")
+    flops = 2 * nh * S * (2 * r + dr)
+    for name, ts in times.items():
+        t = float(np.median(ts))
+        print(f"  {name}: {t * 1e6:.1f} us per call, {flops / t / 1e9:.1f} GFLOP/s")
     print(f"  speed, this checkout / other: {np.median(times['other']) / np.median(times['this checkout']):.3f}")
 
 

@@ -7,7 +7,7 @@ over the expert bytes a token needs). Needs root and cgroup v1's memory controll
 
     sudo python benchmarks/bench_memory_cap.py WEIGHTS.kst [--caps 0.5,256M,0.25] [--repeats 2]
                                                [--tokens 32] [--llama-bench BIN --gguf MODEL.gguf]
-                                               [--llama-tokens N] [--json]
+                                               [--llama-tokens N] [--configs NAME,...] [--json]
 
 Each run starts with the page cache dropped (so every expert read is a real read), the budget equal
 to the cap, and a 26-letter prompt; rounds alternate the configurations so drift falls on all alike.
@@ -103,10 +103,19 @@ def main():
     ap.add_argument("--gguf", metavar="MODEL", help="with --llama-bench: llama.cpp's file of the same weights")
     ap.add_argument("--llama-tokens", type=int, help="tokens per llama.cpp run (default --tokens; under a cap it "
                                                       "decodes at about 1 tok/s)")
+    ap.add_argument("--configs", help="a comma-separated subset of the configurations to run (default all; "
+                                      "'default' always runs): " + ", ".join(CONFIGS))
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if bool(a.llama_bench) != bool(a.gguf):
         sys.exit("--llama-bench and --gguf go together")
+    configs = CONFIGS
+    if a.configs:
+        names = ["default"] + [c.strip() for c in a.configs.split(",") if c.strip() and c.strip() != "default"]
+        unknown = [c for c in names if c not in CONFIGS]
+        if unknown:
+            sys.exit(f"--configs: unknown configuration {unknown[0]!r} (known: {', '.join(CONFIGS)})")
+        configs = {c: CONFIGS[c] for c in names}
     if not (CGROUP.parent / "memory.limit_in_bytes").exists():
         sys.exit(f"{CGROUP.parent}: no cgroup v1 memory controller here")
     size = Path(a.weights).stat().st_size
@@ -117,7 +126,7 @@ def main():
             # this disk's speed drifts 2-4x within minutes: measured before each round, and each cap's
             # bound taken from the median of its rounds
             disks.setdefault(cap, []).append(disk_read_bandwidth(a.weights))
-            for name, extra in CONFIGS.items():
+            for name, extra in configs.items():
                 st = run_capped(a.weights, cap, a.tokens, extra)
                 results.setdefault((cap, name), []).append(st)
             if a.llama_bench:
@@ -126,7 +135,7 @@ def main():
     rows = []
     for cap in caps:
         med = {}
-        for name in CONFIGS:
+        for name in configs:
             runs = [r for r in results[(cap, name)] if "error" not in r]
             if runs:
                 med[name] = {k: statistics.median(r[k] for r in runs) for k in
@@ -157,8 +166,8 @@ def main():
           f"disk read bandwidth measured before each round: " +
           ", ".join(f"{fmt(c)} " + "/".join(f"{d / 1e6:.0f}" for d in disks[c]) for c in caps) + " MB/s\n")
     llama_cols = [LLAMA, "default / llama.cpp"] if a.llama_bench else []
-    print("| cap | " + " | ".join(list(CONFIGS) + llama_cols) + " | default / best | default / disk bound |")
-    print("| --- |" + " --- |" * (len(CONFIGS) + len(llama_cols) + 2))
+    print("| cap | " + " | ".join(list(configs) + llama_cols) + " | default / best | default / disk bound |")
+    print("| --- |" + " --- |" * (len(configs) + len(llama_cols) + 2))
 
     def num(v, f=".2f"):
         return "—" if v is None else format(v, f)

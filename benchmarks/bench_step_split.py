@@ -10,7 +10,11 @@ overlap: with it, a MoE call's time would show up in the next layer's attention 
 
     python benchmarks/bench_step_split.py WEIGHTS.kst [--steps 32] [--prompt-tokens 256]
                                           [--prefill-batch 256] [--threads 2] [--gguf-inputs llama.cpp|f32]
-                                          [--no-keep-heap] [--rounds 8]
+                                          [--no-keep-heap] [--rounds 8] [--other-build OTHER_QDOT.so]
+
+With --other-build, last, decode steps with this checkout's kernels against another build of
+runtime/_qdot.c (e.g. an older commit's: `git worktree add /tmp/old COMMIT && (cd /tmp/old && python
+setup.py build_ext --inplace)`), alternating rounds in the same process.
 
 The prefill is timed after a warm-up prefill in the same process (as `kimi-run --warm-up`), with its
 minor page faults and kernel CPU seconds; freed temporaries are kept mapped as kimi-run keeps them
@@ -39,6 +43,7 @@ def main():
     ap.add_argument("--gguf-inputs", default="llama.cpp", choices=("llama.cpp", "f32"),
                     help="as kimi-run's flag: how products by llama.cpp's blocks take their input")
     ap.add_argument("--no-keep-heap", action="store_true", help="leave glibc's allocator thresholds alone")
+    ap.add_argument("--other-build", metavar="SO", help="another build's compiled _qdot extension to compare steps with")
     args = ap.parse_args()
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "KIMI_STREAM_THREADS"):
         os.environ[var] = str(args.threads)
@@ -172,6 +177,38 @@ def main():
               f"({sum(spec is not None for spec in specs)} of {len(moes)} MoE layers) against without, medians "
               f"of {args.rounds} alternating rounds: {a:.2f} against {b:.2f} ms ({b / a:.3f}x)")
     overlap(True)
+    if args.other_build:
+        compare_builds(m, decode, args.other_build, args.rounds, args.steps, args.prompt_tokens)
+
+
+def compare_builds(m, decode, path: str, rounds: int, steps: int, base: int) -> None:
+    """Decode steps with this checkout's kernels against another build's, alternating rounds."""
+    import importlib.util
+    import statistics
+    from kimistream.formats.codecs import get_codec
+    from kimistream.runtime import kernels
+    spec = importlib.util.spec_from_file_location("_qdot", path)
+    other = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(other)
+    other.set_x8(sum(1 << get_codec(c).kind for c in kernels._x8_codecs()))
+    mine = kernels._qdot
+    times = {"this checkout": [], "other": []}
+    builds = [("this checkout", mine), ("other", other)]
+    try:
+        for r in range(rounds + 1):
+            for name, mod in builds if r % 2 == 0 else builds[::-1]:
+                kernels._qdot = mod        # (between steps: no MoE call is left launched in either)
+                mod.set_spin_us(kernels.SPIN_US)
+                m.cache.length = base
+                t = time.perf_counter()
+                decode()
+                if r:                       # (the first round warms the other build's pool and scratch)
+                    times[name].append((time.perf_counter() - t) * 1e3)
+    finally:
+        kernels._qdot = mine
+    a, b = statistics.median(times["this checkout"]), statistics.median(times["other"])
+    print(f"A decode step with this checkout's kernels against {path}'s, medians of {rounds} alternating "
+          f"rounds: {a / steps:.2f} against {b / steps:.2f} ms ({b / a:.3f}x)")
 
 
 class _Timed:
