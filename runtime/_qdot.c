@@ -2629,9 +2629,6 @@ AVX2 static inline __attribute__((always_inline)) void att_tile(const int half, 
     }
 }
 
-/* att_scores_job on AVX2: four heads at a time (their queries stay in L1) over the job's rows three at
-   a time (from L2 after the first group: the job's rows are fetched at its start, a layer's cache having
-   been last read a token ago) */
 /* rows p .. p + n - 1 of both caches into the cache hierarchy (those before p1) */
 static inline void att_fetch(const att_t *a, int64_t p, int64_t n, int64_t p1) {
     int64_t es = a->half ? 2 : 4, e = p + n < p1 ? p + n : p1;
@@ -2641,6 +2638,9 @@ static inline void att_fetch(const att_t *a, int64_t p, int64_t n, int64_t p1) {
     for (int64_t b = 0; b < es * (e - p) * a->dr; b += 64) __builtin_prefetch(k + b);
 }
 
+/* att_scores_job on AVX2: four heads at a time (their queries stay in L1) over the job's rows three at
+   a time (from L2 after the first four heads; those fetch the rows two tiles ahead, a layer's cache
+   having been last read a token ago) */
 AVX2 static inline __attribute__((always_inline)) void att_scores_kind(const int half, const att_t *a, int64_t p0,
                                                                      int64_t p1, float *out) {
     int64_t nh = a->nh, h = 0;
@@ -4223,7 +4223,7 @@ static int attend_all(att_t *a, int threads) {
     float *probs = malloc(sizeof(float) * (nh * S + nmix * nh * a->r));
     if (!probs) { PyErr_NoMemory(); return -1; }
     a->part = probs + nh * S;
-    int64_t scratch = ATT_POS * (a->r + a->dr) + 16;      /* a scores job's rows, converted */
+    int64_t scratch = 2 * a->r + a->dr + 16;      /* the portable jobs' rows, converted (AVX2 needs none) */
     task_t t1 = {.job = att_scores_job, .att = a, .out = probs, .njobs = (S + ATT_POS - 1) / ATT_POS, .scratch_floats = scratch};
     task_t t2 = {.job = att_softmax_job, .att = a, .out = probs, .njobs = nh, .scratch_floats = scratch};
     task_t t3 = {.job = att_mix_job, .att = a, .out = probs, .n = nmix, .njobs = nmix, .scratch_floats = scratch};
