@@ -87,23 +87,29 @@ def main():
     else:
         def call(mod, w):
             mod.rows(w, g[None, :], x, jobs, y, a.threads, a.tokens, rows)
-    times = {"this checkout": [], "other": []}
-    builds = [("this checkout", _qdot), ("other", other)]
-    for r in range(a.rounds):
-        for name, mod in builds if r % 2 == 0 else builds[::-1]:
-            n, t0 = 0, time.perf_counter()
-            while n < 3 * len(copies) or time.perf_counter() - t0 < 0.15:
-                call(mod, copies[n % len(copies)])
-                n += 1
-            times[name].append((time.perf_counter() - t0) / n)
+    times = alternate(other, lambda mod, k: call(mod, copies[k % len(copies)]), a.rounds, 3 * len(copies))
     what = f"heads_t of {nh} heads x {nope} rows" if a.heads else f"{a.tokens} token(s)"
     print(f"{a.codec} {rows}x{cols}, {what}, {a.threads} threads, {a.rounds} alternating rounds")
     flops = 2 * nh * nope * cols if a.heads else 2 * a.tokens * rows * cols
-    for name, ts in times.items():
-        t = float(np.median(ts))
+    for name, t in times.items():
         print(f"  {name}: {t * 1e3:.3f} ms per call, {raw.nbytes / t / 1e9:.2f} GB/s of packed weights "
               f"(the whole tensor), {flops / t / 1e9:.1f} GFLOP/s")
-    print(f"  speed, this checkout / other: {np.median(times['other']) / np.median(times['this checkout']):.3f}")
+    print(f"  speed, this checkout / other: {times['other'] / times['this checkout']:.3f}")
+
+
+def alternate(other, call, rounds: int, n: int) -> dict:
+    """Each build's median seconds per call(mod, k): rounds alternating which build goes first, each
+    build's turn at least n calls and 0.15 s."""
+    times = {"this checkout": [], "other": []}
+    builds = [("this checkout", _qdot), ("other", other)]
+    for r in range(rounds):
+        for name, mod in builds if r % 2 == 0 else builds[::-1]:
+            k, t0 = 0, time.perf_counter()
+            while k < n or time.perf_counter() - t0 < 0.15:
+                call(mod, k)
+                k += 1
+            times[name].append((time.perf_counter() - t0) / k)
+    return {name: float(np.median(ts)) for name, ts in times.items()}
 
 
 def attend_ab(other, a) -> None:
@@ -114,23 +120,16 @@ def attend_ab(other, a) -> None:
     n = max(2, (128 << 20) // (C.nbytes + K.nbytes))          # copies past the last-level cache
     copies = [(C.copy(), K.copy()) for _ in range(n)]
     out = np.empty((nh, r), np.float32)
-    times = {"this checkout": [], "other": []}
-    builds = [("this checkout", _qdot), ("other", other)]
-    for rd in range(a.rounds):
-        for name, mod in builds if rd % 2 == 0 else builds[::-1]:
-            k, t0 = 0, time.perf_counter()
-            while k < n or time.perf_counter() - t0 < 0.15:
-                c, kk = copies[k % n]
-                mod.attend(q, qr, c, kk, S, nh, True, 0.05, out, a.threads)
-                k += 1
-            times[name].append((time.perf_counter() - t0) / k)
+    for mod in (other, _qdot):
+        mod.set_spin_us(kernels.SPIN_US)           # (a decode step's setting)
+    times = alternate(other, lambda mod, k: mod.attend(q, qr, *copies[k % n], S, nh, True, 0.05, out, a.threads),
+                      a.rounds, n)
     print(f"attend: {nh} heads, latent {r}, rope {dr}, {S} positions (binary16), {a.threads} threads, "
           f"{a.rounds} alternating rounds")
     flops = 2 * nh * S * (2 * r + dr)
-    for name, ts in times.items():
-        t = float(np.median(ts))
+    for name, t in times.items():
         print(f"  {name}: {t * 1e6:.1f} us per call, {flops / t / 1e9:.1f} GFLOP/s")
-    print(f"  speed, this checkout / other: {np.median(times['other']) / np.median(times['this checkout']):.3f}")
+    print(f"  speed, this checkout / other: {times['other'] / times['this checkout']:.3f}")
 
 
 if __name__ == "__main__":

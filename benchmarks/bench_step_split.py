@@ -183,13 +183,10 @@ def main():
 
 def compare_builds(m, decode, path: str, rounds: int, steps: int, base: int) -> None:
     """Decode steps with this checkout's kernels against another build's, alternating rounds."""
-    import importlib.util
-    import statistics
+    from bench_kernel_ab import load_other     # (this directory is on sys.path when run as a script)
     from kimistream.formats.codecs import get_codec
     from kimistream.runtime import kernels
-    spec = importlib.util.spec_from_file_location("_qdot", path)
-    other = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(other)
+    other = load_other(path)
     other.set_x8(sum(1 << get_codec(c).kind for c in kernels._x8_codecs()))
     mine = kernels._qdot
     times = {"this checkout": [], "other": []}
