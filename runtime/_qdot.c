@@ -2245,6 +2245,22 @@ AVX2 static inline __attribute__((always_inline)) void heads_t_body(const int ki
     }
 }
 
+/* span k of chunk ch of two rows (r0, r1) times their pair of 16-bit coefficients p, into the even
+   columns' sums (el, eh) and the odd ones' (ol, oh): the two rows' digits interleaved column by column */
+AVX2 static inline __attribute__((always_inline)) void row_pair(const int kind, const int vn, const int k,
+                                                               const uint8_t *r0, const uint8_t *r1, int64_t ch,
+                                                               int64_t lo_bytes, int32_t p, __m256i *el, __m256i *eh,
+                                                               __m256i *ol, __m256i *oh) {
+    __m256i ev[8], od[8], ev1[8], od1[8];
+    chunk_digits(kind, r0, ch, lo_bytes, ev, od);
+    chunk_digits(kind, r1, ch, lo_bytes, ev1, od1);
+    __m256i c = _mm256_set1_epi32(p);
+    *el = dp_words(vn, *el, _mm256_unpacklo_epi16(ev[k], ev1[k]), c);
+    *eh = dp_words(vn, *eh, _mm256_unpackhi_epi16(ev[k], ev1[k]), c);
+    *ol = dp_words(vn, *ol, _mm256_unpacklo_epi16(od[k], od1[k]), c);
+    *oh = dp_words(vn, *oh, _mm256_unpackhi_epi16(od[k], od1[k]), c);
+}
+
 /* The same with the span coefficients as 16-bit integers (heads_t_int): pairs of rows at a time,
    their digits interleaved column by column so that one vpmaddwd by the pair's coefficients adds both
    rows into 32-bit sums; span by span, so four accumulators are all the registers a span needs. The
@@ -2254,8 +2270,6 @@ AVX2 static inline __attribute__((always_inline)) void heads_t_int_body(const in
                                                                       int64_t n, const int32_t *P, const float *alpha,
                                                                       int64_t nsp, int64_t nch, int64_t lo_bytes,
                                                                       float *out) {
-    __m256i ev[8], od[8], ev1[8], od1[8];
-    for (int k = 0; k < 8; k++) ev[k] = od[k] = ev1[k] = od1[k] = _mm256_setzero_si256();
     for (int64_t ch = 0; ch < nch; ch++) {
 #pragma GCC unroll 8
         for (int k = 0; k < spc; k++) {       /* unrolled: k constant, so only span k's digits are taken out */
@@ -2269,30 +2283,11 @@ AVX2 static inline __attribute__((always_inline)) void heads_t_int_body(const in
             const int32_t *Pj = P + s;
             int64_t j = 0;
             for (; j + 4 <= n; j += 4, rj += 4 * code_row, Pj += 2 * nsp) {
-                chunk_digits(kind, rj, ch, lo_bytes, ev, od);
-                chunk_digits(kind, rj + code_row, ch, lo_bytes, ev1, od1);
-                __m256i c = _mm256_set1_epi32(Pj[0]);
-                e_lo = dp_words(vn, e_lo, _mm256_unpacklo_epi16(ev[k], ev1[k]), c);
-                e_hi = dp_words(vn, e_hi, _mm256_unpackhi_epi16(ev[k], ev1[k]), c);
-                o_lo = dp_words(vn, o_lo, _mm256_unpacklo_epi16(od[k], od1[k]), c);
-                o_hi = dp_words(vn, o_hi, _mm256_unpackhi_epi16(od[k], od1[k]), c);
-                chunk_digits(kind, rj + 2 * code_row, ch, lo_bytes, ev, od);
-                chunk_digits(kind, rj + 3 * code_row, ch, lo_bytes, ev1, od1);
-                c = _mm256_set1_epi32(Pj[nsp]);
-                f_lo = dp_words(vn, f_lo, _mm256_unpacklo_epi16(ev[k], ev1[k]), c);
-                f_hi = dp_words(vn, f_hi, _mm256_unpackhi_epi16(ev[k], ev1[k]), c);
-                p_lo = dp_words(vn, p_lo, _mm256_unpacklo_epi16(od[k], od1[k]), c);
-                p_hi = dp_words(vn, p_hi, _mm256_unpackhi_epi16(od[k], od1[k]), c);
+                row_pair(kind, vn, k, rj, rj + code_row, ch, lo_bytes, Pj[0], &e_lo, &e_hi, &o_lo, &o_hi);
+                row_pair(kind, vn, k, rj + 2 * code_row, rj + 3 * code_row, ch, lo_bytes, Pj[nsp], &f_lo, &f_hi, &p_lo, &p_hi);
             }
-            for (; j < n; j += 2, rj += 2 * code_row, Pj += nsp) {
-                chunk_digits(kind, rj, ch, lo_bytes, ev, od);
-                chunk_digits(kind, j + 1 < n ? rj + code_row : rj, ch, lo_bytes, ev1, od1);
-                __m256i c = _mm256_set1_epi32(Pj[0]);
-                e_lo = dp_words(vn, e_lo, _mm256_unpacklo_epi16(ev[k], ev1[k]), c);
-                e_hi = dp_words(vn, e_hi, _mm256_unpackhi_epi16(ev[k], ev1[k]), c);
-                o_lo = dp_words(vn, o_lo, _mm256_unpacklo_epi16(od[k], od1[k]), c);
-                o_hi = dp_words(vn, o_hi, _mm256_unpackhi_epi16(od[k], od1[k]), c);
-            }
+            for (; j < n; j += 2, rj += 2 * code_row, Pj += nsp)
+                row_pair(kind, vn, k, rj, j + 1 < n ? rj + code_row : rj, ch, lo_bytes, Pj[0], &e_lo, &e_hi, &o_lo, &o_hi);
             e_lo = _mm256_add_epi32(e_lo, f_lo); e_hi = _mm256_add_epi32(e_hi, f_hi);
             o_lo = _mm256_add_epi32(o_lo, p_lo); o_hi = _mm256_add_epi32(o_hi, p_hi);
             /* e_lo: columns 0 2 4 6 | 16 18 20 22, e_hi 8 .. 14 | 24 .. 30, o_*: the odd ones */
