@@ -807,6 +807,22 @@ AVX2 static inline __attribute__((always_inline)) float outlier_sum(const uint8_
         acc = _mm256_fmadd_ps(v, _mm256_i32gather_ps(x, c, 4), acc);
         prev = _mm256_permutevar8x32_epi32(c, _mm256_set1_epi32(7));
     }
+    /* the last one to seven the same way, masked, where sixteen bytes from each array's next one are
+       still inside the tensor (after a scalar loop's sum they had waited on each other row by row) */
+    const uint8_t *end = t + g[G_NBYTES];
+    if (i < k && oc + 2 * i + 16 <= end && ov + 2 * i + 16 <= end) {
+        __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(k - i)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256i c = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(oc + 2 * i)));
+        __m256i before = _mm256_permutevar8x32_epi32(c, _mm256_setr_epi32(7, 0, 1, 2, 3, 4, 5, 6));
+        before = _mm256_blend_epi32(before, prev, 1);
+        __m256i ok = _mm256_and_si256(_mm256_cmpgt_epi32(c, before), _mm256_cmpgt_epi32(lim, c));
+        if (_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_or_si256(ok, _mm256_xor_si256(live, _mm256_set1_epi32(-1))))) == 0xFF) {
+            /* the lanes past the row's outliers: no load, and 0 x 0 (their bytes may decode to NaN) */
+            __m256 v = _mm256_and_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ov + 2 * i))), _mm256_castsi256_ps(live));
+            acc = _mm256_fmadd_ps(v, _mm256_mask_i32gather_ps(_mm256_setzero_ps(), x, c, _mm256_castsi256_ps(live), 4), acc);
+            i = k;
+        }
+    }
     int64_t last = i ? (int64_t)(oc[2 * i - 2] | (oc[2 * i - 1] << 8)) : -1;
     float tot = 0;
     for (; i < k; i++) {
@@ -1149,41 +1165,83 @@ AVX2 static void quantize_x7(const float *x, int64_t cols, int8_t *q, float *qd,
     quantize_blocks(x, cols, q, qd, qs, 63.0f, 63.0f);
 }
 
-/* the five fields of chunk ch (spans 5 ch .. 5 ch + 4) into the int32 sums acc; a span ending a block
-   of 128 inputs (s % 4 == 3: known from ph = ch % 4) turns them to float into fa by that block's factor */
+/* the five fields of chunk ch (spans 5 ch .. 5 ch + 4) into the int32 sums acc: P and Q of alternate
+   spans in two sets (acc[0], acc[1] and acc[2], acc[3]), so that no vpdpwssd waits on the one before;
+   a span ending a block of 128 inputs (s % 4 == 3: known from ph = ch % 4) turns 3 P - Q to float
+   into fa by that block's factor */
 #define T1_SPAN(f)                                                                                          \
     {                                                                                                       \
         const int64_t s = 5 * ch + (f);                                                                     \
+        const int a = 2 * ((5 * ph + (f)) & 1);                                                             \
         __m256i y1 = _mm256_add_epi8(y, _mm256_add_epi8(y, y)), xv = LOAD32(x7 + 32 * s);                   \
-        acc[0] = dp_words(vn, acc[0], _mm256_maddubs_epi16(y, xv), _mm256_set1_epi32(w3[s]));               \
-        acc[1] = dp_words(vn, acc[1], _mm256_maddubs_epi16(y1, xv), _mm256_set1_epi32(wn[s]));              \
+        __m256i w = _mm256_set1_epi32(sw[s]);                                                               \
+        acc[a] = dp_words(vn, acc[a], _mm256_maddubs_epi16(y, xv), w);                                      \
+        acc[a + 1] = dp_words(vn, acc[a + 1], _mm256_maddubs_epi16(y1, xv), w);                             \
         if (((5 * ph + (f)) & 3) == 3) {                                                                    \
-            fa[(f) & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(acc[0], acc[1])),              \
-                                          _mm256_broadcast_ss(cf + (s >> 2)), fa[(f) & 1]);                 \
-            acc[0] = acc[1] = _mm256_setzero_si256();                                                       \
+            fa[(f) & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t1_pq(acc)), _mm256_broadcast_ss(cf + (s >> 2)), fa[(f) & 1]); \
+            acc[0] = acc[1] = acc[2] = acc[3] = _mm256_setzero_si256();                                     \
         }                                                                                                   \
         y = y1;                                                                                             \
     }
+/* 3 P - Q of both sets */
+AVX2 static inline __m256i t1_pq(const __m256i *acc) {
+    __m256i P = _mm256_add_epi32(acc[0], acc[2]);
+    return _mm256_sub_epi32(_mm256_add_epi32(P, _mm256_add_epi32(P, P)), _mm256_add_epi32(acc[1], acc[3]));
+}
 AVX2 static inline __attribute__((always_inline)) void t1_chunk(const int vn, const int ph, const uint8_t *codes, int64_t ch,
-                                                              const int8_t *x7, const int32_t *w3, const int32_t *wn,
-                                                              const float *cf, __m256i *acc, __m256 *fa) {
+                                                              const int8_t *x7, const int32_t *sw, const float *cf,
+                                                              __m256i *acc, __m256 *fa) {
     __m256i y = LOAD32(codes + 32 * ch);
     T1_SPAN(0) T1_SPAN(1) T1_SPAN(2) T1_SPAN(3) T1_SPAN(4)
 }
 #undef T1_SPAN
 
+/* A t1 row's tail chunk when its columns are a multiple of 128: R = 32, 64, 96 or 128 columns, field f
+   of its bytes y holding columns f L .. f L + L - 1 (L = (R + 4) / 5, the last field cut at R). Each
+   field's bytes times the inputs of their columns (x: the tail's first input; one unaligned load, the
+   buffer padded past the row) by the whole chunks' identity, split by masks at the span boundary the
+   field may cross, each part by its span's scale words (sw: the tail's first span's). p[k] = 256 x
+   span k's sum of scale x digit x input (zero past R). */
+AVX2 static inline __attribute__((always_inline)) void t1_tail_sums(const int vn, const int R, __m256i y, const int8_t *x,
+                                                                  const int32_t *sw, __m256i *p) {
+    const int L = (R + 4) / 5;
+    const __m256i iota = _mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,
+                                          21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+    __m256i P[4], Q[4];
+    for (int k = 0; k < 4; k++) P[k] = Q[k] = _mm256_setzero_si256();
+    for (int f = 0; f < 5; f++) {
+        const int lo = f * L, hi = lo + L < R ? lo + L : R, k0 = lo / 32, split = 32 * (k0 + 1) - lo;
+        if (lo >= R) break;
+        __m256i y1 = _mm256_add_epi8(y, _mm256_add_epi8(y, y)), xv = LOAD32(x + lo);
+        __m256i live = _mm256_cmpgt_epi8(_mm256_set1_epi8((char)(hi - lo)), iota);
+        __m256i m0 = _mm256_and_si256(live, _mm256_cmpgt_epi8(_mm256_set1_epi8((char)split), iota));
+        __m256i w0 = _mm256_set1_epi32(sw[k0]);
+        P[k0] = dp_words(vn, P[k0], _mm256_maddubs_epi16(_mm256_and_si256(y, m0), xv), w0);
+        Q[k0] = dp_words(vn, Q[k0], _mm256_maddubs_epi16(_mm256_and_si256(y1, m0), xv), w0);
+        if (hi > 32 * (k0 + 1)) {                     /* the field's columns from the next span on */
+            __m256i m1 = _mm256_andnot_si256(m0, live), w1 = _mm256_set1_epi32(sw[k0 + 1]);
+            P[k0 + 1] = dp_words(vn, P[k0 + 1], _mm256_maddubs_epi16(_mm256_and_si256(y, m1), xv), w1);
+            Q[k0 + 1] = dp_words(vn, Q[k0 + 1], _mm256_maddubs_epi16(_mm256_and_si256(y1, m1), xv), w1);
+        }
+        y = y1;
+    }
+    for (int k = 0; k < 4; k++) p[k] = _mm256_sub_epi32(_mm256_add_epi32(P[k], _mm256_add_epi32(P[k], P[k])), Q[k]);
+}
+
 /* Row r of a t1 tensor (cols a multiple of 128) times one token's x7 (x7d: steps per 128, x7s: the
-   rounded inputs' sums per 32). Scratch: 2 nfs + 16 int32 words, then nfs / 4 + nfs / 8 + 24 floats. */
+   rounded inputs' sums per 32). Scratch: nsp + 8 int32 words, then nsp / 4 + nsp / 8 + 24 floats. */
 AVX2 static inline __attribute__((always_inline)) float row_t1_x7(const int vn, const uint8_t *t, const int64_t *g,
                                                                 int64_t r, const float *x, const int8_t *x7,
                                                                 const float *x7d, const float *x7s, float *scratch,
                                                                 atomic_int *bad) {
-    int64_t cols = g[G_COLS], done = full_cols(g), nfs = done / 32, nsb = nfs / 8, nch = done / 160;
-    int64_t nsup = (nfs + 7) / 8, nq = (nfs + 3) / 4;
+    /* spans and blocks counted over the whole row: the tail's take their scales and factors as the
+       whole chunks' do */
+    int64_t cols = g[G_COLS], done = full_cols(g), nfs = done / 32, nch = done / 160;
+    int64_t nsp = cols / 32, nsb = nsp / 8, nsup = (nsp + 7) / 8, nq = (nsp + 3) / 4;
     const uint8_t *po = t + g[G_OFFPAR] + r * g[G_PARROW], *so = t + g[G_OFFSUB] + r * g[G_SUBROW];
     const uint8_t *codes = t + g[G_OFFCODE] + r * g[G_CODEROW];
-    int32_t *w3 = (int32_t *)scratch, *wn = w3 + nfs + 8;
-    float *cf = (float *)(wn + nfs + 8), *D = cf + nq + 8;
+    int32_t *sw = (int32_t *)scratch;
+    float *cf = (float *)(sw + nsp + 8), *D = cf + nq + 8;
     /* every super-block's d, then each block of 128 inputs' factor d step / 256 (eight at a time: x7d
        and D run on past their ends into memory of the same buffers) */
     int64_t b = 0;
@@ -1195,74 +1253,67 @@ AVX2 static inline __attribute__((always_inline)) float row_t1_x7(const int vn, 
         _mm256_storeu_ps(cf + q, _mm256_mul_ps(_mm256_mul_ps(d2, _mm256_loadu_ps(x7d + q)), _mm256_set1_ps(1.0f / 256.0f)));
     }
     const __m256i m15 = _mm256_set1_epi32(15), shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-    /* each span's scale words (3 sc, -sc in both 16-bit halves) and the offsets' sum */
-    __m256 off = _mm256_setzero_ps();
-    for (b = 0; b < nsb; b++) {
-        uint32_t w4;
-        memcpy(&w4, so + 4 * b, 4);
-        __m256i sc = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w4), shifts), m15);
-        __m256i w1 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));            /* sc in both halves */
-        _mm256_storeu_si256((__m256i *)(w3 + 8 * b), _mm256_add_epi32(w1, _mm256_add_epi32(w1, w1)));
-        _mm256_storeu_si256((__m256i *)(wn + 8 * b), _mm256_sub_epi16(_mm256_setzero_si256(), w1));
-        off = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_broadcast_ss(D + b), _mm256_cvtepi32_ps(sc)), _mm256_loadu_ps(x7s + 8 * b), off);
+    /* each span's scale in both 16-bit halves of a word, and the offsets' sum (-d sc per span times the
+       rounded inputs' sum; two chains) */
+    __m256 off0 = _mm256_setzero_ps(), off1 = off0;
+#define T1_SCALES(b, off)                                                                                   \
+    {                                                                                                       \
+        uint32_t w4;                                                                                        \
+        memcpy(&w4, so + 4 * (b), 4);                                                                       \
+        __m256i sc = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w4), shifts), m15);          \
+        _mm256_storeu_si256((__m256i *)(sw + 8 * (b)), _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16)));     \
+        off = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_broadcast_ss(D + (b)), _mm256_cvtepi32_ps(sc)),         \
+                               _mm256_loadu_ps(x7s + 8 * (b)), off);                                        \
     }
-    float tot = hsum8(off);
-    for (int64_t s = 8 * nsb; s < nfs; s++) {       /* a last, shorter super-block */
+    for (b = 0; b + 2 <= nsb; b += 2) {
+        T1_SCALES(b, off0)
+        T1_SCALES(b + 1, off1)
+    }
+    if (b < nsb) T1_SCALES(b, off0)
+#undef T1_SCALES
+    float tot = hsum8(_mm256_add_ps(off0, off1));
+    for (int64_t s = 8 * nsb; s < nsp; s++) {       /* a last, shorter super-block */
         int sc = (so[s >> 1] >> (4 * (s & 1))) & 15;
-        w3[s] = (3 * sc) | ((3 * sc) << 16);
-        wn[s] = (int32_t)(((uint32_t)(-sc) & 0xFFFFu) | ((uint32_t)(-sc) << 16));
+        sw[s] = sc | (sc << 16);
         tot -= D[nsb] * (float)sc * x7s[s];
     }
-    __m256i acc[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};    /* the P and the Q products */
+    __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
     __m256 fa[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     int64_t ch = 0;
     for (; ch + 4 <= nch; ch += 4) {
         __builtin_prefetch(codes + 32 * ch + CODE_PREFETCH);
         __builtin_prefetch(codes + 32 * ch + 64 + CODE_PREFETCH);
-        t1_chunk(vn, 0, codes, ch, x7, w3, wn, cf, acc, fa);
-        t1_chunk(vn, 1, codes, ch + 1, x7, w3, wn, cf, acc, fa);
-        t1_chunk(vn, 2, codes, ch + 2, x7, w3, wn, cf, acc, fa);
-        t1_chunk(vn, 3, codes, ch + 3, x7, w3, wn, cf, acc, fa);
+        t1_chunk(vn, 0, codes, ch, x7, sw, cf, acc, fa);
+        t1_chunk(vn, 1, codes, ch + 1, x7, sw, cf, acc, fa);
+        t1_chunk(vn, 2, codes, ch + 2, x7, sw, cf, acc, fa);
+        t1_chunk(vn, 3, codes, ch + 3, x7, sw, cf, acc, fa);
     }
-    if (ch < nch) t1_chunk(vn, 0, codes, ch++, x7, w3, wn, cf, acc, fa);
-    if (ch < nch) t1_chunk(vn, 1, codes, ch++, x7, w3, wn, cf, acc, fa);
-    if (ch < nch) t1_chunk(vn, 2, codes, ch++, x7, w3, wn, cf, acc, fa);
+    if (ch < nch) t1_chunk(vn, 0, codes, ch++, x7, sw, cf, acc, fa);
+    if (ch < nch) t1_chunk(vn, 1, codes, ch++, x7, sw, cf, acc, fa);
+    if (ch < nch) t1_chunk(vn, 2, codes, ch++, x7, sw, cf, acc, fa);
     if (nfs & 3)                   /* the spans of a block cut short by the tail */
-        fa[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(acc[0], acc[1])), _mm256_broadcast_ss(cf + nfs / 4), fa[0]);
-    tot += hsum8(_mm256_add_ps(fa[0], fa[1])) + outlier_sum(t, g, r, x, bad);
-    if (done < cols) {              /* the tail chunk: its trits as bytes in column order, then per span */
-        int64_t R = cols - done, L = (R + 4) / 5;
-        _Alignas(32) uint8_t tb[32], dig[192];
-        memset(tb, 0, sizeof tb);
-        memcpy(tb, codes + 32 * nch, (size_t)L);
-        __m256i y = _mm256_load_si256((const __m256i *)tb), zero = _mm256_setzero_si256(), k3 = _mm256_set1_epi16(3);
-        for (int f = 0; f < 5; f++) {   /* field f holds columns f L .. f L + L - 1: stored in order, each over the last's spill */
-            __m256i lo = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_unpacklo_epi8(y, zero), k3), 8);
-            __m256i hi = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_unpackhi_epi8(y, zero), k3), 8);
-            _mm256_storeu_si256((__m256i *)(dig + f * L), _mm256_packus_epi16(lo, hi));
-            y = _mm256_add_epi8(y, _mm256_add_epi8(y, y));
+        fa[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t1_pq(acc)), _mm256_broadcast_ss(cf + nfs / 4), fa[0]);
+    if (done < cols) {              /* the tail chunk: 32, 64, 96 or 128 columns, one to four spans */
+        __m256i y, p[4];
+        const uint8_t *tc = codes + 32 * nch;
+        if (tc + 32 <= t + g[G_NBYTES]) {
+            y = LOAD32(tc);              /* the bytes past the tail (the next row's) are masked off */
+        } else {                         /* the tensor's last row: no read past its end */
+            _Alignas(32) uint8_t tb[32] = {0};
+            memcpy(tb, tc, (size_t)((cols - done + 4) / 5));
+            y = _mm256_load_si256((const __m256i *)tb);
         }
-        /* its one to four spans side by side: sum d x of each, then A (sum d x step - sum x) */
-        __m256i p[4];
-        _Alignas(16) float A[4] = {0, 0, 0, 0}, st[4] = {0, 0, 0, 0}, sx[4] = {0, 0, 0, 0};
-        for (int64_t k = 0; k < 4; k++) {
-            int64_t s = nfs + k;
-            p[k] = _mm256_setzero_si256();
-            if (s >= cols / 32) continue;
-            p[k] = _mm256_madd_epi16(_mm256_maddubs_epi16(LOAD32(dig + 32 * k), LOAD32(x7 + 32 * s)), _mm256_set1_epi16(1));
-            uint16_t h;
-            memcpy(&h, po + 2 * (s >> 3), 2);
-            A[k] = _cvtsh_ss(h) * (float)((so[s >> 1] >> (4 * (s & 1))) & 15);
-            st[k] = x7d[s >> 2];
-            sx[k] = x7s[s];
+        switch (cols - done) {           /* each length's fields and span boundaries as constants */
+        case 32: t1_tail_sums(vn, 32, y, x7 + done, sw + nfs, p); break;
+        case 64: t1_tail_sums(vn, 64, y, x7 + done, sw + nfs, p); break;
+        case 96: t1_tail_sums(vn, 96, y, x7 + done, sw + nfs, p); break;
+        default: t1_tail_sums(vn, 128, y, x7 + done, sw + nfs, p); break;
         }
-        __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-        __m128 sums = _mm_cvtepi32_ps(_mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
-        __m128 v = _mm_mul_ps(_mm_load_ps(A), _mm_fmsub_ps(sums, _mm_load_ps(st), _mm_load_ps(sx)));
-        v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-        tot += _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+        for (int k = 0; k < 4; k++)      /* (a constant k: fa stays in registers) */
+            if (nfs + k < nsp)
+                fa[k & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[k]), _mm256_broadcast_ss(cf + ((nfs + k) >> 2)), fa[k & 1]);
     }
-    return tot;
+    return tot + hsum8(_mm256_add_ps(fa[0], fa[1])) + outlier_sum(t, g, r, x, bad);
 }
 
 AVX2 static void rows_t1_x7(const uint8_t *t, const int64_t *g, int64_t r0, int64_t r1, const float *x,
@@ -3158,7 +3209,7 @@ static int quantize_rows7(const int64_t *geoms, int64_t ng, const float *xf, int
     for (int64_t i = 0; i < ng; i++) any |= geoms[G_LEN * i + G_KIND] == K_T1;
     if (!use_avx2 || !any || ntok != 1 || cols % 128 || !x8_kind(K_T1)) return 0;
     int64_t n = nx * cols, nq = cols / 128, nspan = cols / 32;
-    *x7 = malloc(n + 1);
+    *x7 = malloc(n + 32);            /* t1_tail_sums reads up to 28 bytes past a row */
     *x7d = malloc(sizeof(float) * (nx * (nq + nspan) + 1));
     if (!*x7 || !*x7d) { no_memory(); return -1; }
     for (int64_t i = 0; i < nx; i++)

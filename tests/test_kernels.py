@@ -117,13 +117,13 @@ def test_int8_activations_round_inputs_per_128(name):
         assert rel(kernels.linear(xb, name, raw, shape), xb @ ref.T) < 1e-5
 
 
-@pytest.mark.parametrize("cols", [128, 1024, 1280, 1408, 7168])
+@pytest.mark.parametrize("cols", [128, 256, 512, 1024, 1280, 1408, 7168])
 def test_one_t1_token_is_exact_on_its_input_grid(cols):
     """One t1 token multiplies its trits' bytes without taking the trits out (256 d = 3 y - y', y' = 3 y
     mod 256) by x rounded to -63 .. 63 per 128 values: given an x already on that grid the product is
     the reference weight times x to float rounding, for rows of whole 640-column groups, leftover
-    chunks, a last shorter super-block, a tail chunk (1024: 64 columns, 1408 and 7168: 128, 128: a tail
-    alone) and outliers; and an x off the grid is rounded that way (7 bits, not int8's 8)."""
+    chunks, a last shorter super-block, a tail chunk of each length (512: 32 columns, 1024: 64, 256: 96,
+    1408 and 7168: 128, 128: a tail alone) and outliers; and an x off the grid is rounded that way (7 bits, not int8's 8)."""
     if kernels.isa() != "avx2":
         pytest.skip("an AVX2 route")
     shape = (24, cols)
