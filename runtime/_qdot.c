@@ -1165,28 +1165,25 @@ AVX2 static void quantize_x7(const float *x, int64_t cols, int8_t *q, float *qd,
     quantize_blocks(x, cols, q, qd, qs, 63.0f, 63.0f);
 }
 
-/* the five fields of chunk ch (spans 5 ch .. 5 ch + 4) into the int32 sums acc: P and Q of alternate
-   spans in two sets (acc[0], acc[1] and acc[2], acc[3]), so that no vpdpwssd waits on the one before;
-   a span ending a block of 128 inputs (s % 4 == 3: known from ph = ch % 4) turns 3 P - Q to float
-   into fa by that block's factor */
+/* the five fields of chunk ch (spans 5 ch .. 5 ch + 4) into the int32 sums acc (P, Q); a span ending a
+   block of 128 inputs (s % 4 == 3: known from ph = ch % 4) turns 3 P - Q to float into fa by that
+   block's factor */
 #define T1_SPAN(f)                                                                                          \
     {                                                                                                       \
         const int64_t s = 5 * ch + (f);                                                                     \
-        const int a = 2 * ((5 * ph + (f)) & 1);                                                             \
         __m256i y1 = _mm256_add_epi8(y, _mm256_add_epi8(y, y)), xv = LOAD32(x7 + 32 * s);                   \
         __m256i w = _mm256_set1_epi32(sw[s]);                                                               \
-        acc[a] = dp_words(vn, acc[a], _mm256_maddubs_epi16(y, xv), w);                                      \
-        acc[a + 1] = dp_words(vn, acc[a + 1], _mm256_maddubs_epi16(y1, xv), w);                             \
+        acc[0] = dp_words(vn, acc[0], _mm256_maddubs_epi16(y, xv), w);                                      \
+        acc[1] = dp_words(vn, acc[1], _mm256_maddubs_epi16(y1, xv), w);                                     \
         if (((5 * ph + (f)) & 3) == 3) {                                                                    \
             fa[(f) & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t1_pq(acc)), _mm256_broadcast_ss(cf + (s >> 2)), fa[(f) & 1]); \
-            acc[0] = acc[1] = acc[2] = acc[3] = _mm256_setzero_si256();                                     \
+            acc[0] = acc[1] = _mm256_setzero_si256();                                                       \
         }                                                                                                   \
         y = y1;                                                                                             \
     }
-/* 3 P - Q of both sets */
+/* 3 P - Q */
 AVX2 static inline __m256i t1_pq(const __m256i *acc) {
-    __m256i P = _mm256_add_epi32(acc[0], acc[2]);
-    return _mm256_sub_epi32(_mm256_add_epi32(P, _mm256_add_epi32(P, P)), _mm256_add_epi32(acc[1], acc[3]));
+    return _mm256_sub_epi32(_mm256_add_epi32(acc[0], _mm256_add_epi32(acc[0], acc[0])), acc[1]);
 }
 AVX2 static inline __attribute__((always_inline)) void t1_chunk(const int vn, const int ph, const uint8_t *codes, int64_t ch,
                                                               const int8_t *x7, const int32_t *sw, const float *cf,
@@ -1277,7 +1274,7 @@ AVX2 static inline __attribute__((always_inline)) float row_t1_x7(const int vn, 
         sw[s] = sc | (sc << 16);
         tot -= D[nsb] * (float)sc * x7s[s];
     }
-    __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+    __m256i acc[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};    /* the P and the Q products */
     __m256 fa[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     int64_t ch = 0;
     for (; ch + 4 <= nch; ch += 4) {
