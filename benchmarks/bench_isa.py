@@ -1,0 +1,123 @@
+"""What this CPU's vector units sustain, for reading the kernel tables: throughput of the AVX2
+instructions the integer kernels (runtime/_qdot.c) are made of, in core cycles, and of the two ways a
+t1 span could be multiplied. A small C program is written to a temporary directory, built with the
+system's gcc (-O2, the instructions in inline assembly, so the compiler schedules nothing) and run.
+
+    python benchmarks/bench_isa.py [--iterations 100000000]
+
+Cycles: each test's seconds times the core clock, measured first as a chain of dependent scalar adds
+(one a cycle on every x86 core of the last decade). Each throughput test issues independent
+instructions (no result feeds another), so it reports how many a cycle the ports take; "latency
+chain" rows feed each result into the next. A VM's other tenants show up as noise: run it twice.
+AVX2 only (x86-64); it exits with a message elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+
+# (name, instructions per iteration, body). %0 is a 64-byte aligned buffer; ymm1/ymm2 hold inputs,
+# ymm8/ymm9 are never written, so the independent tests have no dependency between iterations.
+TESTS = [
+    ("vpaddb (independent)", 8, "".join(f"vpaddb %%ymm1, %%ymm2, %%ymm{r}\\n" for r in range(3, 11))),
+    ("vpaddb (latency chain)", 8, "vpaddb %%ymm3, %%ymm3, %%ymm3\\n" * 8),
+    ("vpmaddubsw", 8, "".join(f"vpmaddubsw %%ymm1, %%ymm2, %%ymm{r}\\n" for r in range(3, 11))),
+    ("vpmaddwd", 8, "".join(f"vpmaddwd %%ymm1, %%ymm2, %%ymm{r}\\n" for r in range(3, 11))),
+    ("vpmaddubsw + vpmaddwd, half each", 8,
+     "".join(f"{'vpmaddubsw' if r % 2 else 'vpmaddwd'} %%ymm1, %%ymm2, %%ymm{r}\\n" for r in range(3, 11))),
+    ("vpmaddubsw, one operand from memory", 8,
+     "".join(f"vpmaddubsw {32 * (r - 3)}(%0), %%ymm2, %%ymm{r}\\n" for r in range(3, 11))),
+    ("vmovdqu (32-byte load, aligned)", 8, "".join(f"vmovdqu {32 * (r - 3)}(%0), %%ymm{r}\\n" for r in range(3, 11))),
+    ("vmovdqu (32-byte load, half across lines)", 8,
+     "".join(f"vmovdqu {32 * (r - 3) + 16}(%0), %%ymm{r}\\n" for r in range(3, 11))),
+    ("vpbroadcastd from memory", 8, "".join(f"vpbroadcastd {4 * (r - 3)}(%0), %%ymm{r}\\n" for r in range(3, 11))),
+    ("vcvtdq2ps", 8, "".join(f"vcvtdq2ps %%ymm1, %%ymm{r}\\n" for r in range(3, 11))),
+    ("vpgatherdd, 8 lanes (one instruction)", 1,
+     "vpxor %%ymm3, %%ymm3, %%ymm3\\nvpcmpeqd %%ymm5, %%ymm5, %%ymm5\\nvpgatherdd %%ymm5, (%0,%%ymm12,4), %%ymm3\\n"),
+    ("8 scalar loads + 7 inserts (one instruction's worth)", 1,
+     "vmovss (%0), %%xmm3\\nvinsertps $0x10, 4(%0), %%xmm3, %%xmm3\\nvinsertps $0x20, 8(%0), %%xmm3, %%xmm3\\n"
+     "vinsertps $0x30, 12(%0), %%xmm3, %%xmm3\\nvmovss 16(%0), %%xmm4\\nvinsertps $0x10, 20(%0), %%xmm4, %%xmm4\\n"
+     "vinsertps $0x20, 24(%0), %%xmm4, %%xmm4\\nvinsertps $0x30, 28(%0), %%xmm4, %%xmm4\\n"
+     "vinsertf128 $1, %%xmm4, %%ymm3, %%ymm3\\n"),
+    # a t1 span as the kernel does it (P and Q: two byte products, two word products, two sums, the
+    # next field's bytes 3 y in two byte adds) against taking the trits out by two compares
+    ("t1 span by 3 P - Q (2 vpmaddubsw, 2 vpmaddwd)", 1,
+     "vpaddb %%ymm1, %%ymm1, %%ymm3\\nvpaddb %%ymm3, %%ymm1, %%ymm4\\nvpmaddubsw (%0), %%ymm2, %%ymm5\\n"
+     "vpmaddubsw (%0), %%ymm4, %%ymm6\\nvpbroadcastd 4(%0), %%ymm7\\nvpmaddwd %%ymm7, %%ymm5, %%ymm5\\n"
+     "vpmaddwd %%ymm7, %%ymm6, %%ymm6\\nvpaddd %%ymm5, %%ymm8, %%ymm10\\nvpaddd %%ymm6, %%ymm8, %%ymm11\\n"),
+    ("t1 span by compares (1 vpmaddubsw, 1 vpmaddwd)", 1,
+     "vpaddb %%ymm1, %%ymm1, %%ymm3\\nvpaddb %%ymm3, %%ymm1, %%ymm4\\nvpcmpgtb %%ymm8, %%ymm1, %%ymm5\\n"
+     "vpcmpgtb %%ymm9, %%ymm1, %%ymm6\\nvpaddb %%ymm5, %%ymm6, %%ymm6\\nvpabsb %%ymm6, %%ymm6\\n"
+     "vpmaddubsw (%0), %%ymm6, %%ymm6\\nvpbroadcastd 4(%0), %%ymm7\\nvpmaddwd %%ymm7, %%ymm6, %%ymm6\\n"
+     "vpaddd %%ymm6, %%ymm8, %%ymm10\\n"),
+]
+
+PROGRAM = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
+int main(int argc, char **argv) {
+    long n = atol(argv[1]);
+    int *buf = aligned_alloc(64, 4096);
+    for (int i = 0; i < 1024; i++) buf[i] = i % 61;
+    /* inputs; ymm12: eight distinct word offsets for the gather (buf[i] = i for i < 61) */
+    __asm__ volatile("vpxor %%ymm1, %%ymm1, %%ymm1\n vpxor %%ymm2, %%ymm2, %%ymm2\n vpxor %%ymm3, %%ymm3, %%ymm3\n"
+                     "vpxor %%ymm8, %%ymm8, %%ymm8\n vpxor %%ymm9, %%ymm9, %%ymm9\n vmovdqu (%0), %%ymm12"
+                     :: "r"(buf) : "xmm1", "xmm2", "xmm3", "xmm8", "xmm9", "xmm12");
+    long x = 0;
+    double t0 = now();
+    for (long i = 0; i < n; i++) __asm__ volatile("add $1, %0\n add $1, %0\n add $1, %0\n add $1, %0" : "+r"(x));
+    double hz = 4.0 * n / (now() - t0);
+    printf("clock %.3f\n", hz / 1e9);
+#define T(name, per, body) { double s = now(); \
+    for (long i = 0; i < n; i++) __asm__ volatile(body :: "r"(buf) : "memory", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm10", "xmm11"); \
+    printf("%s\t%d\t%.4f\n", name, per, (now() - s) * hz / n); }
+TESTS
+    return (int)(x & 1);
+}
+"""
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--iterations", type=int, default=50_000_000)
+    a = ap.parse_args()
+    if platform.machine() not in ("x86_64", "AMD64"):
+        sys.exit("bench_isa: x86-64 only")
+    with open("/proc/cpuinfo") as f:
+        info = f.read()
+    if " avx2" not in info:
+        sys.exit("bench_isa: this CPU has no AVX2")
+    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
+    family = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("cpu family")), "?")
+    mod = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model\t")), "?")
+    # inside T() a clobbered ymm register is named by its xmm half; ymm8/9 stay as set up
+    tests = "\n".join(f'    T("{name}", {per}, "{body}")' for name, per, body in TESTS)
+    with tempfile.TemporaryDirectory() as d:
+        src, exe = os.path.join(d, "isa.c"), os.path.join(d, "isa")
+        with open(src, "w") as f:
+            f.write(PROGRAM.replace("TESTS", tests))
+        build = subprocess.run(["gcc", "-O2", "-mavx2", src, "-o", exe], capture_output=True, text=True)
+        if build.returncode:
+            sys.exit(f"bench_isa: gcc failed: {build.stderr.strip().splitlines()[-1] if build.stderr.strip() else build.returncode}")
+        out = subprocess.run([exe, str(a.iterations)], capture_output=True, text=True, check=True).stdout
+    lines = out.strip().splitlines()
+    clock = float(lines[0].split()[1])
+    print(f"{model} (family {family} model {mod}), core clock {clock:.2f} GHz (dependent scalar adds), "
+          f"{a.iterations:,} iterations per test\n")
+    print("| instructions | cycles per iteration | per cycle |\n| --- | --- | --- |")
+    for ln in lines[1:]:
+        name, per, cycles = ln.split("\t")
+        cyc = float(cycles)
+        print(f"| {name} (x{per}) | {cyc:.2f} | {int(per) / cyc:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
