@@ -21,8 +21,9 @@ import subprocess
 import sys
 import tempfile
 
-# (name, instructions per iteration, body). %0 is a 64-byte aligned buffer; ymm1/ymm2 hold inputs,
-# ymm8/ymm9 are never written, so the independent tests have no dependency between iterations.
+# (name, instructions per iteration, body). %0 is a 64-byte aligned buffer; ymm1, ymm2, ymm8, ymm9 hold
+# inputs and ymm12 the gather's offsets, none of them written by a test, so the independent tests
+# carry no dependency from one iteration to the next.
 TESTS = [
     ("vpaddb (independent)", 8, "".join(f"vpaddb %%ymm1, %%ymm2, %%ymm{r}\\n" for r in range(3, 11))),
     ("vpaddb (latency chain)", 8, "vpaddb %%ymm3, %%ymm3, %%ymm3\\n" * 8),
@@ -98,7 +99,6 @@ def main():
     model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
     family = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("cpu family")), "?")
     mod = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model\t")), "?")
-    # inside T() a clobbered ymm register is named by its xmm half; ymm8/9 stay as set up
     tests = "\n".join(f'    T("{name}", {per}, "{body}")' for name, per, body in TESTS)
     with tempfile.TemporaryDirectory() as d:
         src, exe = os.path.join(d, "isa.c"), os.path.join(d, "isa")
