@@ -3,7 +3,7 @@ instructions the integer kernels (runtime/_qdot.c) are made of, in core cycles, 
 t1 span could be multiplied. A small C program is written to a temporary directory, built with the
 system's gcc (-O2, the instructions in inline assembly, so the compiler schedules nothing) and run.
 
-    python benchmarks/bench_isa.py [--iterations 100000000]
+    python benchmarks/bench_isa.py [--iterations 50000000]
 
 Cycles: each test's seconds times the core clock, measured just before it as a chain of dependent
 scalar adds (one a cycle on every x86 core of the last decade). Each throughput test issues independent
@@ -102,9 +102,10 @@ def main():
         info = f.read()
     if " avx2" not in info:
         sys.exit("bench_isa: this CPU has no AVX2")
-    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
-    family = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("cpu family")), "?")
-    mod = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model\t")), "?")
+    cpu = {}                            # the first processor's fields
+    for ln in info.splitlines():
+        key, _, value = ln.partition(":")
+        cpu.setdefault(key.strip(), value.strip())
     tests = "\n".join(f'    T("{name}", {per}, "{body}")' for name, per, body in TESTS)
     with tempfile.TemporaryDirectory() as d:
         src, exe = os.path.join(d, "isa.c"), os.path.join(d, "isa")
@@ -116,7 +117,7 @@ def main():
         out = subprocess.run([exe, str(a.iterations)], capture_output=True, text=True, check=True).stdout
     lines = out.strip().splitlines()
     clock = float(lines[0].split()[1])
-    print(f"{model} (family {family} model {mod}), core clock {clock:.2f} GHz (dependent scalar adds), "
+    print(f"{cpu.get('model name', '?')} (family {cpu.get('cpu family', '?')} model {cpu.get('model', '?')}), core clock {clock:.2f} GHz (dependent scalar adds), "
           f"{a.iterations:,} iterations per test\n")
     print("| instructions | cycles per iteration | per cycle |\n| --- | --- | --- |")
     for ln in lines[1:]:
