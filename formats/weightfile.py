@@ -459,6 +459,7 @@ class WeightFile:
                 self._fail(f"extents {a.name} and {b.name} overlap")
         self.extent_by_name = {e.name: e for e in self.extents}
         self.tensors: dict[str, TensorEntry] = {}
+        sizes = {}      # (codec, shape) -> bytes: Kimi K2's 70 000 tensors have a handful of shapes
         for name, t in tens.items():
             try:
                 if not isinstance(t["codec"], str) or not isinstance(t["shape"], list):
@@ -471,10 +472,12 @@ class WeightFile:
                 self._fail(f"tensor {name}: negative dimension in shape {list(ent.shape)}")
             if ent.cls not in TENSOR_CLASSES:
                 self._fail(f"tensor {name}: unknown class {ent.cls!r}")
-            try:
-                expected = get_codec(ent.codec).nbytes(ent.shape)
-            except CodecError as e:
-                self._fail(f"tensor {name}: {e}")
+            expected = sizes.get((ent.codec, ent.shape))
+            if expected is None:
+                try:
+                    expected = sizes[ent.codec, ent.shape] = get_codec(ent.codec).nbytes(ent.shape)
+                except CodecError as e:
+                    self._fail(f"tensor {name}: {e}")
             if any(s < 0 for s in ent.shape) or ent.nbytes != expected:
                 self._fail(f"tensor {name}: {ent.nbytes} bytes recorded, codec {ent.codec} of shape "
                            f"{list(ent.shape)} needs {expected}")

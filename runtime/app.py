@@ -134,8 +134,17 @@ def open_session(args, log, weights_path=None, describe: bool = True, hold_back:
     if args.direct and args.io != "pread":
         raise RunError("--direct needs --io pread")
     path = Path(weights_path or args.weights) if (weights_path or args.weights) else default_weights(log)
-    with WeightFile(path) as wf:
-        _warm_up({t.codec for t in wf.tensors.values()})
+    # opened once (Kimi K2's header takes half a second to check) and handed to ModelWeights below
+    wf = WeightFile(path)
+    try:
+        return _open_session(args, log, path, wf, describe, hold_back)
+    except BaseException:
+        wf.close()
+        raise
+
+
+def _open_session(args, log, path: Path, wf: WeightFile, describe: bool, hold_back: float) -> Session | None:
+    _warm_up({t.codec for t in wf.tensors.values()})
     baseline = B.current_rss() + B.RUNTIME_SLACK
     if not hasattr(args, "budget"):
         if args.memory_budget:
@@ -143,10 +152,9 @@ def open_session(args, log, weights_path=None, describe: bool = True, hold_back:
         else:
             args.budget = int(B.DEFAULT_FRACTION * B.mem_available())
             log(f"no --memory-budget: using {int(B.DEFAULT_FRACTION * 100)}% of available memory")
-    with WeightFile(path) as wf:
-        cfg = check_model(wf)
-        footprint = planner.of_file(wf)
-        experts_codec = next((t.codec for t in wf.tensors.values() if t.cls == ROUTED_EXPERTS), "f32")
+    cfg = check_model(wf)
+    footprint = planner.of_file(wf)
+    experts_codec = next((t.codec for t in wf.tensors.values() if t.cls == ROUTED_EXPERTS), "f32")
     args.max_ctx = context_length(args, cfg, log)
     # each session (a --kl-reference one too) starts from the user's flag, not the last session's choice
     if not hasattr(args, "kv_dtype_flag"):
@@ -169,6 +177,7 @@ def open_session(args, log, weights_path=None, describe: bool = True, hold_back:
         print(json.dumps({"memory_plan": plan.to_json()}))
     refuse_if_unfit(plan, replan, args)
     if args.dry_run:
+        wf.close()
         return None
     kernels.keep_heap(plan.activations)     # freed temporaries stay mapped, inside the plan's room for them
     # the room beyond the minimum cache: all of it for experts, or a share left to the caller
@@ -178,7 +187,7 @@ def open_session(args, log, weights_path=None, describe: bool = True, hold_back:
     page_cache, tight = args.page_cache, None
     if args.io == "auto" and page_cache == "auto" and (tight := B.no_page_cache_room(plan)):
         page_cache = "drop"             # O_DIRECT reads from the start (make_pager), no trial of keeping pages
-    weights = ModelWeights(path, io=args.io, cache_bytes=cache_bytes,
+    weights = ModelWeights(wf, io=args.io, cache_bytes=cache_bytes,
                            policy=args.cache_policy, direct=args.direct, prefetch=args.prefetch,
                            page_cache=page_cache)
     if tight:

@@ -137,7 +137,7 @@ class ModelWeights(ExpertProvider):
         if prefetch not in PREFETCH_MODES:
             raise ValueError(f"unknown --prefetch {prefetch!r} ({', '.join(PREFETCH_MODES)})")
         self.prefetch = prefetch
-        self.file = WeightFile(path)
+        self.file = path if isinstance(path, WeightFile) else WeightFile(path)     # (an open one is taken over)
         self.header = self.file.header
         try:
             self.config = check_model(self.file)
