@@ -1,6 +1,7 @@
 """What this CPU's vector units sustain, for reading the kernel tables: throughput of the AVX2
-instructions the integer kernels (runtime/_qdot.c) are made of, in core cycles, and of the two ways a
-t1 span could be multiplied. A small C program is written to a temporary directory, built with the
+instructions the integer kernels (runtime/_qdot.c) are made of, in core cycles, of the two ways a
+t1 span could be multiplied, and of a q2 block of four spans as the one-token kernel runs it (and two
+ways it could run instead): how far the whole mix sits from the multiplies' own bound. A small C program is written to a temporary directory, built with the
 system's gcc (-O2, the instructions in inline assembly, so the compiler schedules nothing) and run.
 
     python benchmarks/bench_isa.py [--iterations 50000000]
@@ -21,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 
-# (name, instructions per iteration, body). %0 is a 64-byte aligned buffer; ymm1, ymm2, ymm8, ymm9 hold
+# (name, instructions (or spans) per iteration, body). %0 is a 64-byte aligned buffer; ymm1, ymm2, ymm8, ymm9 hold
 # inputs and ymm12 the gather's offsets, none of them written by a test, so the independent tests
 # carry no dependency from one iteration to the next.
 TESTS = [
@@ -59,6 +60,32 @@ TESTS = [
      "vpcmpgtb %%ymm9, %%ymm1, %%ymm6\\nvpaddb %%ymm5, %%ymm6, %%ymm6\\nvpabsb %%ymm6, %%ymm6\\n"
      "vpmaddubsw (%0), %%ymm6, %%ymm6\\nvpbroadcastd 4(%0), %%ymm7\\nvpmaddwd %%ymm7, %%ymm6, %%ymm6\\n"
      "vpaddd %%ymm6, %%ymm8, %%ymm10\\n"),
+    # a q2 block of four spans as row_x8 runs it with int8 inputs (one code load, a shift, four masks,
+    # four byte products with their inputs from memory, four word products by each span's scale words,
+    # three sums, the conversion and the block's factor), with the scale words broadcast from memory as
+    # the kernel does and from a register; "per" counts spans
+    ("q2 block of 4 spans (scale words broadcast)", 4,
+     "vmovdqu (%0), %%ymm3\\nvpsrlw $4, %%ymm3, %%ymm4\\nvpand %%ymm1, %%ymm3, %%ymm5\\nvpmaddubsw 32(%0), %%ymm5, %%ymm5\\n"
+     "vpbroadcastd 4(%0), %%ymm6\\nvpmaddwd %%ymm6, %%ymm5, %%ymm5\\nvpand %%ymm2, %%ymm3, %%ymm6\\n"
+     "vpmaddubsw 64(%0), %%ymm6, %%ymm6\\nvpbroadcastd 8(%0), %%ymm7\\nvpmaddwd %%ymm7, %%ymm6, %%ymm6\\n"
+     "vpaddd %%ymm6, %%ymm5, %%ymm5\\nvpand %%ymm1, %%ymm4, %%ymm6\\nvpmaddubsw 96(%0), %%ymm6, %%ymm6\\n"
+     "vpbroadcastd 12(%0), %%ymm7\\nvpmaddwd %%ymm7, %%ymm6, %%ymm6\\nvpand %%ymm2, %%ymm4, %%ymm7\\n"
+     "vpmaddubsw 128(%0), %%ymm7, %%ymm7\\nvpbroadcastd 16(%0), %%ymm10\\nvpmaddwd %%ymm10, %%ymm7, %%ymm7\\n"
+     "vpaddd %%ymm7, %%ymm6, %%ymm6\\nvpaddd %%ymm6, %%ymm5, %%ymm5\\nvcvtdq2ps %%ymm5, %%ymm5\\n"
+     "vbroadcastss 20(%0), %%ymm6\\nvfmadd213ps %%ymm9, %%ymm6, %%ymm5\\n"),
+    ("q2 block of 4 spans (scale words in a register)", 4,
+     "vmovdqu (%0), %%ymm3\\nvpsrlw $4, %%ymm3, %%ymm4\\nvpand %%ymm1, %%ymm3, %%ymm5\\nvpmaddubsw 32(%0), %%ymm5, %%ymm5\\n"
+     "vpmaddwd %%ymm8, %%ymm5, %%ymm5\\nvpand %%ymm2, %%ymm3, %%ymm6\\n"
+     "vpmaddubsw 64(%0), %%ymm6, %%ymm6\\nvpmaddwd %%ymm8, %%ymm6, %%ymm6\\n"
+     "vpaddd %%ymm6, %%ymm5, %%ymm5\\nvpand %%ymm1, %%ymm4, %%ymm6\\nvpmaddubsw 96(%0), %%ymm6, %%ymm6\\n"
+     "vpmaddwd %%ymm8, %%ymm6, %%ymm6\\nvpand %%ymm2, %%ymm4, %%ymm7\\n"
+     "vpmaddubsw 128(%0), %%ymm7, %%ymm7\\nvpmaddwd %%ymm8, %%ymm7, %%ymm7\\n"
+     "vpaddd %%ymm7, %%ymm6, %%ymm6\\nvpaddd %%ymm6, %%ymm5, %%ymm5\\nvcvtdq2ps %%ymm5, %%ymm5\\n"
+     "vbroadcastss 20(%0), %%ymm6\\nvfmadd213ps %%ymm9, %%ymm6, %%ymm5\\n"),
+    # the same block with each span's digits turned into digit x scale by a byte table (vpshufb of a
+    # 16-byte row of products per scale), two spans' byte products summed as words before one word product
+    ("q2 block of 4 spans (scales by byte tables)", 4,
+     "vmovdqu (%0), %%ymm3\\nvpsrlw $4, %%ymm3, %%ymm4\\nvpand %%ymm1, %%ymm3, %%ymm5\\nvbroadcasti128 16(%0), %%ymm6\\nvpshufb %%ymm5, %%ymm6, %%ymm5\\nvpmaddubsw 32(%0), %%ymm5, %%ymm5\\nvpand %%ymm2, %%ymm3, %%ymm6\\nvbroadcasti128 48(%0), %%ymm7\\nvpshufb %%ymm6, %%ymm7, %%ymm6\\nvpmaddubsw 64(%0), %%ymm6, %%ymm6\\nvpaddw %%ymm6, %%ymm5, %%ymm5\\nvpmaddwd %%ymm8, %%ymm5, %%ymm5\\nvpand %%ymm1, %%ymm4, %%ymm6\\nvbroadcasti128 80(%0), %%ymm7\\nvpshufb %%ymm6, %%ymm7, %%ymm6\\nvpmaddubsw 96(%0), %%ymm6, %%ymm6\\nvpand %%ymm2, %%ymm4, %%ymm7\\nvbroadcasti128 112(%0), %%ymm10\\nvpshufb %%ymm7, %%ymm10, %%ymm7\\nvpmaddubsw 128(%0), %%ymm7, %%ymm7\\nvpaddw %%ymm7, %%ymm6, %%ymm6\\nvpmaddwd %%ymm8, %%ymm6, %%ymm6\\nvpaddd %%ymm6, %%ymm5, %%ymm5\\nvcvtdq2ps %%ymm5, %%ymm5\\nvbroadcastss 20(%0), %%ymm6\\nvfmadd213ps %%ymm9, %%ymm6, %%ymm5\\n"),
 ]
 
 PROGRAM = r"""
