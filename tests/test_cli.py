@@ -75,6 +75,31 @@ def test_run_json_stream_and_logits(tiny_ckpt, tiny_kst, tmp_path):
     assert plain.stdout.rstrip("\n") == rep["text"]
 
 
+def test_a_run_reads_and_checks_the_header_once(tiny_kst, monkeypatch, capsys):
+    """kimi-run plans and runs on one opened weight file (Kimi K2's header takes about half a second to
+    check: it was read three times), and with --dry-run closes it before returning."""
+    from kimistream.formats import weightfile
+    from kimistream.runtime import cli
+    opened, parsed = [], []
+    real_init, real_parse = weightfile.WeightFile.__init__, weightfile.WeightFile._parse_prefix_and_header
+
+    def init(self, path):
+        opened.append(self)
+        real_init(self, path)
+
+    def parse(self):
+        parsed.append(self)
+        real_parse(self)
+    monkeypatch.setattr(weightfile.WeightFile, "__init__", init)
+    monkeypatch.setattr(weightfile.WeightFile, "_parse_prefix_and_header", parse)
+    assert cli.main(["--weights", str(tiny_kst), "--prompt", "def f(x):", "--max-tokens", "2", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"]) == 2
+    assert len(opened) == 1 and len(parsed) == 1
+    opened.clear()
+    assert cli.main(["--weights", str(tiny_kst), "--dry-run"]) == 0
+    assert len(opened) == 1 and opened[0].mm is None          # closed: nothing of it outlives the plan
+
+
 def test_warm_up_leaves_the_output_and_its_seeded_draws_alone(tiny_kst, tmp_path):
     args = ("--weights", tiny_kst, "--prompt", "def f(x):", "--max-tokens", 8, "--temperature", 1.0,
             "--seed", 3, "--json")
