@@ -1,8 +1,9 @@
 """What this CPU's vector units sustain, for reading the kernel tables: throughput of the AVX2
-instructions the integer kernels (runtime/_qdot.c) are made of, in core cycles, of the two ways a
-t1 span could be multiplied, and of a q2 block of four spans as the one-token kernel runs it (and two
-ways it could run instead): how far the whole mix sits from the multiplies' own bound. A small C program is written to a temporary directory, built with the
-system's gcc (-O2, the instructions in inline assembly, so the compiler schedules nothing) and run.
+instructions the integer kernels (runtime/_qdot.c) are made of, in core cycles; of the two ways a t1
+span could be multiplied; and of a q2 block of four spans as the one-token kernel runs it and two ways
+it could run instead (how far the whole mix sits from its multiplies' own bound). A small C program is
+written to a temporary directory, built with the system's gcc (-O2, the instructions in inline
+assembly, so the compiler schedules nothing) and run.
 
     python benchmarks/bench_isa.py [--iterations 50000000]
 
@@ -22,8 +23,8 @@ import subprocess
 import sys
 import tempfile
 
-# (name, instructions (or spans) per iteration, body). %0 is a 64-byte aligned buffer; ymm1, ymm2, ymm8, ymm9 hold
-# inputs and ymm12 the gather's offsets, none of them written by a test, so the independent tests
+# (name, instructions (or spans) per iteration, body). %0 is a 64-byte aligned buffer; ymm1, ymm2,
+# ymm8, ymm9 hold inputs and ymm12 the gather's offsets, none of them written by a test, so the independent tests
 # carry no dependency from one iteration to the next.
 TESTS = [
     ("vpaddb (independent)", 8, "".join(f"vpaddb %%ymm1, %%ymm2, %%ymm{r}\\n" for r in range(3, 11))),
@@ -85,7 +86,17 @@ TESTS = [
     # the same block with each span's digits turned into digit x scale by a byte table (vpshufb of a
     # 16-byte row of products per scale), two spans' byte products summed as words before one word product
     ("q2 block of 4 spans (scales by byte tables)", 4,
-     "vmovdqu (%0), %%ymm3\\nvpsrlw $4, %%ymm3, %%ymm4\\nvpand %%ymm1, %%ymm3, %%ymm5\\nvbroadcasti128 16(%0), %%ymm6\\nvpshufb %%ymm5, %%ymm6, %%ymm5\\nvpmaddubsw 32(%0), %%ymm5, %%ymm5\\nvpand %%ymm2, %%ymm3, %%ymm6\\nvbroadcasti128 48(%0), %%ymm7\\nvpshufb %%ymm6, %%ymm7, %%ymm6\\nvpmaddubsw 64(%0), %%ymm6, %%ymm6\\nvpaddw %%ymm6, %%ymm5, %%ymm5\\nvpmaddwd %%ymm8, %%ymm5, %%ymm5\\nvpand %%ymm1, %%ymm4, %%ymm6\\nvbroadcasti128 80(%0), %%ymm7\\nvpshufb %%ymm6, %%ymm7, %%ymm6\\nvpmaddubsw 96(%0), %%ymm6, %%ymm6\\nvpand %%ymm2, %%ymm4, %%ymm7\\nvbroadcasti128 112(%0), %%ymm10\\nvpshufb %%ymm7, %%ymm10, %%ymm7\\nvpmaddubsw 128(%0), %%ymm7, %%ymm7\\nvpaddw %%ymm7, %%ymm6, %%ymm6\\nvpmaddwd %%ymm8, %%ymm6, %%ymm6\\nvpaddd %%ymm6, %%ymm5, %%ymm5\\nvcvtdq2ps %%ymm5, %%ymm5\\nvbroadcastss 20(%0), %%ymm6\\nvfmadd213ps %%ymm9, %%ymm6, %%ymm5\\n"),
+     "vmovdqu (%0), %%ymm3\\nvpsrlw $4, %%ymm3, %%ymm4\\nvpand %%ymm1, %%ymm3, %%ymm5\\n"
+     "vbroadcasti128 16(%0), %%ymm6\\nvpshufb %%ymm5, %%ymm6, %%ymm5\\n"
+     "vpmaddubsw 32(%0), %%ymm5, %%ymm5\\nvpand %%ymm2, %%ymm3, %%ymm6\\nvbroadcasti128 48(%0), %%ymm7\\n"
+     "vpshufb %%ymm6, %%ymm7, %%ymm6\\nvpmaddubsw 64(%0), %%ymm6, %%ymm6\\n"
+     "vpaddw %%ymm6, %%ymm5, %%ymm5\\nvpmaddwd %%ymm8, %%ymm5, %%ymm5\\nvpand %%ymm1, %%ymm4, %%ymm6\\n"
+     "vbroadcasti128 80(%0), %%ymm7\\nvpshufb %%ymm6, %%ymm7, %%ymm6\\n"
+     "vpmaddubsw 96(%0), %%ymm6, %%ymm6\\nvpand %%ymm2, %%ymm4, %%ymm7\\n"
+     "vbroadcasti128 112(%0), %%ymm10\\nvpshufb %%ymm7, %%ymm10, %%ymm7\\n"
+     "vpmaddubsw 128(%0), %%ymm7, %%ymm7\\nvpaddw %%ymm7, %%ymm6, %%ymm6\\n"
+     "vpmaddwd %%ymm8, %%ymm6, %%ymm6\\nvpaddd %%ymm6, %%ymm5, %%ymm5\\nvcvtdq2ps %%ymm5, %%ymm5\\n"
+     "vbroadcastss 20(%0), %%ymm6\\nvfmadd213ps %%ymm9, %%ymm6, %%ymm5\\n"),
 ]
 
 PROGRAM = r"""
