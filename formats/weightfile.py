@@ -478,7 +478,7 @@ class WeightFile:
                     expected = sizes[ent.codec, ent.shape] = get_codec(ent.codec).nbytes(ent.shape)
                 except CodecError as e:
                     self._fail(f"tensor {name}: {e}")
-            if any(s < 0 for s in ent.shape) or ent.nbytes != expected:
+            if ent.nbytes != expected:
                 self._fail(f"tensor {name}: {ent.nbytes} bytes recorded, codec {ent.codec} of shape "
                            f"{list(ent.shape)} needs {expected}")
             if not 0 <= ent.extent < len(self.extents):
