@@ -50,8 +50,14 @@ TESTS = [
      "vinsertps $0x30, 12(%0), %%xmm3, %%xmm3\\nvmovss 16(%0), %%xmm4\\nvinsertps $0x10, 20(%0), %%xmm4, %%xmm4\\n"
      "vinsertps $0x20, 24(%0), %%xmm4, %%xmm4\\nvinsertps $0x30, 28(%0), %%xmm4, %%xmm4\\n"
      "vinsertf128 $1, %%xmm4, %%ymm3, %%ymm3\\n"),
-    # a t1 span as the kernel does it (P and Q: two byte products, two word products, two sums, the
-    # next field's bytes 3 y in two byte adds) against taking the trits out by two compares
+    # a t1 span as the kernel does it (y by 3x and 3 y by x: two byte products, their difference as
+    # words, one word product by the scale words, one sum; the next field's bytes 3 y in two byte adds),
+    # as it did with inputs to 63 (P and Q: two word products, two sums), and taking the trits out by
+    # two compares
+    ("t1 span by 3x and x (2 vpmaddubsw, 1 vpmaddwd)", 1,
+     "vpaddb %%ymm1, %%ymm1, %%ymm3\\nvpaddb %%ymm3, %%ymm1, %%ymm4\\nvpmaddubsw 32(%0), %%ymm2, %%ymm5\\n"
+     "vpmaddubsw (%0), %%ymm4, %%ymm6\\nvpsubw %%ymm6, %%ymm5, %%ymm5\\nvpbroadcastd 4(%0), %%ymm7\\n"
+     "vpmaddwd %%ymm7, %%ymm5, %%ymm5\\nvpaddd %%ymm5, %%ymm8, %%ymm10\\n"),
     ("t1 span by 3 P - Q (2 vpmaddubsw, 2 vpmaddwd)", 1,
      "vpaddb %%ymm1, %%ymm1, %%ymm3\\nvpaddb %%ymm3, %%ymm1, %%ymm4\\nvpmaddubsw (%0), %%ymm2, %%ymm5\\n"
      "vpmaddubsw (%0), %%ymm4, %%ymm6\\nvpbroadcastd 4(%0), %%ymm7\\nvpmaddwd %%ymm7, %%ymm5, %%ymm5\\n"

@@ -683,7 +683,7 @@ AVX2 static void multi_avx2(int kind, const uint8_t *codes, int64_t row_bytes, i
 static int use_avx2;
 /* the codec kinds (bit 1 << kind) whose one-token products take int8 activations (set_x8); row_x8
    serves q2, q4, q6 and q1 */
-#define X8_CAPABLE ((1 << K_Q2) | (1 << K_Q4) | (1 << K_Q6) | (1 << K_Q1) | (1 << K_T1))  /* t1: see rows_t1_x7 */
+#define X8_CAPABLE ((1 << K_Q2) | (1 << K_Q4) | (1 << K_Q6) | (1 << K_Q1) | (1 << K_T1))  /* t1: see rows_t1_xt */
 static int x8_kinds = 1 << K_Q2;
 static inline int x8_kind(int kind) { return kind >= 0 && kind < 31 && ((x8_kinds >> kind) & 1); }
 extern int ggml_avx2;
@@ -1151,85 +1151,91 @@ AVX2 static void rows_x8(const uint8_t *t, const int64_t *g, int64_t r0, int64_t
 #endif
 
 #if HAVE_X86
-/* ------------------------------------------------------------------ t1 times 7-bit activations, one token */
+/* ------------------------------------------------------------------ t1 times 5-bit activations, one token */
 /* A t1 byte q holds five trits: with y_0 = q and y_{f+1} = 3 y_f mod 256 (byte arithmetic), trit f is
  * d_f = floor(3 y_f / 256) (formats/SPEC.md), so 256 d_f = 3 y_f - y_{f+1} exactly. A span's integer dot
- * product is then sum_j d_f(j) x_j = (3 P - Q) / 256 with P = sum_j y_f(j) x_j, Q = sum_j y_{f+1}(j) x_j,
- * and no trit is ever taken out: a field costs two byte adds where the 16-bit kernel shifts and masks
- * both halves of every lane. y reaches 255, so x is rounded to -63 .. 63 per 128 values (quantize_x7):
- * vpmaddubsw's pair sums then never saturate (2 x 255 x 63 < 2^15), and one vpmaddwd (VNNI: vpdpwssd)
- * per product applies 3 sc or -sc as 16-bit words. Spans add up in int32 until their 128 inputs' step
- * and the super-block's d apply, once per 128 weights. The offsets (-d sc per span) multiply the
- * rounded inputs' sums, as with int8 inputs. */
-AVX2 static void quantize_x7(const float *x, int64_t cols, int8_t *q, float *qd, float *qs) {
-    quantize_blocks(x, cols, q, qd, qs, 63.0f, 63.0f);
+ * product is then sum_j d_f(j) x_j = sum_j (y_f(j) 3 x_j - y_{f+1}(j) x_j) / 256, and no trit is ever taken
+ * out: a field costs two byte adds (y_{f+1} = y_f + y_f + y_f) and two vpmaddubsw, one by 3x and one by x.
+ * y reaches 255, so x is rounded to -21 .. 21 per 128 values (quantize_xt; 3x is kept beside it):
+ * neither product's pair sums saturate (2 x 255 x 63 < 2^15), and their difference, 256 times a pair of
+ * digit x input (at most 256 x 2 x 2 x 21 in magnitude), is exact in 16-bit words. One vpmaddwd
+ * (VNNI: vpdpwssd) per span applies the span's scale to those words. Spans add up in int32 until their
+ * 128 inputs' step and the super-block's d apply, once per 128 weights. The offsets (-d sc per span)
+ * multiply the rounded inputs' sums, as with int8 inputs. (x at -63 .. 63 took a product by y_f and
+ * one by y_{f+1} as 32-bit sums, 3 P - Q: four multiplies a span where this takes three, measured
+ * 1.08-1.13x; the coarser rounding left the bundled models' KL unchanged, benchmarks/RESULTS.md.) */
+AVX2 static void quantize_xt(const float *x, int64_t cols, int8_t *q, float *qd, float *qs) {
+    quantize_blocks(x, cols, q, qd, qs, 21.0f, 21.0f);
+    for (int64_t j = 0; j < cols; j++) q[cols + j] = (int8_t)(3 * q[j]);
 }
 
-/* the five fields of chunk ch (spans 5 ch .. 5 ch + 4) into the int32 sums acc (P, Q); a span ending a
-   block of 128 inputs (s % 4 == 3: known from ph = ch % 4) turns 3 P - Q to float into fa by that
-   block's factor */
-#define T1_SPAN(f)                                                                                          \
-    {                                                                                                       \
-        const int64_t s = 5 * ch + (f);                                                                     \
-        __m256i y1 = _mm256_add_epi8(y, _mm256_add_epi8(y, y)), xv = LOAD32(x7 + 32 * s);                   \
-        __m256i w = _mm256_set1_epi32(sw[s]);                                                               \
-        acc[0] = dp_words(vn, acc[0], _mm256_maddubs_epi16(y, xv), w);                                      \
-        acc[1] = dp_words(vn, acc[1], _mm256_maddubs_epi16(y1, xv), w);                                     \
-        if (((5 * ph + (f)) & 3) == 3) {                                                                    \
-            fa[(f) & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t1_pq(acc)), _mm256_broadcast_ss(cf + (s >> 2)), fa[(f) & 1]); \
-            acc[0] = acc[1] = _mm256_setzero_si256();                                                       \
-        }                                                                                                   \
-        y = y1;                                                                                             \
+/* chunks ch .. ch + n - 1 (n = 1 or 2; spans 5 ch .. 5 ch + 5 n - 1) into the int32 sums acc; a span
+   ending a block of 128 inputs (s % 4 == 3: known from ph = ch % 4) turns them to float into fa by
+   that block's factor. Each span's words u = 256 x (digit x input, pairs summed) come first, the two
+   chunks' byte chains side by side: emitted chunk after chunk, each chunk's chain of ten dependent byte
+   adds held the loop back (measured: 1.05x on one thread). */
+AVX2 static inline __attribute__((always_inline)) void t1_chunks(const int vn, const int n, const int ph, const uint8_t *codes,
+                                                               int64_t ch, const int8_t *xt, const int8_t *x3,
+                                                               const int32_t *sw, const float *cf, __m256i *acc,
+                                                               __m256 *fa) {
+    __m256i y[2], u[10];
+    for (int c = 0; c < n; c++) y[c] = LOAD32(codes + 32 * (ch + c));
+    for (int f = 0; f < 5; f++)
+        for (int c = 0; c < n; c++) {
+            const int64_t s = 5 * (ch + c) + f;
+            __m256i y1 = _mm256_add_epi8(y[c], _mm256_add_epi8(y[c], y[c]));
+            u[5 * c + f] = _mm256_sub_epi16(_mm256_maddubs_epi16(y[c], LOAD32(x3 + 32 * s)),
+                                            _mm256_maddubs_epi16(y1, LOAD32(xt + 32 * s)));
+            if (vn == 0) u[5 * c + f] = _mm256_madd_epi16(u[5 * c + f], _mm256_set1_epi32(sw[s]));
+            y[c] = y1;
+        }
+    for (int k = 0; k < 5 * n; k++) {
+        const int64_t s = 5 * ch + k;
+        acc[k & 1] = vn == 0 ? _mm256_add_epi32(acc[k & 1], u[k]) : dp_words(vn, acc[k & 1], u[k], _mm256_set1_epi32(sw[s]));
+        if (((5 * ph + k) & 3) == 3) {
+            fa[k & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(acc[0], acc[1])),
+                                        _mm256_broadcast_ss(cf + (s >> 2)), fa[k & 1]);
+            acc[0] = acc[1] = _mm256_setzero_si256();
+        }
     }
-/* 3 P - Q */
-AVX2 static inline __m256i t1_pq(const __m256i *acc) {
-    return _mm256_sub_epi32(_mm256_add_epi32(acc[0], _mm256_add_epi32(acc[0], acc[0])), acc[1]);
 }
-AVX2 static inline __attribute__((always_inline)) void t1_chunk(const int vn, const int ph, const uint8_t *codes, int64_t ch,
-                                                              const int8_t *x7, const int32_t *sw, const float *cf,
-                                                              __m256i *acc, __m256 *fa) {
-    __m256i y = LOAD32(codes + 32 * ch);
-    T1_SPAN(0) T1_SPAN(1) T1_SPAN(2) T1_SPAN(3) T1_SPAN(4)
-}
-#undef T1_SPAN
 
 /* A t1 row's tail chunk when its columns are a multiple of 128: R = 32, 64, 96 or 128 columns, field f
    of its bytes y holding columns f L .. f L + L - 1 (L = (R + 4) / 5, the last field cut at R). Each
-   field's bytes times the inputs of their columns (x: the tail's first input; one unaligned load, the
-   buffer padded past the row) by the whole chunks' identity, split by masks at the span boundary the
-   field may cross, each part by its span's scale words (sw: the tail's first span's). p[k] = 256 x
-   span k's sum of scale x digit x input (zero past R). */
+   field's bytes times the inputs of their columns (x, x3: the tail's first input and three times it;
+   unaligned loads, the buffers padded past the row) by the whole chunks' identity, split by masks at
+   the span boundary the field may cross, each part by its span's scale words (sw: the tail's first
+   span's). p[k] = 256 x span k's sum of scale x digit x input (zero past R). */
 AVX2 static inline __attribute__((always_inline)) void t1_tail_sums(const int vn, const int R, __m256i y, const int8_t *x,
-                                                                  const int32_t *sw, __m256i *p) {
+                                                                  const int8_t *x3, const int32_t *sw, __m256i *p) {
     const int L = (R + 4) / 5;
     const __m256i iota = _mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,
                                           21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
-    __m256i P[4], Q[4];
-    for (int k = 0; k < 4; k++) P[k] = Q[k] = _mm256_setzero_si256();
+    for (int k = 0; k < 4; k++) p[k] = _mm256_setzero_si256();
     for (int f = 0; f < 5; f++) {
         const int lo = f * L, hi = lo + L < R ? lo + L : R, k0 = lo / 32, split = 32 * (k0 + 1) - lo;
         if (lo >= R) break;
-        __m256i y1 = _mm256_add_epi8(y, _mm256_add_epi8(y, y)), xv = LOAD32(x + lo);
+        __m256i y1 = _mm256_add_epi8(y, _mm256_add_epi8(y, y)), xv = LOAD32(x + lo), x3v = LOAD32(x3 + lo);
         __m256i live = _mm256_cmpgt_epi8(_mm256_set1_epi8((char)(hi - lo)), iota);
         __m256i m0 = _mm256_and_si256(live, _mm256_cmpgt_epi8(_mm256_set1_epi8((char)split), iota));
-        __m256i w0 = _mm256_set1_epi32(sw[k0]);
-        P[k0] = dp_words(vn, P[k0], _mm256_maddubs_epi16(_mm256_and_si256(y, m0), xv), w0);
-        Q[k0] = dp_words(vn, Q[k0], _mm256_maddubs_epi16(_mm256_and_si256(y1, m0), xv), w0);
+        __m256i u = _mm256_sub_epi16(_mm256_maddubs_epi16(_mm256_and_si256(y, m0), x3v),
+                                     _mm256_maddubs_epi16(_mm256_and_si256(y1, m0), xv));
+        p[k0] = dp_words(vn, p[k0], u, _mm256_set1_epi32(sw[k0]));
         if (hi > 32 * (k0 + 1)) {                     /* the field's columns from the next span on */
-            __m256i m1 = _mm256_andnot_si256(m0, live), w1 = _mm256_set1_epi32(sw[k0 + 1]);
-            P[k0 + 1] = dp_words(vn, P[k0 + 1], _mm256_maddubs_epi16(_mm256_and_si256(y, m1), xv), w1);
-            Q[k0 + 1] = dp_words(vn, Q[k0 + 1], _mm256_maddubs_epi16(_mm256_and_si256(y1, m1), xv), w1);
+            __m256i m1 = _mm256_andnot_si256(m0, live);
+            u = _mm256_sub_epi16(_mm256_maddubs_epi16(_mm256_and_si256(y, m1), x3v),
+                                 _mm256_maddubs_epi16(_mm256_and_si256(y1, m1), xv));
+            p[k0 + 1] = dp_words(vn, p[k0 + 1], u, _mm256_set1_epi32(sw[k0 + 1]));
         }
         y = y1;
     }
-    for (int k = 0; k < 4; k++) p[k] = _mm256_sub_epi32(_mm256_add_epi32(P[k], _mm256_add_epi32(P[k], P[k])), Q[k]);
 }
 
-/* Row r of a t1 tensor (cols a multiple of 128) times one token's x7 (x7d: steps per 128, x7s: the
-   rounded inputs' sums per 32). Scratch: nsp + 8 int32 words, then nsp / 4 + nsp / 8 + 24 floats. */
-AVX2 static inline __attribute__((always_inline)) float row_t1_x7(const int vn, const uint8_t *t, const int64_t *g,
-                                                                int64_t r, const float *x, const int8_t *x7,
-                                                                const float *x7d, const float *x7s, float *scratch,
+/* Row r of a t1 tensor (cols a multiple of 128) times one token's xt (its rounded x, then 3x at xt +
+   cols; xtd: steps per 128, xts: the rounded inputs' sums per 32). Scratch: nsp + 8 int32 words, then nsp / 4 + nsp / 8 + 24 floats. */
+AVX2 static inline __attribute__((always_inline)) float row_t1_xt(const int vn, const uint8_t *t, const int64_t *g,
+                                                                int64_t r, const float *x, const int8_t *xt,
+                                                                const float *xtd, const float *xts, float *scratch,
                                                                 atomic_int *bad) {
     /* spans and blocks counted over the whole row: the tail's take their scales and factors as the
        whole chunks' do */
@@ -1237,9 +1243,10 @@ AVX2 static inline __attribute__((always_inline)) float row_t1_x7(const int vn, 
     int64_t nsp = cols / 32, nsb = nsp / 8, nsup = (nsp + 7) / 8, nq = (nsp + 3) / 4;
     const uint8_t *po = t + g[G_OFFPAR] + r * g[G_PARROW], *so = t + g[G_OFFSUB] + r * g[G_SUBROW];
     const uint8_t *codes = t + g[G_OFFCODE] + r * g[G_CODEROW];
+    const int8_t *x3 = xt + cols;
     int32_t *sw = (int32_t *)scratch;
     float *cf = (float *)(sw + nsp + 8), *D = cf + nq + 8;
-    /* every super-block's d, then each block of 128 inputs' factor d step / 256 (eight at a time: x7d
+    /* every super-block's d, then each block of 128 inputs' factor d step / 256 (eight at a time: xtd
        and D run on past their ends into memory of the same buffers) */
     int64_t b = 0;
     for (; b + 8 <= nsup; b += 8) _mm256_storeu_ps(D + b, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(po + 2 * b))));
@@ -1247,7 +1254,7 @@ AVX2 static inline __attribute__((always_inline)) float row_t1_x7(const int vn, 
     const __m256i pairs = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
     for (int64_t q = 0; q < nq; q += 8) {
         __m256 d2 = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(D + q / 2)), pairs);
-        _mm256_storeu_ps(cf + q, _mm256_mul_ps(_mm256_mul_ps(d2, _mm256_loadu_ps(x7d + q)), _mm256_set1_ps(1.0f / 256.0f)));
+        _mm256_storeu_ps(cf + q, _mm256_mul_ps(_mm256_mul_ps(d2, _mm256_loadu_ps(xtd + q)), _mm256_set1_ps(1.0f / 256.0f)));
     }
     const __m256i m15 = _mm256_set1_epi32(15), shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
     /* each span's scale in both 16-bit halves of a word, and the offsets' sum (-d sc per span times the
@@ -1260,7 +1267,7 @@ AVX2 static inline __attribute__((always_inline)) float row_t1_x7(const int vn, 
         __m256i sc = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w4), shifts), m15);          \
         _mm256_storeu_si256((__m256i *)(sw + 8 * (b)), _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16)));     \
         off = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_broadcast_ss(D + (b)), _mm256_cvtepi32_ps(sc)),         \
-                               _mm256_loadu_ps(x7s + 8 * (b)), off);                                        \
+                               _mm256_loadu_ps(xts + 8 * (b)), off);                                        \
     }
     for (b = 0; b + 2 <= nsb; b += 2) {
         T1_SCALES(b, off0)
@@ -1272,24 +1279,25 @@ AVX2 static inline __attribute__((always_inline)) float row_t1_x7(const int vn, 
     for (int64_t s = 8 * nsb; s < nsp; s++) {       /* a last, shorter super-block */
         int sc = (so[s >> 1] >> (4 * (s & 1))) & 15;
         sw[s] = sc | (sc << 16);
-        tot -= D[nsb] * (float)sc * x7s[s];
+        tot -= D[nsb] * (float)sc * xts[s];
     }
-    __m256i acc[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};    /* the P and the Q products */
+    __m256i acc[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};    /* even and odd spans */
     __m256 fa[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     int64_t ch = 0;
     for (; ch + 4 <= nch; ch += 4) {
         __builtin_prefetch(codes + 32 * ch + CODE_PREFETCH);
         __builtin_prefetch(codes + 32 * ch + 64 + CODE_PREFETCH);
-        t1_chunk(vn, 0, codes, ch, x7, sw, cf, acc, fa);
-        t1_chunk(vn, 1, codes, ch + 1, x7, sw, cf, acc, fa);
-        t1_chunk(vn, 2, codes, ch + 2, x7, sw, cf, acc, fa);
-        t1_chunk(vn, 3, codes, ch + 3, x7, sw, cf, acc, fa);
+        t1_chunks(vn, 2, 0, codes, ch, xt, x3, sw, cf, acc, fa);
+        t1_chunks(vn, 2, 2, codes, ch + 2, xt, x3, sw, cf, acc, fa);
     }
-    if (ch < nch) t1_chunk(vn, 0, codes, ch++, x7, sw, cf, acc, fa);
-    if (ch < nch) t1_chunk(vn, 1, codes, ch++, x7, sw, cf, acc, fa);
-    if (ch < nch) t1_chunk(vn, 2, codes, ch++, x7, sw, cf, acc, fa);
+    if (ch + 2 <= nch) {
+        t1_chunks(vn, 2, 0, codes, ch, xt, x3, sw, cf, acc, fa);
+        ch += 2;
+    }
+    if (ch < nch && (ch & 2)) t1_chunks(vn, 1, 2, codes, ch, xt, x3, sw, cf, acc, fa);
+    else if (ch < nch) t1_chunks(vn, 1, 0, codes, ch, xt, x3, sw, cf, acc, fa);
     if (nfs & 3)                   /* the spans of a block cut short by the tail */
-        fa[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t1_pq(acc)), _mm256_broadcast_ss(cf + nfs / 4), fa[0]);
+        fa[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(acc[0], acc[1])), _mm256_broadcast_ss(cf + nfs / 4), fa[0]);
     if (done < cols) {              /* the tail chunk: 32, 64, 96 or 128 columns, one to four spans */
         __m256i y, p[4];
         const uint8_t *tc = codes + 32 * nch;
@@ -1301,10 +1309,10 @@ AVX2 static inline __attribute__((always_inline)) float row_t1_x7(const int vn, 
             y = _mm256_load_si256((const __m256i *)tb);
         }
         switch (cols - done) {           /* each length's fields and span boundaries as constants */
-        case 32: t1_tail_sums(vn, 32, y, x7 + done, sw + nfs, p); break;
-        case 64: t1_tail_sums(vn, 64, y, x7 + done, sw + nfs, p); break;
-        case 96: t1_tail_sums(vn, 96, y, x7 + done, sw + nfs, p); break;
-        default: t1_tail_sums(vn, 128, y, x7 + done, sw + nfs, p); break;
+        case 32: t1_tail_sums(vn, 32, y, xt + done, x3 + done, sw + nfs, p); break;
+        case 64: t1_tail_sums(vn, 64, y, xt + done, x3 + done, sw + nfs, p); break;
+        case 96: t1_tail_sums(vn, 96, y, xt + done, x3 + done, sw + nfs, p); break;
+        default: t1_tail_sums(vn, 128, y, xt + done, x3 + done, sw + nfs, p); break;
         }
         for (int k = 0; k < 4; k++)      /* (a constant k: fa stays in registers) */
             if (nfs + k < nsp)
@@ -1313,15 +1321,15 @@ AVX2 static inline __attribute__((always_inline)) float row_t1_x7(const int vn, 
     return tot + hsum8(_mm256_add_ps(fa[0], fa[1])) + outlier_sum(t, g, r, x, bad);
 }
 
-AVX2 static void rows_t1_x7(const uint8_t *t, const int64_t *g, int64_t r0, int64_t r1, const float *x,
-                            const int8_t *x7, const float *x7d, const float *x7s, float *scratch, float *out,
+AVX2 static void rows_t1_xt(const uint8_t *t, const int64_t *g, int64_t r0, int64_t r1, const float *x,
+                            const int8_t *xt, const float *xtd, const float *xts, float *scratch, float *out,
                             atomic_int *bad) {
     for (int64_t r = r0; r < r1; r++) {
         prefetch_next_row(t, g, r);
         switch (use_vnni) {
-        case 0: out[r - r0] = row_t1_x7(0, t, g, r, x, x7, x7d, x7s, scratch, bad); break;
-        case 1: out[r - r0] = row_t1_x7(1, t, g, r, x, x7, x7d, x7s, scratch, bad); break;
-        default: out[r - r0] = row_t1_x7(2, t, g, r, x, x7, x7d, x7s, scratch, bad); break;
+        case 0: out[r - r0] = row_t1_xt(0, t, g, r, x, xt, xtd, xts, scratch, bad); break;
+        case 1: out[r - r0] = row_t1_xt(1, t, g, r, x, xt, xtd, xts, scratch, bad); break;
+        default: out[r - r0] = row_t1_xt(2, t, g, r, x, xt, xtd, xts, scratch, bad); break;
         }
     }
 }
@@ -1438,8 +1446,8 @@ struct task {
     const int8_t *x8;                                     /* rows jobs: x as int8 per 128 values (or NULL) */
     const float *x8d;                                     /* ... and their scales (quarter steps) */
     const float *x8s;                                     /* ... and the rounded values' sums per 32 */
-    const int8_t *x7;                                     /* one t1 token: x as -63 .. 63 per 128 values (or NULL) */
-    const float *x7d, *x7s;                               /* ... their steps and the rounded values' sums per 32 */
+    const int8_t *xt;                                     /* one t1 token: x as -21 .. 21 per 128 values, then 3x (or NULL) */
+    const float *xtd, *xts;                               /* ... their steps and the rounded values' sums per 32 */
     const float *xT;                                      /* several tokens, int8: xf transposed [cols][nxT] */
     int64_t nxT;
     int64_t cols, nspan, n, stride;
@@ -2139,9 +2147,9 @@ static void rows_job(task_t *t, int64_t j, float *scratch) {
             multi_job_avx2(t, job, scratch);
         return;
     }
-    if (use_avx2 && t->x7 && g[G_KIND] == K_T1 && g[G_COLS] % 128 == 0) {     /* one t1 token */
-        rows_t1_x7(tensor, g, job[2], job[3], t->xf + x0 * cols, t->x7 + x0 * cols, t->x7d + x0 * ((cols + 127) / 128),
-                   t->x7s + x0 * nsp, scratch, t->out + job[5], &t->bad);
+    if (use_avx2 && t->xt && g[G_KIND] == K_T1 && g[G_COLS] % 128 == 0) {     /* one t1 token */
+        rows_t1_xt(tensor, g, job[2], job[3], t->xf + x0 * cols, t->xt + 2 * x0 * cols, t->xtd + x0 * ((cols + 127) / 128),
+                   t->xts + x0 * nsp, scratch, t->out + job[5], &t->bad);
         return;
     }
     if (use_avx2 && t->x8 && x8_kind((int)g[G_KIND]) && g[G_KIND] != K_T1 && g[G_COLS] % 128 == 0 &&
@@ -3194,23 +3202,23 @@ static int quantize_rows(const float *xf, int64_t nx, int64_t cols, int16_t **xq
     return 0;
 }
 
-/* one t1 token's input (rows_t1_x7) when a call's geometries hold t1 and it takes int8 inputs: x7 as
-   -63 .. 63 per 128 values, *x7d their steps then the rounded values' sums per 32; nothing where it
-   does not apply (*x7 stays NULL); -1 with MemoryError set (no_memory) */
-static int quantize_rows7(const int64_t *geoms, int64_t ng, const float *xf, int64_t nx, int64_t cols, int64_t ntok,
-                          int8_t **x7, float **x7d) {
-    *x7 = NULL;
-    *x7d = NULL;
+/* one t1 token's input (rows_t1_xt) when a call's geometries hold t1 and it takes int8 inputs: xt as
+   -21 .. 21 per 128 values then three times those (2 cols bytes per token), *xtd their steps then the rounded values' sums per 32; nothing where it
+   does not apply (*xt stays NULL); -1 with MemoryError set (no_memory) */
+static int quantize_rows_t1(const int64_t *geoms, int64_t ng, const float *xf, int64_t nx, int64_t cols, int64_t ntok,
+                          int8_t **xt, float **xtd) {
+    *xt = NULL;
+    *xtd = NULL;
 #if HAVE_X86
     int any = 0;
     for (int64_t i = 0; i < ng; i++) any |= geoms[G_LEN * i + G_KIND] == K_T1;
     if (!use_avx2 || !any || ntok != 1 || cols % 128 || !x8_kind(K_T1)) return 0;
     int64_t n = nx * cols, nq = cols / 128, nspan = cols / 32;
-    *x7 = malloc(n + 32);            /* t1_tail_sums reads up to 28 bytes past a row */
-    *x7d = malloc(sizeof(float) * (nx * (nq + nspan) + 1));
-    if (!*x7 || !*x7d) { no_memory(); return -1; }
+    *xt = malloc(2 * n + 32);            /* t1_tail_sums reads up to 28 bytes past a row */
+    *xtd = malloc(sizeof(float) * (nx * (nq + nspan) + 1));
+    if (!*xt || !*xtd) { no_memory(); return -1; }
     for (int64_t i = 0; i < nx; i++)
-        quantize_x7(xf + i * cols, cols, *x7 + i * cols, *x7d + i * nq, *x7d + nx * nq + i * nspan);
+        quantize_xt(xf + i * cols, cols, *xt + 2 * i * cols, *xtd + i * nq, *xtd + nx * nq + i * nspan);
 #else
     (void)geoms; (void)ng; (void)xf; (void)nx; (void)cols; (void)ntok;
 #endif
@@ -3395,8 +3403,8 @@ static int run_rows(const uint8_t *raw, int64_t nraw, const int64_t *geoms, int6
                     int64_t ostride) {
     int rc = -1;
     int16_t *xq = NULL;
-    int8_t *x8 = NULL, *x7 = NULL;
-    float *xsc = NULL, *xs = NULL, *x8d = NULL, *xT = NULL, *x7d = NULL;
+    int8_t *x8 = NULL, *xt = NULL;
+    float *xsc = NULL, *xs = NULL, *x8d = NULL, *xT = NULL, *xtd = NULL;
     if (!ng) { PyErr_SetString(PyExc_ValueError, "no geometry"); goto done; }
     int64_t cols = geoms[G_COLS];
     if (cols <= 0 || cols % 32 || nxf % cols) { PyErr_SetString(PyExc_ValueError, "xf does not match the geometry's columns"); goto done; }
@@ -3424,7 +3432,7 @@ static int run_rows(const uint8_t *raw, int64_t nraw, const int64_t *geoms, int6
     int any_x8 = 0;
     for (int64_t i = 0; i < ng; i++) any_x8 |= x8_kind((int)geoms[G_LEN * i + G_KIND]);
     if (quantize_rows(xf, nx, cols, &xq, &xsc, &xs, any_x8 ? &x8 : NULL, &x8d) ||
-        quantize_rows7(geoms, ng, xf, nx, cols, ntok, &x7, &x7d))
+        quantize_rows_t1(geoms, ng, xf, nx, cols, ntok, &xt, &xtd))
         goto done;
     if (x8 && ntok > 1) {             /* multi_x8 reads each outlier's inputs for a run of tokens at once */
         xT = malloc(sizeof(float) * (nx * cols + TOKEN_TILE));
@@ -3434,12 +3442,12 @@ static int run_rows(const uint8_t *raw, int64_t nraw, const int64_t *geoms, int6
     }
     task_t t = {.job = rows_job, .raw = raw, .geoms = geoms, .xf = xf, .xsc = xsc, .xs = xs,
                 .xq = xq, .xp = xq + nxf, .x8 = x8, .x8d = x8d, .x8s = x8d ? x8d + nx * ((cols + 127) / 128) : NULL,
-                .xT = xT, .nxT = nx, .x7 = x7, .x7d = x7d, .x7s = x7d ? x7d + nx * (cols / 128) : NULL,
+                .xT = xT, .nxT = nx, .xt = xt, .xtd = xtd, .xts = xtd ? xtd + nx * (cols / 128) : NULL,
                 .cols = cols, .nspan = nspan, .jobs = jobs, .njobs = njobs, .out = out, .ntok = ntok,
                 .ostride = ostride, .scratch_floats = rows_scratch(max_rows, tile, nspan)};
     rc = run_unlocked(&t, threads);
 done:
-    free(xq); free(xsc); free(xs); free(x8); free(x8d); free(xT); free(x7); free(x7d);
+    free(xq); free(xsc); free(xs); free(x8); free(x8d); free(xT); free(xt); free(xtd);
     return rc;
 }
 
@@ -3539,16 +3547,16 @@ typedef struct {
     int64_t ng, n, T, hidden, inter;
     int any_x8;
     int64_t *jobs1, *jobs2;
-    float *h, *y, *xsc, *xs, *asc, *as, *x8d, *a8d, *x7d, *a7d;
+    float *h, *y, *xsc, *xs, *asc, *as, *x8d, *a8d, *xtd, *atd;
     int16_t *xq, *aq;
-    int8_t *x8, *a8, *x7, *a7;
+    int8_t *x8, *a8, *xt, *atq;
     task_t t1, t2;                     /* gate and up rows of every pair; down rows */
 } moe_run_t;
 
 static void moe_free(moe_run_t *m) {
     free(m->jobs1); free(m->jobs2); free(m->h); free(m->y); free(m->xq); free(m->xsc); free(m->xs); free(m->aq);
-    free(m->asc); free(m->as); free(m->x8); free(m->x8d); free(m->a8); free(m->a8d); free(m->x7); free(m->x7d);
-    free(m->a7); free(m->a7d);
+    free(m->asc); free(m->as); free(m->x8); free(m->x8d); free(m->a8); free(m->a8d); free(m->xt); free(m->xtd);
+    free(m->atq); free(m->atd);
 }
 
 /* whether moe's arguments (m's inputs, nraw bytes of base) fit; ValueError set if not */
@@ -3604,11 +3612,11 @@ static int moe_setup(moe_run_t *m) {
     m->any_x8 = 0;          /* as rows(): codecs whose products take int8 inputs, at any token count */
     for (int64_t i = 0; i < m->ng; i++) m->any_x8 |= x8_kind((int)m->geoms[G_LEN * i + G_KIND]);
     if (quantize_rows(m->x, T, hidden, &m->xq, &m->xsc, &m->xs, m->any_x8 ? &m->x8 : NULL, &m->x8d) ||
-        quantize_rows7(m->geoms, m->ng, m->x, T, hidden, 1, &m->x7, &m->x7d))
+        quantize_rows_t1(m->geoms, m->ng, m->x, T, hidden, 1, &m->xt, &m->xtd))
         return -1;
     m->t1 = (task_t){.job = rows_job, .raw = m->base, .geoms = m->geoms, .xf = m->x, .xsc = m->xsc, .xs = m->xs,
                      .xq = m->xq, .x8 = m->x8, .x8d = m->x8d, .x8s = m->x8d ? m->x8d + T * ((hidden + 127) / 128) : NULL,
-                     .x7 = m->x7, .x7d = m->x7d, .x7s = m->x7d ? m->x7d + T * (hidden / 128) : NULL,
+                     .xt = m->xt, .xtd = m->xtd, .xts = m->xtd ? m->xtd + T * (hidden / 128) : NULL,
                      .xp = m->xq + T * hidden, .cols = hidden, .nspan = hidden / 32, .jobs = m->jobs1, .njobs = nj1,
                      .out = m->h, .ntok = 1, .scratch_floats = rows_scratch(per1, 1, hidden / 32)};
     m->t2 = (task_t){.job = rows_job, .raw = m->base, .geoms = m->geoms, .cols = inter, .nspan = inter / 32,
@@ -3621,12 +3629,12 @@ static int moe_between(moe_run_t *m) {
     int64_t n = m->n, inter = m->inter;
     float *act = swiglu_pairs(m->h, n, inter);
     if (quantize_rows(act, n, inter, &m->aq, &m->asc, &m->as, m->any_x8 ? &m->a8 : NULL, &m->a8d) ||
-        quantize_rows7(m->geoms, m->ng, act, n, inter, 1, &m->a7, &m->a7d))
+        quantize_rows_t1(m->geoms, m->ng, act, n, inter, 1, &m->atq, &m->atd))
         return -1;
     task_t *t = &m->t2;
     t->xf = act; t->xsc = m->asc; t->xs = m->as; t->xq = m->aq; t->xp = m->aq + n * inter;
     t->x8 = m->a8; t->x8d = m->a8d; t->x8s = m->a8d ? m->a8d + n * ((inter + 127) / 128) : NULL;
-    t->x7 = m->a7; t->x7d = m->a7d; t->x7s = m->a7d ? m->a7d + n * (inter / 128) : NULL;
+    t->xt = m->atq; t->xtd = m->atd; t->xts = m->atd ? m->atd + n * (inter / 128) : NULL;
     return 0;
 }
 
@@ -4562,9 +4570,9 @@ static int mla_core(const mla_t *m) {
     const int64_t *g = m->g;
     int64_t r = g[G_COLS], hd = m->hd, nh = m->nh, nope = m->nope, v = m->v, stride = nope + v, pos = m->pos;
     int rc = -1;
-    float *work = NULL, *xsc = NULL, *xs = NULL, *x8d = NULL, *x7d = NULL;
+    float *work = NULL, *xsc = NULL, *xs = NULL, *x8d = NULL, *xtd = NULL;
     int16_t *xq = NULL;
-    int8_t *x8 = NULL, *x7 = NULL;
+    int8_t *x8 = NULL, *xt = NULL;
     int64_t *jobs = NULL;
     int64_t dr = 2 * hd, S = pos + 1, nspan = r / 32;
     work = malloc(sizeof(float) * (r + dr + nh * (nope + dr + 2 * r)));
@@ -4604,18 +4612,18 @@ static int mla_core(const mla_t *m) {
             jb[4] = h; jb[5] = h * v + lo;
         }
     if (quantize_rows(olat, nh, r, &xq, &xsc, &xs, x8_kind((int)g[G_KIND]) ? &x8 : NULL, &x8d) ||
-        quantize_rows7(g, 1, olat, nh, r, 1, &x7, &x7d))
+        quantize_rows_t1(g, 1, olat, nh, r, 1, &xt, &xtd))
         goto done;
     task_t t2 = {.job = rows_job, .raw = m->raw, .geoms = g, .xf = olat, .xsc = xsc, .xs = xs, .xq = xq,
                  .xp = xq + nh * r, .x8 = x8, .x8d = x8d, .x8s = x8d ? x8d + nh * ((r + 127) / 128) : NULL,
-                 .x7 = x7, .x7d = x7d, .x7s = x7d ? x7d + nh * (r / 128) : NULL,
+                 .xt = xt, .xtd = xtd, .xts = xtd ? xtd + nh * (r / 128) : NULL,
                  .cols = r, .nspan = nspan, .jobs = jobs, .njobs = nj, .out = m->out, .ntok = 1,
                  .scratch_floats = rows_scratch(per, 1, nspan)};
     int bad2 = run_unlocked(&t2, nh * v * r >= m->min_weights ? m->threads : 1);
     if (bad2 < 0) goto done;
     rc = bad || bad2;
 done:
-    free(work); free(jobs); free(xq); free(xsc); free(xs); free(x8); free(x8d); free(x7); free(x7d);
+    free(work); free(jobs); free(xq); free(xsc); free(xs); free(x8); free(x8d); free(xt); free(xtd);
     return rc;
 }
 

@@ -7,7 +7,7 @@ multiplies each codec's stored digits by them in int32 lanes, applies each span'
 once, and adds each outlier's stored correction times its input; nothing is dequantized. q2, q1 and
 t1 weights (the routed experts) take x as int8 per 128 values instead (q4/q6 too with
 `set_activations("int8")`): byte products, the sub-block scales applied as integers, one float step
-per 128 weights (one t1 token: 7 bits, so that its trits never have to be taken out of their bytes).
+per 128 weights (one t1 token: -21 .. 21, so that its trits never have to be taken out of their bytes).
 Every caller hands it a list of row jobs (a linear, all routed experts of a token, kv_b's heads),
 shared out over a small thread pool.
 A decode step's attention from the projections to the heads' values is one call (LatentAttention),
@@ -63,6 +63,7 @@ ACTIVATIONS = ("auto", "int8", "int16")   # kimi-run --activations (set_activati
 _activations = "auto"
 _decoding = True          # Model.forward: one token per sequence (set_decoding)
 X8_BLOCK = 128            # int8 activations: values per float scale (one q2 chunk)
+T1_INPUT_TOP = 21         # one t1 token's input, as runtime/_qdot.c's quantize_xt rounds it
 X8_CODECS = ("q2", "q1", "t1", "q4", "q6")    # the codecs with an int8-activation kernel (set_activations)
 _threads = int(os.environ.get("KIMI_STREAM_THREADS") or len(os.sched_getaffinity(0)))   # kimi-run --threads
 GGUF_INPUTS = ("llama.cpp", "f32")
@@ -156,7 +157,7 @@ def quantize_activations(x: np.ndarray):
 def set_activations(mode: str) -> None:
     """How the integer kernels round a product's input: "auto" (the default) takes int8 per 128 values
     for q2, q1 and t1 weights (routed experts: byte products, vpmaddubsw, one float step per 128
-    weights; one t1 token -63 .. 63), and 16-bit integers per 32 values for every other
+    weights; one t1 token -21 .. 21), and 16-bit integers per 32 values for every other
     codec; "int8" takes int8 for q4 and q6 as well (attention, shared experts, lm_head: faster, at a
     measurable KL cost, see benchmarks/RESULTS.md);
     "int16" keeps 16 bits everywhere. Products of fewer than X8_BLAS_MIN_TOKENS tokens (t1:
@@ -202,7 +203,7 @@ _apply_x8()     # the C side starts as the setting says, whoever imports this mo
 def takes_int8(codec: str, cols: int | None = None, tokens: int = 1) -> bool:
     """Whether a product of `tokens` tokens by a `codec` weight (of `cols` columns) rounds its input to
     int8 now: rows of whole 128-column blocks and whole code chunks only (q1's are 256; t1 takes its
-    digits out of the chunks first for several tokens, and one t1 token's input is rounded to 7 bits,
+    digits out of the chunks first for several tokens, and one t1 token's input is rounded to -21 .. 21,
     see `rounded_input`)."""
     if cols is not None and cols % (256 if codec == "q1" else X8_BLOCK):
         return False
@@ -215,8 +216,8 @@ def rounded_input(codec: str, x: np.ndarray, tokens: int = 1) -> np.ndarray:
     (float64; exact float sums aside): int8 per X8_BLOCK values where `takes_int8`, else int16 per 32."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if takes_int8(codec, x.shape[0], tokens):
-        # one t1 token: -63 .. 63 (its kernel multiplies bytes up to 255 by them, see runtime/_qdot.c)
-        top = np.float32(63 if codec == "t1" and tokens == 1 else 127)
+        # one t1 token: -21 .. 21 (its kernel multiplies bytes up to 255 by three times them, runtime/_qdot.c)
+        top = np.float32(T1_INPUT_TOP if codec == "t1" and tokens == 1 else 127)
         b = x.reshape(-1, X8_BLOCK)
         amax = np.abs(b).max(axis=1, keepdims=True)
         inv = np.where(amax > 0, top / np.where(amax > 0, amax, 1), 0).astype(np.float32)

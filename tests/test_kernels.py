@@ -120,10 +120,10 @@ def test_int8_activations_round_inputs_per_128(name):
 @pytest.mark.parametrize("cols", [128, 256, 512, 1024, 1280, 1408, 7168])
 def test_one_t1_token_is_exact_on_its_input_grid(cols):
     """One t1 token multiplies its trits' bytes without taking the trits out (256 d = 3 y - y', y' = 3 y
-    mod 256) by x rounded to -63 .. 63 per 128 values: given an x already on that grid the product is
+    mod 256) by x rounded to -21 .. 21 per 128 values: given an x already on that grid the product is
     the reference weight times x to float rounding, for rows of whole 640-column groups, leftover
     chunks, a last shorter super-block, a tail chunk of each length (512: 32 columns, 1024: 64, 256: 96,
-    1408 and 7168: 128, 128: a tail alone) and outliers; and an x off the grid is rounded that way (7 bits, not int8's 8)."""
+    1408 and 7168: 128, 128: a tail alone) and outliers; and an x off the grid is rounded that way (to 21 steps, not int8's 127)."""
     if kernels.isa() != "avx2":
         pytest.skip("an AVX2 route")
     shape = (24, cols)
@@ -134,7 +134,7 @@ def test_one_t1_token_is_exact_on_its_input_grid(cols):
         assert kernels.takes_int8("t1", cols, 1)
         xg = kernels.rounded_input("t1", x, 1).astype(np.float32)
         assert np.array_equal(kernels.rounded_input("t1", xg, 1).astype(np.float32), xg)
-        steps = np.abs(xg.reshape(-1, 128)).max(axis=1) / 63
+        steps = np.abs(xg.reshape(-1, 128)).max(axis=1) / 21
         assert np.allclose(xg.reshape(-1, 128) / steps[:, None], np.rint(xg.reshape(-1, 128) / steps[:, None]),
                            atol=1e-3)
         y = kernels.linear(xg[None], "t1", raw, shape)[0]
@@ -142,7 +142,26 @@ def test_one_t1_token_is_exact_on_its_input_grid(cols):
         y7 = kernels.linear(x[None], "t1", raw, shape)[0]
         assert_int8_close(y7, "t1", raw, shape, x, 1)
     with activations_mode("int16"):
-        assert rel(y7, kernels.linear(x[None], "t1", raw, shape)[0]) > 1e-4     # the 7-bit route ran
+        assert rel(y7, kernels.linear(x[None], "t1", raw, shape)[0]) > 1e-4     # the t1 route ran
+
+
+@pytest.mark.parametrize("byte", [0xFF, 0xFE, 0xF3, 0x00])
+def test_one_t1_token_at_its_largest_bytes_and_inputs(byte):
+    """Every code byte the same (0xFF: every trit 2, bytes up to 255 along the 3 y mod 256 chain) times
+    inputs all at the top of their grid, of one sign and alternating: a product by 3x or by x whose pair
+    sums saturated, or a difference of the two outside 16 bits, would show here."""
+    if kernels.isa() != "avx2":
+        pytest.skip("an AVX2 route")
+    shape, cols = (8, 1408), 1408
+    raw = np.array(encode("t1", weight(shape, seed=5)), copy=True)
+    g = get_codec("t1").geometry(shape)
+    raw[g.off_code:g.nbytes] = byte
+    ref = get_codec("t1").decode(raw, shape).astype(np.float64)
+    with activations_mode("auto"):
+        for x in (np.full(cols, 3.0, np.float32), np.where(np.arange(cols) % 2, -3.0, 3.0).astype(np.float32),
+                  np.where(np.arange(cols) % 4 < 2, -3.0, 3.0).astype(np.float32)):
+            assert np.array_equal(kernels.rounded_input("t1", x, 1), x)
+            assert rel(kernels.linear(x[None], "t1", raw, shape)[0], ref @ x.astype(np.float64)) < 1e-5
 
 
 @pytest.mark.parametrize("name", kernels.X8_CODECS + ("q8", "q2rtn"))
