@@ -722,11 +722,12 @@ def _expert_buffer(rng, n, gu, dn, hidden, inter):
     return np.concatenate(blobs), np.array(offs, np.int64), parts
 
 
-@pytest.mark.parametrize("gu,dn", [("q2", "q2"), ("t1", "q4"), ("q1", "q6"), ("q8", "q2rtn")])
+@pytest.mark.parametrize("gu,dn", [("q2", "q2"), ("t1", "q4"), ("q1", "q6"), ("q8", "q2rtn"), ("q4", "t1")])
 def test_fused_experts_equal_linear_calls(gu, dn, isa, activations):
     """kernels.moe_decode (all routed experts of a token in one call) against the same experts run
-    through linear() one at a time: the same integer arithmetic, so float32 rounding apart."""
-    hidden, inter, n = 256, 192 if dn != "q2rtn" else 256, 3
+    through linear() one at a time: the same integer arithmetic, so float32 rounding apart (t1 down
+    projections: each expert's activations rounded for one t1 token, side by side in one buffer)."""
+    hidden, inter, n = 256, 192 if dn not in ("q2rtn", "t1") else 256, 3
     rng = np.random.default_rng(5)
     base, offs, parts = _expert_buffer(rng, n, gu, dn, hidden, inter)
     x = rng.standard_normal(hidden).astype(np.float32)
