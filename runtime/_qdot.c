@@ -3157,6 +3157,26 @@ static int run_unlocked(task_t *t, int threads) {
     return atomic_load(&t->bad);
 }
 
+/* a float32 product's rows as pool jobs (a router's, one token): job j is rows j stride .. */
+static void matvec_job(task_t *t, int64_t j, float *scratch) {
+    (void)scratch;
+    int64_t r0 = j * t->stride, r1 = r0 + t->stride < t->n ? r0 + t->stride : t->n;
+    matvec_f32((const float *)t->raw + r0 * t->cols, r1 - r0, t->cols, t->xf, t->out + r0);
+}
+
+/* y [E] = W [E, cols] x on `threads` threads (one when fewer); each row's sum as matvec_f32 forms it,
+   so the same bits on any number of threads. -1 with MemoryError set, else 0. */
+static int matvec_on(const float *W, int64_t E, int64_t cols, const float *x, float *y, int threads) {
+    const int64_t rows = 8;
+    if (threads < 2 || E < 2 * rows) {
+        matvec_f32(W, E, cols, x, y);
+        return 0;
+    }
+    task_t t = {.job = matvec_job, .raw = (const uint8_t *)W, .xf = x, .cols = cols, .n = E, .stride = rows,
+                .out = y, .njobs = (E + rows - 1) / rows, .scratch_floats = 1};
+    return run_unlocked(&t, threads) < 0 ? -1 : 0;
+}
+
 PyDoc_STRVAR(rows_doc,
 "rows(raw, geoms, xf, jobs, out, threads, ntok=1, ostride=0) -> int\n\n"
 "Run mat-vec jobs: each row of jobs (int64 [n, 6]: tensor byte offset in raw, geometry index into\n"
@@ -4681,13 +4701,14 @@ done:
 }
 
 PyDoc_STRVAR(matvec_doc,
-"matvec(W, x, out, cols): out [T, E] = x [T, cols] @ W.T for a float32 W [E, cols], row by row in a fixed\n"
-"order (a decode step's router product; the same bits inside attn_step).");
+"matvec(W, x, out, cols, threads=1): out [T, E] = x [T, cols] @ W.T for a float32 W [E, cols], row by row in\n"
+"a fixed order (a decode step's router product; the same bits inside attn_step, on any number of threads).");
 
 static PyObject *py_matvec(PyObject *self, PyObject *args) {
     PyObject *o[3];
     Py_ssize_t cols;
-    if (!PyArg_ParseTuple(args, "OOOn", &o[0], &o[1], &o[2], &cols)) return NULL;
+    int threads = 1;
+    if (!PyArg_ParseTuple(args, "OOOn|i", &o[0], &o[1], &o[2], &cols, &threads)) return NULL;
     buf_t b[3];
     memset(b, 0, sizeof b);
     PyObject *ret = NULL;
@@ -4699,7 +4720,8 @@ static PyObject *py_matvec(PyObject *self, PyObject *args) {
         goto done;
     }
     for (int64_t t = 0; t < T; t++)
-        matvec_f32(b[0].b.buf, E, cols, (const float *)b[1].b.buf + t * cols, (float *)b[2].b.buf + t * E);
+        if (matvec_on(b[0].b.buf, E, cols, (const float *)b[1].b.buf + t * cols, (float *)b[2].b.buf + t * E, threads) < 0)
+            goto done;
     ret = Py_NewRef(Py_None);
 done:
     release(b, 3);
@@ -4868,7 +4890,10 @@ static PyObject *py_attn_step(PyObject *self, PyObject *args) {
     if (rW) {                      /* the next half's routing: the router's outputs, then top-k */
         float *z = malloc(sizeof(float) * E);
         if (!z) { PyErr_NoMemory(); goto done; }
-        matvec_f32(b[RW].b.buf, E, hidden, b[HO].b.buf, z);
+        if (matvec_on(b[RW].b.buf, E, hidden, b[HO].b.buf, z, E * hidden >= min_weights ? threads : 1) < 0) {
+            free(z);
+            goto done;
+        }
         rc = route_rows(z, 1, E, b[RB].b.buf, rG, rKG, rnorm, rscale, 1, rk, b[RI].b.buf, b[RWT].b.buf);
         free(z);
         if (rc < 0) goto done;

@@ -718,10 +718,11 @@ def route(scores: np.ndarray, bias: np.ndarray, k: int, n_group: int = 1, topk_g
 
 def matvec(x: np.ndarray, W: np.ndarray) -> np.ndarray:
     """x [T, cols] @ W.T for a float32 W [E, cols], each row's sum in one fixed order (a decode step's
-    router product: the same bits as inside AttentionStep)."""
+    router product: the same bits as inside AttentionStep, on any number of threads)."""
     x = np.ascontiguousarray(x, np.float32)
     out = np.empty((x.shape[0], W.shape[0]), np.float32)
-    _qdot.matvec(np.ascontiguousarray(W, np.float32), x, out, W.shape[1])
+    _qdot.matvec(np.ascontiguousarray(W, np.float32), x, out, W.shape[1],
+                 _threads if W.size >= PARALLEL_MIN_WEIGHTS else 1)
     return out
 
 

@@ -624,6 +624,21 @@ def test_matvec_is_the_float_product():
         _qdot.matvec(W, x, np.empty((3, 39), np.float32), 96)
 
 
+def test_matvec_gives_the_same_bits_on_any_number_of_threads():
+    """A router's product shared out by rows (E not a multiple of a job's rows) is each row's sum as one
+    thread forms it: the same bits on 1, 2 and 3 threads."""
+    rng = np.random.default_rng(10)
+    W, x = rng.standard_normal((101, 1000)).astype(np.float32), rng.standard_normal((2, 1000)).astype(np.float32)
+    outs = []
+    for threads in (1, 2, 3):
+        out = np.full((2, 101), np.nan, np.float32)
+        _qdot.matvec(W, x, out, 1000, threads)
+        outs.append(out)
+    assert rel(outs[0], x.astype(np.float64) @ W.T.astype(np.float64)) < 1e-6
+    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_array_equal(outs[0], outs[2])
+
+
 def test_latent_attention_rounds_cache_rows_as_numpy():
     """Rows written to a binary16 cache are numpy's conversion of the float32 values: ties to even,
     subnormals, the largest finite value, overflow to infinity, signed zeros, infinities, NaNs."""
