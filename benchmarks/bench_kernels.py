@@ -7,11 +7,12 @@ from a cache, as an expert read from the page cache would. Read bandwidth is a C
 same working set as uint64 words (what a kernel that did no arithmetic at all could reach), on the
 same threads; the ratio column is kernel GB/s over that. q2, q4 and q6 are measured with each
 rounding of the input in --activations (int8 per 128 values, the default, and int16 per 32); the
-other codecs take int16.
+other codecs take int16. Last, with --routers, a float32 router's product (`kernels.matvec`, a
+decode step's routing) the same way, for each E x hidden given.
 
     python benchmarks/bench_kernels.py [--shapes 2048x7168,7168x2048,576x7168] [--threads 1,2]
                                        [--codecs q2,t1,...] [--activations int8,int16]
-                                       [--working-set 512] [--seconds 1.5]
+                                       [--working-set 512] [--seconds 1.5] [--routers 384x7168]
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def main():
                     help="input roundings to measure q2/q4/q6 with (default int8,int16)")
     ap.add_argument("--working-set", type=int, default=512, help="MiB of weight copies cycled through")
     ap.add_argument("--seconds", type=float, default=1.5, help="time per measurement")
+    ap.add_argument("--routers", default="", help="float32 routers E x hidden to time too, e.g. 384x7168")
     args = ap.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
@@ -96,6 +98,33 @@ def main():
                 print(f"| {name} | {shape[0]}x{shape[1]} | {codec.bits_per_weight(shape):.3f} | {mode} | "
                       + " | ".join(cells) + " |", flush=True)
             del copies
+    if args.routers:
+        routers(args, threads, buf, rng, ws)
+
+
+def routers(args, threads, buf, rng, ws: int) -> None:
+    """A float32 router's product through kernels.matvec (its rows shared out over the threads from
+    kernels.PARALLEL_MIN_WEIGHTS on), in microseconds a call and GB/s, next to the read bandwidth."""
+    print("\n| router (float32) | " + " | ".join(f"us {t}T | GB/s {t}T | read GB/s {t}T" for t in threads) + " |")
+    print("| --- | " + " | ".join("--- | --- | ---" for _ in threads) + " |")
+    for spec in args.routers.split(","):
+        E, hidden = (int(v) for v in spec.split("x"))
+        copies = [rng.standard_normal((E, hidden)).astype(np.float32) for _ in range(max(1, ws // (4 * E * hidden)))]
+        x = rng.standard_normal((1, hidden)).astype(np.float32)
+        cells = []
+        for t in threads:
+            kernels.set_threads(t)
+            rd = read_gbps(buf, args.seconds / 2, t)
+            kernels.matvec(x, copies[0])
+            n, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < args.seconds:
+                for c in copies:
+                    kernels.matvec(x, c)
+                n += len(copies)
+            dt = (time.perf_counter() - t0) / n
+            rd = (rd + read_gbps(buf, args.seconds / 2, t)) / 2
+            cells.append(f"{dt * 1e6:.0f} | {4 * E * hidden / dt / 1e9:.2f} | {rd:.1f}")
+        print(f"| {E}x{hidden} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":
