@@ -1232,7 +1232,8 @@ AVX2 static inline __attribute__((always_inline)) void t1_tail_sums(const int vn
 }
 
 /* Row r of a t1 tensor (cols a multiple of 128) times one token's xt (its rounded x, then 3x at xt +
-   cols; xtd: steps per 128, xts: the rounded inputs' sums per 32). Scratch: nsp + 8 int32 words, then nsp / 4 + nsp / 8 + 24 floats. */
+   cols; xtd: steps per 128, xts: the rounded inputs' sums per 32). Scratch: nsp + 8 int32 words, then
+   nsp / 4 + nsp / 8 + 24 floats. */
 AVX2 static inline __attribute__((always_inline)) float row_t1_xt(const int vn, const uint8_t *t, const int64_t *g,
                                                                 int64_t r, const float *x, const int8_t *xt,
                                                                 const float *xtd, const float *xts, float *scratch,
@@ -3223,10 +3224,11 @@ static int quantize_rows(const float *xf, int64_t nx, int64_t cols, int16_t **xq
 }
 
 /* one t1 token's input (rows_t1_xt) when a call's geometries hold t1 and it takes int8 inputs: xt as
-   -21 .. 21 per 128 values then three times those (2 cols bytes per token), *xtd their steps then the rounded values' sums per 32; nothing where it
-   does not apply (*xt stays NULL); -1 with MemoryError set (no_memory) */
+   -21 .. 21 per 128 values then three times those (2 cols bytes per token), *xtd their steps then the
+   rounded values' sums per 32; nothing where it does not apply (*xt stays NULL); -1 with MemoryError
+   set (no_memory) */
 static int quantize_rows_t1(const int64_t *geoms, int64_t ng, const float *xf, int64_t nx, int64_t cols, int64_t ntok,
-                          int8_t **xt, float **xtd) {
+                            int8_t **xt, float **xtd) {
     *xt = NULL;
     *xtd = NULL;
 #if HAVE_X86
