@@ -1251,7 +1251,11 @@ AVX2 static inline __attribute__((always_inline)) float row_t1_xt(const int vn, 
        and D run on past their ends into memory of the same buffers) */
     int64_t b = 0;
     for (; b + 8 <= nsup; b += 8) _mm256_storeu_ps(D + b, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(po + 2 * b))));
-    for (; b < nsup; b++) D[b] = f16_at(po + 2 * b);
+    for (; b < nsup; b++) {
+        uint16_t h;
+        memcpy(&h, po + 2 * b, 2);
+        D[b] = _cvtsh_ss(h);
+    }
     const __m256i pairs = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
     for (int64_t q = 0; q < nq; q += 8) {
         __m256 d2 = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(D + q / 2)), pairs);
