@@ -1,0 +1,137 @@
+"""Kimi K2's geometry on an 8.24 GB budget: decode compute seconds per token against the memory bound,
+measured in one run.
+
+    python benchmarks/bench_k2.py [--weights /var/tmp/kimi-bench/k2-q2.kst] [--config CONFIG.json]
+                                  [--quant q2] [--budget 8.24G] [--tokens 8] [--repeats 2]
+                                  [--configs "default;--io pread --direct"] [--threads 2] [--json]
+
+The weight file is a sparse synthetic one (`kimi-convert --synthetic CONFIG --sparse`, made when it is
+missing): real resident weights, routed experts that are holes, so their reads cost the kernel a
+zero-fill instead of a disk read. Each round runs every configuration once (`kimi-run --prompt Hello
+--max-tokens N --memory-budget B --max-context 4096 --kv-dtype f16 --prefill-batch-size 32 --json`
+plus the configuration's flags), then measures the memory read bandwidth on the same threads
+(`_qdot.read_sum` over 512 MiB). kimi-run's compute per decode token is its wall time less the time
+it waited for expert reads.
+
+Two bounds, from the file's tensor directory and the median bandwidth:
+- resident: the weights every token reads that stay in memory (all but the routed experts and the
+  embedding table, plus one row of that) / bandwidth;
+- all: those plus the routed experts a token is routed to (k of E per MoE layer), which the kernels
+  read from memory once their reads land / bandwidth.
+Each configuration's median compute per token is given over each bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from kimistream.formats.constants import EMBEDDINGS, ROUTED_EXPERTS
+from kimistream.formats.weightfile import WeightFile
+
+HERE = Path(__file__).resolve().parent
+K2_CONFIG = HERE.parent / "tests" / "data" / "kimi-k2-instruct-config.json"
+STATS = ("decode_compute_s_per_token", "decode_io_wait_s_per_token", "decode_tokens_per_s",
+         "decode_bytes_read_per_token", "vm_hwm_bytes")
+
+
+def bytes_per_token(weights: Path, cfg: dict) -> tuple[int, int]:
+    """(resident, routed) weight bytes one decode step reads."""
+    k, E = cfg["num_experts_per_tok"], cfg["n_routed_experts"]
+    resident = routed = 0
+    with WeightFile(weights) as wf:
+        for t in wf.tensors.values():
+            if t.cls == ROUTED_EXPERTS:
+                routed += t.nbytes * k // E
+            elif t.cls == EMBEDDINGS:
+                resident += t.nbytes // t.shape[0]
+            else:
+                resident += t.nbytes
+    return resident, routed
+
+
+def kimi_run(weights: Path, a, flags: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "kimistream.runtime.cli", "--weights", str(weights), "--prompt", "Hello",
+           "--max-tokens", str(a.tokens), "--memory-budget", a.budget, "--max-context", "4096",
+           "--kv-dtype", "f16", "--prefill-batch-size", "32", "--threads", str(a.threads), "--json", "--quiet",
+           *flags]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise SystemExit(f"bench_k2: {shlex.join(cmd)} failed: {p.stderr.strip().splitlines()[-1:]}")
+    stats = json.loads(p.stdout)["stats"]
+    return {k: stats[k] for k in STATS} | {"io": stats["io"]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--weights", type=Path, default=Path("/var/tmp/kimi-bench/k2-q2.kst"))
+    ap.add_argument("--config", type=Path, default=K2_CONFIG)
+    ap.add_argument("--quant", default="q2")
+    ap.add_argument("--budget", default="8.24G")
+    ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--configs", default="default;--io pread --direct",
+                    help="kimi-run flag sets separated by ';' ('default' = no flags)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    sys.path.insert(0, str(HERE))
+    from bench_llamacpp import read_bandwidth
+
+    if not a.weights.exists():
+        a.weights.parent.mkdir(parents=True, exist_ok=True)
+        print(f"bench_k2: converting {a.config} to {a.weights} (sparse)", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "kimistream.convert.cli", "--synthetic", str(a.config), "-o",
+                        str(a.weights), "--sparse", "--quant", a.quant, "--quiet"], check=True)
+    cfg = json.loads(a.config.read_text())
+    resident, routed = bytes_per_token(a.weights, cfg)
+    configs = {c.strip(): ([] if c.strip() == "default" else shlex.split(c)) for c in a.configs.split(";")}
+    runs: dict[str, list[dict]] = {name: [] for name in configs}
+    bandwidth = []
+    for i in range(a.repeats):
+        for name, flags in configs.items():
+            r = kimi_run(a.weights, a, flags)
+            runs[name].append(r)
+            print(f"bench_k2: round {i + 1}/{a.repeats} {name}: compute {r['decode_compute_s_per_token']:.3f} s/token, "
+                  f"I/O wait {r['decode_io_wait_s_per_token']:.3f}, {r['decode_tokens_per_s']:.3f} tok/s ({r['io']})",
+                  file=sys.stderr)
+        bandwidth.append(read_bandwidth(a.threads))
+        print(f"bench_k2: round {i + 1}/{a.repeats} memory read {bandwidth[-1]:.2f} GB/s", file=sys.stderr)
+    bw = statistics.median(bandwidth) * 1e9
+    bound_res, bound_all = resident / bw, (resident + routed) / bw
+    rows = {}
+    for name, rs in runs.items():
+        med = {k: statistics.median(r[k] for r in rs) for k in STATS}
+        med["compute_over_resident_bound"] = med["decode_compute_s_per_token"] / bound_res
+        med["compute_over_all_bound"] = med["decode_compute_s_per_token"] / bound_all
+        med["samples"] = [r["decode_compute_s_per_token"] for r in rs]
+        med["io"] = rs[-1]["io"]
+        rows[name] = med
+    out = {"weights": str(a.weights), "budget": a.budget, "threads": a.threads, "tokens": a.tokens,
+           "resident_bytes_per_token": resident, "routed_bytes_per_token": routed,
+           "read_gb_s": bandwidth, "bound_resident_s": bound_res, "bound_all_s": bound_all, "configs": rows}
+    if a.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"{a.weights.name}, budget {a.budget}, {a.threads} threads, {a.tokens} tokens, median of {a.repeats}; "
+          f"read bandwidth {statistics.median(bandwidth):.2f} GB/s ({', '.join(f'{b:.1f}' for b in bandwidth)})")
+    print(f"bytes per decode token: resident {resident / 1e9:.2f} GB, routed experts {routed / 1e9:.2f} GB; "
+          f"bounds: resident {bound_res:.3f} s, all {bound_all:.3f} s\n")
+    print("| flags | compute s/token (samples) | I/O wait s/token | tok/s | VmHWM GB | compute / resident bound | compute / all bound |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, m in rows.items():
+        print(f"| {name} | {m['decode_compute_s_per_token']:.3f} ({', '.join(f'{s:.3f}' for s in m['samples'])}) "
+              f"| {m['decode_io_wait_s_per_token']:.3f} | {m['decode_tokens_per_s']:.3f} | {m['vm_hwm_bytes'] / 1e9:.2f} "
+              f"| {m['compute_over_resident_bound']:.2f} | {m['compute_over_all_bound']:.2f} |")
+    print(f"\ncommand: {shlex.join([sys.executable, *sys.argv])}\nload average {os.getloadavg()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
