@@ -1159,7 +1159,8 @@ AVX2 static void rows_x8(const uint8_t *t, const int64_t *g, int64_t r0, int64_t
  * y reaches 255, so x is rounded to -21 .. 21 per 128 values (quantize_xt; 3x is kept beside it):
  * neither product's pair sums saturate (2 x 255 x 63 < 2^15), and their difference, 256 times a pair of
  * digit x input (at most 256 x 2 x 2 x 21 in magnitude), is exact in 16-bit words. One vpmaddwd
- * (VNNI: vpdpwssd) per span applies the span's scale to those words. Spans add up in int32 until their
+ * per span applies the span's scale to those words, on every CPU: VNNI's vpdpwssd, which would add
+ * the product as it makes it, measured 0.87-0.95x on a Zen 4 (bench_kernel_ab, 2048x7168). Spans add up in int32 until their
  * 128 inputs' step and the super-block's d apply, once per 128 weights. The offsets (-d sc per span)
  * multiply the rounded inputs' sums, as with int8 inputs. (x at -63 .. 63 took a product by y_f and
  * one by y_{f+1} as 32-bit sums, 3 P - Q: four multiplies a span where this takes three, measured
@@ -1171,10 +1172,10 @@ AVX2 static void quantize_xt(const float *x, int64_t cols, int8_t *q, float *qd,
 
 /* chunks ch .. ch + n - 1 (n = 1 or 2; spans 5 ch .. 5 ch + 5 n - 1) into the int32 sums acc; a span
    ending a block of 128 inputs (s % 4 == 3: known from ph = ch % 4) turns them to float into fa by
-   that block's factor. Each span's words u = 256 x (digit x input, pairs summed) come first, the two
+   that block's factor. Each span's sums u = 256 x scale x digit x input come first (int32), the two
    chunks' byte chains side by side: emitted chunk after chunk, each chunk's chain of ten dependent byte
    adds held the loop back (measured: 1.05x on one thread). */
-AVX2 static inline __attribute__((always_inline)) void t1_chunks(const int vn, const int n, const int ph, const uint8_t *codes,
+AVX2 static inline __attribute__((always_inline)) void t1_chunks(const int n, const int ph, const uint8_t *codes,
                                                                int64_t ch, const int8_t *xt, const int8_t *x3,
                                                                const int32_t *sw, const float *cf, __m256i *acc,
                                                                __m256 *fa) {
@@ -1184,14 +1185,14 @@ AVX2 static inline __attribute__((always_inline)) void t1_chunks(const int vn, c
         for (int c = 0; c < n; c++) {
             const int64_t s = 5 * (ch + c) + f;
             __m256i y1 = _mm256_add_epi8(y[c], _mm256_add_epi8(y[c], y[c]));
-            u[5 * c + f] = _mm256_sub_epi16(_mm256_maddubs_epi16(y[c], LOAD32(x3 + 32 * s)),
-                                            _mm256_maddubs_epi16(y1, LOAD32(xt + 32 * s)));
-            if (vn == 0) u[5 * c + f] = _mm256_madd_epi16(u[5 * c + f], _mm256_set1_epi32(sw[s]));
+            u[5 * c + f] = _mm256_madd_epi16(_mm256_sub_epi16(_mm256_maddubs_epi16(y[c], LOAD32(x3 + 32 * s)),
+                                                              _mm256_maddubs_epi16(y1, LOAD32(xt + 32 * s))),
+                                             _mm256_set1_epi32(sw[s]));
             y[c] = y1;
         }
     for (int k = 0; k < 5 * n; k++) {
         const int64_t s = 5 * ch + k;
-        acc[k & 1] = vn == 0 ? _mm256_add_epi32(acc[k & 1], u[k]) : dp_words(vn, acc[k & 1], u[k], _mm256_set1_epi32(sw[s]));
+        acc[k & 1] = _mm256_add_epi32(acc[k & 1], u[k]);
         if (((5 * ph + k) & 3) == 3) {
             fa[k & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(acc[0], acc[1])),
                                         _mm256_broadcast_ss(cf + (s >> 2)), fa[k & 1]);
@@ -1206,7 +1207,7 @@ AVX2 static inline __attribute__((always_inline)) void t1_chunks(const int vn, c
    unaligned loads, the buffers padded past the row) by the whole chunks' identity, split by masks at
    the span boundary the field may cross, each part by its span's scale words (sw: the tail's first
    span's). p[k] = 256 x span k's sum of scale x digit x input (zero past R). */
-AVX2 static inline __attribute__((always_inline)) void t1_tail_sums(const int vn, const int R, __m256i y, const int8_t *x,
+AVX2 static inline __attribute__((always_inline)) void t1_tail_sums(const int R, __m256i y, const int8_t *x,
                                                                   const int8_t *x3, const int32_t *sw, __m256i *p) {
     const int L = (R + 4) / 5;
     const __m256i iota = _mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,
@@ -1220,12 +1221,12 @@ AVX2 static inline __attribute__((always_inline)) void t1_tail_sums(const int vn
         __m256i m0 = _mm256_and_si256(live, _mm256_cmpgt_epi8(_mm256_set1_epi8((char)split), iota));
         __m256i u = _mm256_sub_epi16(_mm256_maddubs_epi16(_mm256_and_si256(y, m0), x3v),
                                      _mm256_maddubs_epi16(_mm256_and_si256(y1, m0), xv));
-        p[k0] = dp_words(vn, p[k0], u, _mm256_set1_epi32(sw[k0]));
+        p[k0] = _mm256_add_epi32(p[k0], _mm256_madd_epi16(u, _mm256_set1_epi32(sw[k0])));
         if (hi > 32 * (k0 + 1)) {                     /* the field's columns from the next span on */
             __m256i m1 = _mm256_andnot_si256(m0, live);
             u = _mm256_sub_epi16(_mm256_maddubs_epi16(_mm256_and_si256(y, m1), x3v),
                                  _mm256_maddubs_epi16(_mm256_and_si256(y1, m1), xv));
-            p[k0 + 1] = dp_words(vn, p[k0 + 1], u, _mm256_set1_epi32(sw[k0 + 1]));
+            p[k0 + 1] = _mm256_add_epi32(p[k0 + 1], _mm256_madd_epi16(u, _mm256_set1_epi32(sw[k0 + 1])));
         }
         y = y1;
     }
@@ -1234,7 +1235,7 @@ AVX2 static inline __attribute__((always_inline)) void t1_tail_sums(const int vn
 /* Row r of a t1 tensor (cols a multiple of 128) times one token's xt (its rounded x, then 3x at xt +
    cols; xtd: steps per 128, xts: the rounded inputs' sums per 32). Scratch: nsp + 8 int32 words, then
    nsp / 4 + nsp / 8 + 24 floats. */
-AVX2 static inline __attribute__((always_inline)) float row_t1_xt(const int vn, const uint8_t *t, const int64_t *g,
+AVX2 static inline __attribute__((always_inline)) float row_t1_xt(const uint8_t *t, const int64_t *g,
                                                                 int64_t r, const float *x, const int8_t *xt,
                                                                 const float *xtd, const float *xts, float *scratch,
                                                                 atomic_int *bad) {
@@ -1292,15 +1293,15 @@ AVX2 static inline __attribute__((always_inline)) float row_t1_xt(const int vn, 
     for (; ch + 4 <= nch; ch += 4) {
         __builtin_prefetch(codes + 32 * ch + CODE_PREFETCH);
         __builtin_prefetch(codes + 32 * ch + 64 + CODE_PREFETCH);
-        t1_chunks(vn, 2, 0, codes, ch, xt, x3, sw, cf, acc, fa);
-        t1_chunks(vn, 2, 2, codes, ch + 2, xt, x3, sw, cf, acc, fa);
+        t1_chunks(2, 0, codes, ch, xt, x3, sw, cf, acc, fa);
+        t1_chunks(2, 2, codes, ch + 2, xt, x3, sw, cf, acc, fa);
     }
     if (ch + 2 <= nch) {
-        t1_chunks(vn, 2, 0, codes, ch, xt, x3, sw, cf, acc, fa);
+        t1_chunks(2, 0, codes, ch, xt, x3, sw, cf, acc, fa);
         ch += 2;
     }
-    if (ch < nch && (ch & 2)) t1_chunks(vn, 1, 2, codes, ch, xt, x3, sw, cf, acc, fa);
-    else if (ch < nch) t1_chunks(vn, 1, 0, codes, ch, xt, x3, sw, cf, acc, fa);
+    if (ch < nch && (ch & 2)) t1_chunks(1, 2, codes, ch, xt, x3, sw, cf, acc, fa);
+    else if (ch < nch) t1_chunks(1, 0, codes, ch, xt, x3, sw, cf, acc, fa);
     if (nfs & 3)                   /* the spans of a block cut short by the tail */
         fa[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(acc[0], acc[1])), _mm256_broadcast_ss(cf + nfs / 4), fa[0]);
     if (done < cols) {              /* the tail chunk: 32, 64, 96 or 128 columns, one to four spans */
@@ -1314,10 +1315,10 @@ AVX2 static inline __attribute__((always_inline)) float row_t1_xt(const int vn, 
             y = _mm256_load_si256((const __m256i *)tb);
         }
         switch (cols - done) {           /* each length's fields and span boundaries as constants */
-        case 32: t1_tail_sums(vn, 32, y, xt + done, x3 + done, sw + nfs, p); break;
-        case 64: t1_tail_sums(vn, 64, y, xt + done, x3 + done, sw + nfs, p); break;
-        case 96: t1_tail_sums(vn, 96, y, xt + done, x3 + done, sw + nfs, p); break;
-        default: t1_tail_sums(vn, 128, y, xt + done, x3 + done, sw + nfs, p); break;
+        case 32: t1_tail_sums(32, y, xt + done, x3 + done, sw + nfs, p); break;
+        case 64: t1_tail_sums(64, y, xt + done, x3 + done, sw + nfs, p); break;
+        case 96: t1_tail_sums(96, y, xt + done, x3 + done, sw + nfs, p); break;
+        default: t1_tail_sums(128, y, xt + done, x3 + done, sw + nfs, p); break;
         }
         for (int k = 0; k < 4; k++)      /* (a constant k: fa stays in registers) */
             if (nfs + k < nsp)
@@ -1331,11 +1332,7 @@ AVX2 static void rows_t1_xt(const uint8_t *t, const int64_t *g, int64_t r0, int6
                             atomic_int *bad) {
     for (int64_t r = r0; r < r1; r++) {
         prefetch_next_row(t, g, r);
-        switch (use_vnni) {
-        case 0: out[r - r0] = row_t1_xt(0, t, g, r, x, xt, xtd, xts, scratch, bad); break;
-        case 1: out[r - r0] = row_t1_xt(1, t, g, r, x, xt, xtd, xts, scratch, bad); break;
-        default: out[r - r0] = row_t1_xt(2, t, g, r, x, xt, xtd, xts, scratch, bad); break;
-        }
+        out[r - r0] = row_t1_xt(t, g, r, x, xt, xtd, xts, scratch, bad);
     }
 }
 #endif
