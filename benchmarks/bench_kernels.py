@@ -62,6 +62,8 @@ def main():
     args = ap.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    if args.working_set < 1:
+        ap.error("--working-set: at least 1 MiB")
     ws = args.working_set << 20
     rng = np.random.default_rng(0)
     buf = np.ones(ws, np.uint8)
