@@ -154,6 +154,7 @@ class MemoryPlan:
     min_cache_experts: int
     total_experts: int
     baseline_recorded: bool = False
+    token_experts: int = 0   # one token's routed experts over every MoE layer (0: not known)
 
     @property
     def fixed(self) -> int:
@@ -193,8 +194,9 @@ def make_plan(cfg: ModelConfig, *, budget: int, baseline: int, resident: int, me
     # One token's experts of a layer must fit, plus the next layer's predicted set when prefetching.
     min_cache = min(total_experts, (2 if prefetch else 1) * k) if total_experts else 0
     cache = min(total_experts, max(0, left) // expert_bytes) if expert_bytes else 0
+    moe_layers = total_experts // cfg.n_routed_experts if cfg.n_routed_experts else 0
     return MemoryPlan(budget, baseline, resident, metadata, kv, act, max(0, left), expert_bytes, int(cache),
-                      min_cache, total_experts, baseline_recorded)
+                      min_cache, total_experts, baseline_recorded, min(total_experts, k * moe_layers))
 
 
 def plan_for(cfg: ModelConfig, fp: Footprint, *, budget: int, baseline: int, max_context: int, chunk: int,

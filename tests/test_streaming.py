@@ -838,20 +838,37 @@ def test_cgroup_memory_limit_read_from_v1_and_v2(tmp_path):
     assert procfs.cgroup_memory_limit(str(tmp_path / "missing"), str(tmp_path)) is None
 
 
-def test_no_page_cache_room_only_under_a_hard_limit_and_a_cache_of_one_layer():
+def test_no_page_cache_room_only_under_a_hard_limit_and_a_cache_short_of_a_token():
     """O_DIRECT from the start (budget.no_page_cache_room) only when a cgroup limit leaves less than one
-    layer's experts beside the budget and the cache holds no more than one layer's: a budget on a
-    machine with memory to spare, or a cache of more experts, leaves the decision to measurement."""
+    layer's experts beside the budget and the cache holds fewer experts than a token routes to over
+    all its layers: a budget on a machine with memory to spare, or a cache of a token's experts, leaves
+    the decision to measurement. A plan that does not know a token's experts keeps the rule of one
+    layer's."""
+    import dataclasses
+
     from kimistream.runtime import budget as B
     plan = B.MemoryPlan(budget=200 << 20, baseline=60 << 20, resident=100 << 20, metadata=2 << 20,
                         kv_cache=9 << 20, activations=17 << 20, expert_cache=6 << 20, expert_bytes=1 << 20,
-                        cache_experts=6, min_cache_experts=6, total_experts=704)
+                        cache_experts=6, min_cache_experts=6, total_experts=704, token_experts=66)
     why = B.no_page_cache_room(plan, limit=200 << 20)
-    assert why and "leaves 0 B" in why and "6 experts" in why
+    assert why and "leaves 0 B" in why and "6 experts, fewer than the 66" in why
     assert B.no_page_cache_room(plan, limit=(200 + 5) << 20)                 # less than one layer's room
     assert B.no_page_cache_room(plan, limit=(200 + 6) << 20) is None         # one layer's experts fit beside
-    import dataclasses
-    assert B.no_page_cache_room(dataclasses.replace(plan, cache_experts=7), limit=200 << 20) is None
+    assert B.no_page_cache_room(dataclasses.replace(plan, cache_experts=65), limit=200 << 20)
+    assert B.no_page_cache_room(dataclasses.replace(plan, cache_experts=66), limit=200 << 20) is None
+    unknown = dataclasses.replace(plan, token_experts=0)
+    assert "only one layer's 6 experts" in B.no_page_cache_room(unknown, limit=200 << 20)
+    assert B.no_page_cache_room(dataclasses.replace(unknown, cache_experts=7), limit=200 << 20) is None
+
+
+def test_plan_counts_a_tokens_experts():
+    """make_plan's token_experts: k routed experts in each MoE layer of the config (Kimi K2: 8 x 60)."""
+    from kimistream.formats.config import ModelConfig
+    from kimistream.formats.memplan import make_plan
+    cfg = ModelConfig.from_hf(json.loads((DATA / "kimi-k2-instruct-config.json").read_text()))
+    plan = make_plan(cfg, budget=8 << 30, baseline=0, resident=0, metadata=0, expert_bytes=1 << 20,
+                     total_experts=384 * 60, max_context=64, chunk=16, expert_scratch=0, prefetch=False)
+    assert plan.token_experts == 480
 
 
 def test_no_page_cache_room_means_o_direct_reads_from_the_start(synthetic, monkeypatch, capsys):
