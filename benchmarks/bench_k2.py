@@ -3,7 +3,8 @@ measured in one run.
 
     python benchmarks/bench_k2.py [--weights /var/tmp/kimi-bench/k2-q2.kst] [--config CONFIG.json]
                                   [--quant q2] [--budget 8.24G] [--tokens 8] [--repeats 2]
-                                  [--configs "default;--io pread --direct"] [--threads 2] [--json]
+                                  [--configs "default;--io pread --direct"] [--threads 2] [--cap]
+                                  [--json]
 
 The weight file is a sparse synthetic one (`kimi-convert --synthetic CONFIG --sparse`, made when it is
 missing): real resident weights, routed experts that are holes, so their reads cost the kernel a
@@ -11,7 +12,9 @@ zero-fill instead of a disk read. Each round runs every configuration once (`kim
 --max-tokens N --memory-budget B --max-context 4096 --kv-dtype f16 --prefill-batch-size 32 --json`
 plus the configuration's flags), then measures the memory read bandwidth on the same threads
 (`_qdot.read_sum` over 512 MiB). kimi-run's compute per decode token is its wall time less the time
-it waited for expert reads.
+it waited for expert reads. With --cap (root, cgroup v1's memory controller: as
+benchmarks/bench_memory_cap.py), each run is under a memory limit equal to the budget that counts the
+page cache, as on a machine whose RAM is the budget, with the page cache dropped before it.
 
 Two bounds, from the file's tensor directory and the median bandwidth:
 - resident: the weights every token reads that stay in memory (all but the routed experts and the
@@ -56,16 +59,16 @@ def bytes_per_token(weights: Path, cfg: dict) -> tuple[int, int]:
     return resident, routed
 
 
-def kimi_run(weights: Path, a, flags: list[str]) -> dict:
+def kimi_run(weights: Path, a, flags: list[str], preexec=None) -> dict:
     cmd = [sys.executable, "-m", "kimistream.runtime.cli", "--weights", str(weights), "--prompt", "Hello",
            "--max-tokens", str(a.tokens), "--memory-budget", a.budget, "--max-context", "4096",
            "--kv-dtype", "f16", "--prefill-batch-size", "32", "--threads", str(a.threads), "--json", "--quiet",
            *flags]
-    p = subprocess.run(cmd, capture_output=True, text=True)
+    p = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=preexec)
     if p.returncode != 0:
         raise SystemExit(f"bench_k2: {shlex.join(cmd)} failed: {p.stderr.strip().splitlines()[-1:]}")
     stats = json.loads(p.stdout)["stats"]
-    return {k: stats[k] for k in STATS} | {"io": stats["io"]}
+    return {k: stats[k] for k in STATS} | {"io": stats["io"], "page_cache_policy": stats["page_cache_policy"]}
 
 
 def main(argv=None) -> int:
@@ -79,10 +82,14 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="default;--io pread --direct",
                     help="kimi-run flag sets separated by ';' ('default' = no flags)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cap", action="store_true", help="each run under a cgroup memory limit of the budget")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     sys.path.insert(0, str(HERE))
     from bench_llamacpp import read_bandwidth
+    from bench_memory_cap import enter_cgroup
+
+    from kimistream.formats.sizes import parse_size
 
     if not a.weights.exists():
         a.weights.parent.mkdir(parents=True, exist_ok=True)
@@ -96,7 +103,7 @@ def main(argv=None) -> int:
     bandwidth = []
     for i in range(a.repeats):
         for name, flags in configs.items():
-            r = kimi_run(a.weights, a, flags)
+            r = kimi_run(a.weights, a, flags, enter_cgroup(parse_size(a.budget)) if a.cap else None)
             runs[name].append(r)
             print(f"bench_k2: round {i + 1}/{a.repeats} {name}: compute {r['decode_compute_s_per_token']:.3f} s/token, "
                   f"I/O wait {r['decode_io_wait_s_per_token']:.3f}, {r['decode_tokens_per_s']:.3f} tok/s ({r['io']})",
@@ -111,15 +118,15 @@ def main(argv=None) -> int:
         med["compute_over_resident_bound"] = med["decode_compute_s_per_token"] / bound_res
         med["compute_over_all_bound"] = med["decode_compute_s_per_token"] / bound_all
         med["samples"] = [r["decode_compute_s_per_token"] for r in rs]
-        med["io"] = rs[-1]["io"]
+        med["io"], med["page_cache_policy"] = rs[-1]["io"], rs[-1]["page_cache_policy"]
         rows[name] = med
-    out = {"weights": str(a.weights), "budget": a.budget, "threads": a.threads, "tokens": a.tokens,
+    out = {"weights": str(a.weights), "budget": a.budget, "cap": a.cap, "threads": a.threads, "tokens": a.tokens,
            "resident_bytes_per_token": resident, "routed_bytes_per_token": routed,
            "read_gb_s": bandwidth, "bound_resident_s": bound_res, "bound_all_s": bound_all, "configs": rows}
     if a.json:
         print(json.dumps(out, indent=1))
         return 0
-    print(f"{a.weights.name}, budget {a.budget}, {a.threads} threads, {a.tokens} tokens, median of {a.repeats}; "
+    print(f"{a.weights.name}, budget {a.budget}{' under a cgroup limit of the budget' if a.cap else ''}, {a.threads} threads, {a.tokens} tokens, median of {a.repeats}; "
           f"read bandwidth {statistics.median(bandwidth):.2f} GB/s ({', '.join(f'{b:.1f}' for b in bandwidth)})")
     print(f"bytes per decode token: resident {resident / 1e9:.2f} GB, routed experts {routed / 1e9:.2f} GB; "
           f"bounds: resident {bound_res:.3f} s, all {bound_all:.3f} s\n")
@@ -129,6 +136,8 @@ def main(argv=None) -> int:
         print(f"| {name} | {m['decode_compute_s_per_token']:.3f} ({', '.join(f'{s:.3f}' for s in m['samples'])}) "
               f"| {m['decode_io_wait_s_per_token']:.3f} | {m['decode_tokens_per_s']:.3f} | {m['vm_hwm_bytes'] / 1e9:.2f} "
               f"| {m['compute_over_resident_bound']:.2f} | {m['compute_over_all_bound']:.2f} |")
+    for name, m in rows.items():
+        print(f"\n{name}: {m['io']}; page cache: {m['page_cache_policy']}")
     print(f"\ncommand: {shlex.join([sys.executable, *sys.argv])}\nload average {os.getloadavg()}")
     return 0
 

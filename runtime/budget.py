@@ -33,8 +33,9 @@ def no_page_cache_room(plan: MemoryPlan, limit: int | None = None) -> str | None
     again at every token. None where either does not hold: the pager's page-cache policy then decides
     by measuring (a budget on a machine with memory to spare leaves the page cache all of it; a cache
     of a token's experts has hits of its own). Kimi K2 under a limit of its 8.24 GB budget (30 of a
-    token's 480 experts cached) spent 1.4-1.6 s of compute per token after measuring its way there,
-    its resident pages reclaimed meanwhile, against 0.85 s reading with O_DIRECT from the start.
+    token's 480 experts cached) spent 1.5 s of compute per token after measuring its way there, its
+    resident pages reclaimed meanwhile, against 0.75 s reading with O_DIRECT from the start
+    (benchmarks/bench_k2.py --cap).
     `limit`: the cgroup's, read here when not given."""
     limit = procfs.cgroup_memory_limit() if limit is None else limit
     token = plan.token_experts or plan.min_cache_experts + 1       # (a plan that does not say: one layer's)
