@@ -1160,11 +1160,12 @@ AVX2 static void rows_x8(const uint8_t *t, const int64_t *g, int64_t r0, int64_t
  * neither product's pair sums saturate (2 x 255 x 63 < 2^15), and their difference, 256 times a pair of
  * digit x input (at most 256 x 2 x 2 x 21 in magnitude), is exact in 16-bit words. One vpmaddwd
  * per span applies the span's scale to those words, on every CPU: VNNI's vpdpwssd, which would add
- * the product as it makes it, measured 0.87-0.95x on a Zen 4 (bench_kernel_ab, 2048x7168). Spans add up in int32 until their
- * 128 inputs' step and the super-block's d apply, once per 128 weights. The offsets (-d sc per span)
- * multiply the rounded inputs' sums, as with int8 inputs. (x at -63 .. 63 took a product by y_f and
- * one by y_{f+1} as 32-bit sums, 3 P - Q: four multiplies a span where this takes three, measured
- * 1.08-1.13x; the coarser rounding left the bundled models' KL unchanged, benchmarks/RESULTS.md.) */
+ * the product as it makes it, measured 0.87-0.95x on a Zen 4 (bench_kernel_ab, 2048x7168). Spans add
+ * up in int32 until their 128 inputs' step and the super-block's d apply, once per 128 weights. The
+ * offsets (-d sc per span) multiply the rounded inputs' sums, as with int8 inputs. (x at -63 .. 63 took
+ * a product by y_f and one by y_{f+1} as 32-bit sums, 3 P - Q: four multiplies a span where this takes
+ * three, measured 1.08-1.13x; the coarser rounding left the bundled models' KL unchanged,
+ * benchmarks/RESULTS.md.) */
 AVX2 static void quantize_xt(const float *x, int64_t cols, int8_t *q, float *qd, float *qs) {
     quantize_blocks(x, cols, q, qd, qs, 21.0f, 21.0f);
     for (int64_t j = 0; j < cols; j++) q[cols + j] = (int8_t)(3 * q[j]);
