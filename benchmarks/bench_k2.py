@@ -41,7 +41,7 @@ from kimistream.formats.weightfile import WeightFile
 HERE = Path(__file__).resolve().parent
 K2_CONFIG = HERE.parent / "tests" / "data" / "kimi-k2-instruct-config.json"
 STATS = ("decode_compute_s_per_token", "decode_io_wait_s_per_token", "decode_tokens_per_s",
-         "decode_bytes_read_per_token", "vm_hwm_bytes")
+         "decode_bytes_read_per_token", "vm_hwm_bytes", "major_faults")
 
 
 def bytes_per_token(weights: Path, cfg: dict) -> tuple[int, int]:
@@ -130,11 +130,13 @@ def main(argv=None) -> int:
           f"read bandwidth {statistics.median(bandwidth):.2f} GB/s ({', '.join(f'{b:.1f}' for b in bandwidth)})")
     print(f"bytes per decode token: resident {resident / 1e9:.2f} GB, routed experts {routed / 1e9:.2f} GB; "
           f"bounds: resident {bound_res:.3f} s, all {bound_all:.3f} s\n")
-    print("| flags | compute s/token (samples) | I/O wait s/token | tok/s | VmHWM GB | compute / resident bound | compute / all bound |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| flags | compute s/token (samples) | I/O wait s/token | tok/s | VmHWM GB | major faults "
+          "| compute / resident bound | compute / all bound |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, m in rows.items():
         print(f"| {name} | {m['decode_compute_s_per_token']:.3f} ({', '.join(f'{s:.3f}' for s in m['samples'])}) "
               f"| {m['decode_io_wait_s_per_token']:.3f} | {m['decode_tokens_per_s']:.3f} | {m['vm_hwm_bytes'] / 1e9:.2f} "
+              f"| {m['major_faults']:.0f} "
               f"| {m['compute_over_resident_bound']:.2f} | {m['compute_over_all_bound']:.2f} |")
     for name, m in rows.items():
         print(f"\n{name}: {m['io']}; page cache: {m['page_cache_policy']}")
