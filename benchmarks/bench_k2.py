@@ -35,28 +35,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kimistream.formats.constants import EMBEDDINGS, ROUTED_EXPERTS
-from kimistream.formats.weightfile import WeightFile
-
 HERE = Path(__file__).resolve().parent
 K2_CONFIG = HERE.parent / "tests" / "data" / "kimi-k2-instruct-config.json"
 STATS = ("decode_compute_s_per_token", "decode_io_wait_s_per_token", "decode_tokens_per_s",
          "decode_bytes_read_per_token", "vm_hwm_bytes", "major_faults")
-
-
-def bytes_per_token(weights: Path, cfg: dict) -> tuple[int, int]:
-    """(resident, routed) weight bytes one decode step reads."""
-    k, E = cfg["num_experts_per_tok"], cfg["n_routed_experts"]
-    resident = routed = 0
-    with WeightFile(weights) as wf:
-        for t in wf.tensors.values():
-            if t.cls == ROUTED_EXPERTS:
-                routed += t.nbytes * k // E
-            elif t.cls == EMBEDDINGS:
-                resident += t.nbytes // t.shape[0]
-            else:
-                resident += t.nbytes
-    return resident, routed
 
 
 def kimi_run(weights: Path, a, flags: list[str], preexec=None) -> dict:
@@ -86,7 +68,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     sys.path.insert(0, str(HERE))
-    from bench_llamacpp import read_bandwidth
+    from bench_llamacpp import kst_bytes_split, read_bandwidth
     from bench_memory_cap import enter_cgroup
 
     from kimistream.formats.sizes import parse_size
@@ -97,7 +79,7 @@ def main(argv=None) -> int:
         subprocess.run([sys.executable, "-m", "kimistream.convert.cli", "--synthetic", str(a.config), "-o",
                         str(a.weights), "--sparse", "--quant", a.quant, "--quiet"], check=True)
     cfg = json.loads(a.config.read_text())
-    resident, routed = bytes_per_token(a.weights, cfg)
+    resident, routed = kst_bytes_split(a.weights, cfg)
     configs = {c.strip(): ([] if c.strip() == "default" else shlex.split(c)) for c in a.configs.split(";")}
     runs: dict[str, list[dict]] = {name: [] for name in configs}
     bandwidth = []

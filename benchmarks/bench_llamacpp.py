@@ -327,19 +327,24 @@ def kv_bytes_per_token(c: dict, position: float) -> float:
     return position * c["num_hidden_layers"] * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * 2
 
 
-def kst_bytes_per_token(kst: Path, c: dict) -> int:
-    """Weight bytes one decode step of kimi-run reads: the k routed experts of each MoE layer, every
-    other tensor but the embedding table, and one row of that."""
-    k, E, n = c["num_experts_per_tok"], c["n_routed_experts"], 0
+def kst_bytes_split(kst: Path, c: dict) -> tuple[int, int]:
+    """(resident, routed) weight bytes one decode step of kimi-run reads: every tensor but the routed
+    experts and the embedding table, plus one row of that; the k routed experts of each MoE layer."""
+    k, E, resident, routed = c["num_experts_per_tok"], c["n_routed_experts"], 0, 0
     with WeightFile(kst) as wf:
         for t in wf.tensors.values():
             if t.cls == ROUTED_EXPERTS:
-                n += t.nbytes * k / E
+                routed += t.nbytes * k / E
             elif t.cls == EMBEDDINGS:
-                n += t.nbytes / t.shape[0]
+                resident += t.nbytes / t.shape[0]
             else:
-                n += t.nbytes
-    return int(n)
+                resident += t.nbytes
+    return int(resident), int(routed)
+
+
+def kst_bytes_per_token(kst: Path, c: dict) -> int:
+    """Weight bytes one decode step of kimi-run reads (kst_bytes_split's two parts)."""
+    return sum(kst_bytes_split(kst, c))
 
 
 def gguf_bytes_per_token(gguf_path: Path, c: dict) -> int:
