@@ -2,15 +2,18 @@
 measured in one run.
 
     python benchmarks/bench_k2.py [--weights /var/tmp/kimi-bench/k2-q2.kst] [--config CONFIG.json]
-                                  [--quant q2] [--budget 8.24G] [--tokens 8] [--repeats 2]
-                                  [--configs "default;--io pread --direct"] [--threads 2] [--cap]
-                                  [--json]
+                                  [--quant q2] [--budget 8.24G] [--tokens 8] [--prompt-tokens N]
+                                  [--repeats 2] [--configs "default;--io pread --direct"] [--threads 2]
+                                  [--cap] [--json]
 
 The weight file is a sparse synthetic one (`kimi-convert --synthetic CONFIG --sparse`, made when it is
 missing): real resident weights, routed experts that are holes, so their reads cost the kernel a
 zero-fill instead of a disk read. Each round runs every configuration once (`kimi-run --prompt Hello
 --max-tokens N --memory-budget B --max-context 4096 --kv-dtype f16 --prefill-batch-size 32 --json`
-plus the configuration's flags), then measures the memory read bandwidth on the same threads
+plus the configuration's flags; with --prompt-tokens N the prompt is N lowercase letters, N tokens of
+the synthetic byte tokenizer, and the table gives the prompt's speed and the expert bytes it read,
+e.g. `--prompt-tokens 256 --configs "default;--prompt-window 32"` for windows a layer at a time against
+32-token chunks), then measures the memory read bandwidth on the same threads
 (`_qdot.read_sum` over 512 MiB). kimi-run's compute per decode token is its wall time less the time
 it waited for expert reads. With --cap (root, cgroup v1's memory controller: as
 benchmarks/bench_memory_cap.py), each run is under a memory limit equal to the budget that counts the
@@ -38,11 +41,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 K2_CONFIG = HERE.parent / "tests" / "data" / "kimi-k2-instruct-config.json"
 STATS = ("decode_compute_s_per_token", "decode_io_wait_s_per_token", "decode_tokens_per_s",
-         "decode_bytes_read_per_token", "vm_hwm_bytes", "major_faults")
+         "decode_bytes_read_per_token", "vm_hwm_bytes", "major_faults", "prefill_tokens_per_s", "prefill_seconds",
+         "prefill_bytes_read", "prefill_io_wait_s")
 
 
 def kimi_run(weights: Path, a, flags: list[str], preexec=None) -> dict:
-    cmd = [sys.executable, "-m", "kimistream.runtime.cli", "--weights", str(weights), "--prompt", "Hello",
+    prompt = "Hello" if not a.prompt_tokens else "".join(chr(97 + i % 26) for i in range(a.prompt_tokens))
+    cmd = [sys.executable, "-m", "kimistream.runtime.cli", "--weights", str(weights), "--prompt", prompt,
            "--max-tokens", str(a.tokens), "--memory-budget", a.budget, "--max-context", "4096",
            "--kv-dtype", "f16", "--prefill-batch-size", "32", "--threads", str(a.threads), "--json", "--quiet",
            *flags]
@@ -50,7 +55,8 @@ def kimi_run(weights: Path, a, flags: list[str], preexec=None) -> dict:
     if p.returncode != 0:
         raise SystemExit(f"bench_k2: {shlex.join(cmd)} failed: {p.stderr.strip().splitlines()[-1:]}")
     stats = json.loads(p.stdout)["stats"]
-    return {k: stats[k] for k in STATS} | {"io": stats["io"], "page_cache_policy": stats["page_cache_policy"]}
+    return {k: stats[k] for k in STATS} | {"io": stats["io"], "page_cache_policy": stats["page_cache_policy"],
+                                           "prompt_window": stats["prompt_window"]}
 
 
 def main(argv=None) -> int:
@@ -60,6 +66,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quant", default="q2")
     ap.add_argument("--budget", default="8.24G")
     ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=0, help="a prompt of this many tokens (default: Hello)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--configs", default="default;--io pread --direct",
                     help="kimi-run flag sets separated by ';' ('default' = no flags)")
@@ -87,9 +94,9 @@ def main(argv=None) -> int:
         for name, flags in configs.items():
             r = kimi_run(a.weights, a, flags, enter_cgroup(parse_size(a.budget)) if a.cap else None)
             runs[name].append(r)
-            print(f"bench_k2: round {i + 1}/{a.repeats} {name}: compute {r['decode_compute_s_per_token']:.3f} s/token, "
-                  f"I/O wait {r['decode_io_wait_s_per_token']:.3f}, {r['decode_tokens_per_s']:.3f} tok/s ({r['io']})",
-                  file=sys.stderr)
+            print(f"bench_k2: round {i + 1}/{a.repeats} {name}: prompt {r['prefill_tokens_per_s']:.2f} tok/s; decode "
+                  f"compute {r['decode_compute_s_per_token']:.3f} s/token, I/O wait {r['decode_io_wait_s_per_token']:.3f}, "
+                  f"{r['decode_tokens_per_s']:.3f} tok/s ({r['io']})", file=sys.stderr)
         bandwidth.append(read_bandwidth(a.threads))
         print(f"bench_k2: round {i + 1}/{a.repeats} memory read {bandwidth[-1]:.2f} GB/s", file=sys.stderr)
     bw = statistics.median(bandwidth) * 1e9
@@ -101,8 +108,10 @@ def main(argv=None) -> int:
         med["compute_over_all_bound"] = med["decode_compute_s_per_token"] / bound_all
         med["samples"] = [r["decode_compute_s_per_token"] for r in rs]
         med["io"], med["page_cache_policy"] = rs[-1]["io"], rs[-1]["page_cache_policy"]
+        med["prompt_window"] = rs[-1]["prompt_window"]
         rows[name] = med
     out = {"weights": str(a.weights), "budget": a.budget, "cap": a.cap, "threads": a.threads, "tokens": a.tokens,
+           "prompt_tokens": a.prompt_tokens,
            "resident_bytes_per_token": resident, "routed_bytes_per_token": routed,
            "read_gb_s": bandwidth, "bound_resident_s": bound_res, "bound_all_s": bound_all, "configs": rows}
     if a.json:
@@ -112,11 +121,13 @@ def main(argv=None) -> int:
           f"read bandwidth {statistics.median(bandwidth):.2f} GB/s ({', '.join(f'{b:.1f}' for b in bandwidth)})")
     print(f"bytes per decode token: resident {resident / 1e9:.2f} GB, routed experts {routed / 1e9:.2f} GB; "
           f"bounds: resident {bound_res:.3f} s, all {bound_all:.3f} s\n")
-    print("| flags | compute s/token (samples) | I/O wait s/token | tok/s | VmHWM GB | major faults "
-          "| compute / resident bound | compute / all bound |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| flags | prompt window | prompt tok/s | prompt s | prompt expert GB read | compute s/token (samples) "
+          "| I/O wait s/token | tok/s | VmHWM GB | major faults | compute / resident bound | compute / all bound |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, m in rows.items():
-        print(f"| {name} | {m['decode_compute_s_per_token']:.3f} ({', '.join(f'{s:.3f}' for s in m['samples'])}) "
+        print(f"| {name} | {m['prompt_window']} | {m['prefill_tokens_per_s']:.3f} | {m['prefill_seconds']:.1f} "
+              f"| {m['prefill_bytes_read'] / 1e9:.1f} "
+              f"| {m['decode_compute_s_per_token']:.3f} ({', '.join(f'{s:.3f}' for s in m['samples'])}) "
               f"| {m['decode_io_wait_s_per_token']:.3f} | {m['decode_tokens_per_s']:.3f} | {m['vm_hwm_bytes'] / 1e9:.2f} "
               f"| {m['major_faults']:.0f} "
               f"| {m['compute_over_resident_bound']:.2f} | {m['compute_over_all_bound']:.2f} |")

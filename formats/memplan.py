@@ -127,17 +127,28 @@ def kv_bytes(cfg: ModelConfig, max_context: int, itemsize: int = 4) -> int:
     return itemsize * max_context * cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
 
 
-def activation_bytes(cfg: ModelConfig, chunk: int, max_context: int, expert_scratch: int) -> int:
+def activation_bytes(cfg: ModelConfig, chunk: int, max_context: int, expert_scratch: int, window: int = 0) -> int:
     """Peak working memory of one forward chunk (float32): the residual stream and its temporaries,
     attention scores/probabilities for the chunk against the whole context, MoE intermediates,
-    logits, plus scratch for decoding one weight when its codec has no fused kernel."""
+    logits, plus scratch for decoding one weight when its codec has no fused kernel; and with a prompt
+    window of more tokens than the chunk, the window's own stream (window_bytes_per_token)."""
     H, nh = cfg.hidden_size, cfg.num_attention_heads
     inter = max(cfg.intermediate_size, cfg.moe_intermediate_size * max(1, cfg.n_shared_experts))
     q = nh * (cfg.qk_head_dim + cfg.kv_lora_rank + cfg.v_head_dim)
     per_token = 4 * (8 * H + 3 * q + 4 * inter + cfg.vocab_size)
     scores = 4 * 3 * nh * chunk * max_context
     kv_copy = 4 * max_context * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)   # one layer's f16 cache, as f32
-    return chunk * per_token + scores + kv_copy + expert_scratch
+    return (chunk * per_token + scores + kv_copy + expert_scratch
+            + max(0, window - chunk) * window_bytes_per_token(cfg))
+
+
+def window_bytes_per_token(cfg: ModelConfig) -> int:
+    """What each token of a prompt window holds while the window goes through the model a layer at a
+    time (runtime Model.prefill): its residual stream, the MoE half's normalised input and output, the
+    shared experts' intermediates and the router's scores (float32); the attention half and the dense
+    layers go a chunk at a time, inside the chunk's own room."""
+    shared = 4 * cfg.moe_intermediate_size * max(1, cfg.n_shared_experts)
+    return 4 * (3 * cfg.hidden_size + shared + 2 * cfg.n_routed_experts)
 
 
 @dataclass
@@ -185,9 +196,9 @@ class MemoryPlan:
 
 def make_plan(cfg: ModelConfig, *, budget: int, baseline: int, resident: int, metadata: int,
               expert_bytes: int, total_experts: int, max_context: int, chunk: int, expert_scratch: int,
-              prefetch: bool, kv_itemsize: int = 4, baseline_recorded: bool = False) -> MemoryPlan:
+              prefetch: bool, kv_itemsize: int = 4, baseline_recorded: bool = False, window: int = 0) -> MemoryPlan:
     kv = kv_bytes(cfg, max_context, kv_itemsize)
-    act = activation_bytes(cfg, min(chunk, max_context), max_context, expert_scratch)
+    act = activation_bytes(cfg, min(chunk, max_context), max_context, expert_scratch, min(window, max_context))
     fixed = baseline + resident + metadata + kv + act
     left = budget - fixed
     k = max(1, cfg.num_experts_per_tok)
@@ -200,13 +211,15 @@ def make_plan(cfg: ModelConfig, *, budget: int, baseline: int, resident: int, me
 
 
 def plan_for(cfg: ModelConfig, fp: Footprint, *, budget: int, baseline: int, max_context: int, chunk: int,
-             prefetch: bool = False, kv_itemsize: int = 4, baseline_recorded: bool = False) -> MemoryPlan:
-    """make_plan for a footprint: its metadata plus the embedding rows of a prompt chunk in flight."""
+             prefetch: bool = False, kv_itemsize: int = 4, baseline_recorded: bool = False,
+             window: int = 0) -> MemoryPlan:
+    """make_plan for a footprint: its metadata plus the embedding rows of a prompt chunk in flight;
+    `window`: prompt tokens that go through the model a layer at a time (0: a chunk at a time)."""
     return make_plan(cfg, budget=budget, baseline=baseline, resident=fp.resident,
                      metadata=fp.metadata + 4 * cfg.hidden_size * chunk, expert_bytes=fp.expert_bytes,
                      total_experts=fp.total_experts, max_context=max_context, chunk=chunk,
                      expert_scratch=fp.scratch, prefetch=prefetch, kv_itemsize=kv_itemsize,
-                     baseline_recorded=baseline_recorded)
+                     baseline_recorded=baseline_recorded, window=window)
 
 
 # ------------------------------------------------------------------------- resident precision to fit

@@ -162,14 +162,19 @@ def _open_session(args, log, path: Path, wf: WeightFile, describe: bool, hold_ba
     args.kv_dtype = args.kv_dtype_flag
     planner.default_kv_dtype(args, experts_codec, log)
 
-    def replan(ctx, chunk):
+    def replan(ctx, chunk, window=None):
         return planner.plan(cfg, footprint, args, baseline, ctx or args.max_ctx,
-                            chunk or args.prefill_batch_size or MIN_PREFILL_BATCH)
+                            chunk or args.prefill_batch_size or MIN_PREFILL_BATCH, window=window)
+    # each session starts from the user's flag, as with --kv-dtype
+    if not hasattr(args, "prompt_window_flag"):
+        args.prompt_window_flag = getattr(args, "prompt_window", None)
+    args.prompt_window = args.prompt_window_flag
     auto_fit(args, replan, log)
     args.kv_dtype = args.kv_dtype or "f32"
     if args.prefill_batch_size is None:
         args.prefill_batch_size = auto_prefill_batch(lambda b: replan(None, b))
         log(f"prefill batch: {args.prefill_batch_size} tokens (--prefill-batch-size to choose)")
+    planner.default_prompt_window(args, replan, cfg.num_experts_per_tok, log)
     plan = replan(None, None)
     if describe:
         describe_plan(plan, log)
@@ -245,7 +250,7 @@ def _interactive(args, log) -> int:
             f"a base model continues the text rather than answering")
     stop_ids = {i for i in (s.tok.eos_id, *s.cfg.eos_token_ids) if i is not None}
     engine = Engine(s.model, s.tok, stop_ids, args.prefill_batch_size, s.weights.pager,
-                    prefix_cache=not args.no_prompt_cache, tuner=_thread_tuner(args))
+                    prefix_cache=not args.no_prompt_cache, tuner=_thread_tuner(args), prompt_window=args.prompt_window)
     try:
         if args.serve:
             cfg = server.ServerConfig(model_id=s.path.stem, api_key=args.api_key, max_body=max_body,
@@ -292,7 +297,8 @@ def _generate(args, log) -> int:
 
     stop_ids = {i for i in (tok.eos_id, *cfg.eos_token_ids) if i is not None}
     if args.warm_up:            # greedy, its own sampler: the measured run's draws stay as without it
-        for _ in generate(model, prompt_ids, 1, Sampler(0.0, 1.0, None), args.prefill_batch_size, stop_ids):
+        for _ in generate(model, prompt_ids, 1, Sampler(0.0, 1.0, None), args.prefill_batch_size, stop_ids,
+                          window=args.prompt_window):
             pass
         model.reset()
         log("warmed up: the prompt and one token ran once, untimed")
@@ -302,7 +308,7 @@ def _generate(args, log) -> int:
     out = None if args.json else sys.stdout
     try:
         for tid in generate(model, prompt_ids, args.max_tokens, sampler, args.prefill_batch_size,
-                            stop_ids, stats, dump, telemetry):
+                            stop_ids, stats, dump, telemetry, window=args.prompt_window):
             piece = stream.push(tid)
             if piece and out:
                 out.write(piece)
@@ -326,6 +332,8 @@ def _generate(args, log) -> int:
         "experts_total": cfg.n_routed_experts * len(cfg.moe_layers),
         "expert_bytes_touched": weights.expert_bytes_touched,
         "prefill_seconds": round(stats.prefill_seconds, 4),
+        "prefill_batch": args.prefill_batch_size,
+        "prompt_window": args.prompt_window,
         "decode_seconds": round(stats.decode_seconds, 4),
         "stop_reason": stats.stop_reason,
         "memory_budget_bytes": plan.budget,
@@ -376,6 +384,10 @@ def print_summary(stats: GenerationStats, report: dict, tele: dict, plan: B.Memo
     na = "—"
     rows = [
         ("prompt", f"{stats.prompt_tokens} tokens at {report['prefill_tokens_per_s']:.1f} tok/s"),
+        ("prompt: how", (f"up to {report['prompt_window']} tokens a layer at a time "
+                         f"(attention: {report['prefill_batch']} at a time)" if report["prompt_window"] > report["prefill_batch"]
+                         else f"chunks of {report['prefill_batch']} tokens")),
+        ("prompt: expert bytes read", f"{B.fmt(tele['prefill_bytes_read'])} ({tele['prefill_io_wait_s']:.2f} s waiting)"),
         ("generated", f"{stats.generated_tokens} tokens at {report['decode_tokens_per_s']:.1f} tok/s ({stats.stop_reason})"),
         ("per decoded token: compute", f"{tele['decode_compute_s_per_token'] * 1000:.1f} ms"),
         ("per decoded token: waiting on I/O", f"{tele['decode_io_wait_s_per_token'] * 1000:.1f} ms"),

@@ -44,6 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt tokens per forward chunk (default: 256 when the budget has room for it "
                         "without shrinking the expert cache by more than a tenth, else 64 or the largest "
                         "that fits)")
+    p.add_argument("--prompt-window", type=int, default=None, metavar="TOKENS",
+                   help="prompt tokens that go through the model one layer at a time, each layer's routed "
+                        "experts read once for all of them (attention still a chunk at a time); a window of "
+                        "one chunk or less feeds the prompt chunk by chunk (default: the most whole chunks, "
+                        "up to the context, that fit beside the expert cache; where that cache holds fewer "
+                        "experts than a token uses over all layers, it gives up all but one layer's and "
+                        "the read-ahead's)")
     p.add_argument("--json", action="store_true", help="print one JSON object with ids, text and stats")
     p.add_argument("--warm-up", action="store_true",
                    help="run the prompt and one token through the model first, untimed and unprinted, so "

@@ -103,9 +103,11 @@ class TextStream:
 
 class Engine:
     def __init__(self, model: Model, tok: Tokenizer, stop_ids: set[int], prefill_batch: int, pager,
-                 prefix_cache: bool = True, tuner=None):
-        """tuner: a threadtune.ThreadTuner timing every request's decode steps (or None)."""
+                 prefix_cache: bool = True, tuner=None, prompt_window: int | None = None):
+        """tuner: a threadtune.ThreadTuner timing every request's decode steps (or None); prompt_window:
+        prompts go that many tokens a layer at a time (generate's window)."""
         self.model, self.tok, self.stop_ids, self.prefill_batch, self.pager = model, tok, stop_ids, prefill_batch, pager
+        self.prompt_window = prompt_window
         self.prefix_cache, self.tuner = prefix_cache, tuner
         self.ids: list[int] = []           # the tokens whose keys and values the cache holds, in order
         self.counters = Counters()
@@ -145,7 +147,7 @@ class Engine:
         fed = list(req.prompt_ids)         # what the cache holds once each step is done
         try:
             for tid in generate(self.model, suffix, req.max_tokens, sampler, self.prefill_batch,
-                                self.stop_ids, res.stats, None, telemetry, req.cancelled):
+                                self.stop_ids, res.stats, None, telemetry, req.cancelled, self.prompt_window):
                 res.token_ids.append(tid)
                 fed.append(tid)
                 piece = text.push(tid)

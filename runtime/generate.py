@@ -1,12 +1,10 @@
-"""Prompt in, tokens out: chunked prefill, then one token at a time until max tokens, an end-of-
-sequence token, or a full context. Timings are kept for the report."""
+"""Prompt in, tokens out: the prompt (in chunks, or in windows a layer at a time), then one token at a
+time until max tokens, an end-of-sequence token, or a full context. Timings are kept for the report."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from .model import ContextFull, Model
 from .sampler import Sampler
@@ -34,11 +32,12 @@ class GenerationStats:
 
 def generate(model: Model, prompt_ids: list[int], max_tokens: int, sampler: Sampler, prefill_batch: int,
              stop_ids=(), stats: GenerationStats | None = None, on_prefill_logits=None, telemetry=None,
-             cancelled=None):
-    """Yield generated token ids. `on_prefill_logits(all_logits)` gets every prompt position's logits
-    when given (teacher-forced), at no extra cost. `telemetry.record(phase, n)` closes each step.
-    `cancelled()`, when given, is asked before each prefill chunk and decode step: True stops there
-    (stop reason "cancelled")."""
+             cancelled=None, window: int | None = None):
+    """Yield generated token ids; the prompt goes in windows of `window` tokens a layer at a time
+    (Model.prefill; None: chunk by chunk). `on_prefill_logits(all_logits)` gets every prompt position's
+    logits when given (teacher-forced), at no extra cost. `telemetry.record(phase, n)` closes each step.
+    `cancelled()`, when given, is asked before each prefill chunk, each layer of a window and each decode
+    step: True stops there (stop reason "cancelled")."""
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt_ids)
     if not prompt_ids:
@@ -49,16 +48,12 @@ def generate(model: Model, prompt_ids: list[int], max_tokens: int, sampler: Samp
         raise ValueError("--prefill-batch-size must be at least 1")
     t0 = time.perf_counter()
     all_logits = on_prefill_logits is not None
-    chunks = []
-    for s in range(0, len(prompt_ids), prefill_batch):
-        if cancelled is not None and cancelled():
-            stats.stop_reason = "cancelled"
-            return
-        chunk = prompt_ids[s:s + prefill_batch]
-        chunks.append(model.forward(chunk, all_logits=all_logits))
-        if telemetry:
-            telemetry.record("prefill", len(chunk))
-    logits = np.concatenate(chunks, axis=0) if all_logits else chunks[-1]
+    # every position's logits are planned for a chunk at a time, not a window's
+    logits = model.prefill(prompt_ids, prefill_batch, all_logits, None if all_logits else window, cancelled,
+                           (lambda n: telemetry.record("prefill", n)) if telemetry else None)
+    if logits is None:
+        stats.stop_reason = "cancelled"
+        return
     if all_logits:
         on_prefill_logits(logits)
         logits = logits[-1:]

@@ -112,16 +112,22 @@ class Rope:
         self.inv_freq, self.amp = rope_tables(cfg.rope, cfg.qk_rope_head_dim)
         self.interleave = cfg.rope.interleave
         self._key, self._cs = None, None
+        self._recent: dict = {}
 
     def tables(self, start: int, T: int, B: int):
-        """cos, sin [B * T, rope/2] for positions start .. start+T-1 of every sequence."""
+        """cos, sin [B * T, rope/2] for positions start .. start+T-1 of every sequence (the last few
+        kept: a prompt window asks for each of its chunks' at every layer)."""
         key = (start, T, B)
         if self._key != key:
-            pos = np.tile(np.arange(start, start + T, dtype=np.float32), B)
-            freqs = pos[:, None] * self.inv_freq[None, :]
-            self._cs = ((np.cos(freqs) * self.amp).astype(np.float32),
-                        (np.sin(freqs) * self.amp).astype(np.float32))
-            self._key = key
+            cs = self._recent.get(key)
+            if cs is None:
+                pos = np.tile(np.arange(start, start + T, dtype=np.float32), B)
+                freqs = pos[:, None] * self.inv_freq[None, :]
+                cs = ((np.cos(freqs) * self.amp).astype(np.float32), (np.sin(freqs) * self.amp).astype(np.float32))
+                if len(self._recent) >= 64:
+                    self._recent.clear()
+                self._recent[key] = cs
+            self._key, self._cs = key, cs
         return self._cs
 
 
@@ -386,11 +392,13 @@ class MoE:
         return (self._router_f32, self.bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
                 cfg.norm_topk_prob, cfg.routed_scaling_factor)
 
-    def forward(self, h: np.ndarray, x: np.ndarray, routed=None, launched: bool = False, defer: bool = False):
+    def forward(self, h: np.ndarray, x: np.ndarray, routed=None, launched: bool = False, defer: bool = False,
+                guess: bool = True):
         """h: the normalised input [T, hidden]; x: the residual stream, for guessing the next layer;
         routed: route(h) when the caller has it already (Layer.step); launched: the caller's step has
         handed this token's call to the thread pool already (launch_spec). Returns the output, or with
-        defer the launched call itself (kernels.PendingMoE), to be collected later."""
+        defer the launched call itself (kernels.PendingMoE), to be collected later. guess=False: no
+        guess at the next layer's experts (a prompt window's would be most of them, read too early)."""
         idx, weights = routed if routed is not None else self.route(h)
         if self.experts.buffer is not self._buffer:        # the provider changed it between steps
             self._buffer, self._shared_fused, self._step = self.experts.buffer, False, False
@@ -414,7 +422,8 @@ class MoE:
                 return out + self.shared.forward(h) if self.shared is not None and step.shared is None else out
         used = np.sort(idx[0]) if idx.shape[0] == 1 else np.unique(idx)      # one token's are distinct
         self.experts.routed(self.index, used)
-        self._guess(x)
+        if guess:
+            self._guess(x)
         out = np.zeros(h.shape, np.float32)
         experts = self.experts.together(self.index, used)
         if experts is not None and self.experts.offsets_stay:        # (a prompt's chunk teaches most of them)
@@ -428,10 +437,13 @@ class MoE:
                 if self.shared is not None and shared is None:
                     out += self.shared.forward(h)
                 return out
-        # Group the chunk's tokens by expert: each expert is fetched once per chunk.
-        for e in used:
-            tok, slot = np.nonzero(idx == e)
-            gate, up, down = experts[int(e)] if experts is not None else self.experts.get(self.index, int(e))
+        # Group the chunk's tokens by expert: each expert is fetched once per chunk, in id order, the
+        # provider reading ahead of the one in use when they cannot all be held (stream)
+        order = np.argsort(idx, axis=None, kind="stable")       # (token, slot) pairs, grouped by expert
+        ends = np.searchsorted(idx.ravel()[order], used, side="right")
+        pairs = experts.items() if experts is not None else self.experts.stream(self.index, used)
+        for (e, (gate, up, down)), end, begin in zip(pairs, ends, np.concatenate(([0], ends[:-1]))):
+            tok, slot = np.divmod(order[begin:end], idx.shape[1])
             out[tok] += DenseMLP(gate, up, down).forward(h[tok]) * weights[tok, slot][:, None]
         if self.shared is not None:
             out += self.shared.forward(h)
@@ -630,14 +642,7 @@ class Model:
         T, start = ids2.shape[1], self.cache.length
         if start + T > self.cache.max_context:
             raise ContextFull(f"context of {self.cache.max_context} tokens is full (raise --max-context)")
-        blas.set_threads(1 if T == 1 else _THREADS)   # see formats/blas.py: decode steps, one or several sequences
-        kernels.set_decoding(T == 1)
-        self.w.step_begins()
-        if self.w.buffer is not self._experts_buffer:   # the pager changed: launches must not use the old one
-            self._experts_buffer = self.w.buffer
-            for layer in self.layers:
-                if type(layer.mlp) is MoE:
-                    layer.mlp.forget_offsets()
+        self._step_begins(T)
         x = self.embed(ids2.reshape(-1))
         for layer in self.layers:
             x = layer.forward(x, start, self.cache, self.rope, defer=True)
@@ -646,6 +651,47 @@ class Model:
         if not all_logits:
             x = x.reshape(B, T, -1)[:, -1]
         return linear(rms_norm(x, self.final_norm, self.cfg.rms_norm_eps), self.lm_head)
+
+    def _step_begins(self, T: int) -> None:
+        blas.set_threads(1 if T == 1 else _THREADS)   # see formats/blas.py: decode steps, one or several sequences
+        kernels.set_decoding(T == 1)
+        self.w.step_begins()
+        if self.w.buffer is not self._experts_buffer:   # the pager changed: launches must not use the old one
+            self._experts_buffer = self.w.buffer
+            for layer in self.layers:
+                if type(layer.mlp) is MoE:
+                    layer.mlp.forget_offsets()
+
+    def window(self, ids, chunk: int, all_logits: bool = False, cancelled=None):
+        """Tokens `ids` of one sequence at the next positions of the cache, a layer at a time: each
+        layer's attention half a chunk of `chunk` tokens at a time (in order, each chunk attending to
+        the ones before it, as forward would chunk by chunk), then its MLP half for all the tokens at
+        once, so that a MoE layer reads each routed expert once for the whole window instead of once
+        per chunk. Logits as forward gives them; None when `cancelled()` said so between two layers
+        (the cache then stays where it was)."""
+        if self.cache.batch != 1:
+            raise ValueError("a prompt window runs one sequence")
+        ids = np.asarray(ids).reshape(-1)
+        T, start, cache, eps = len(ids), self.cache.length, self.cache, self.cfg.rms_norm_eps
+        if start + T > cache.max_context:
+            raise ContextFull(f"context of {cache.max_context} tokens is full (raise --max-context)")
+        self._step_begins(T)
+        x = self.embed(ids)
+        chunks = [slice(a, min(a + chunk, T)) for a in range(0, T, chunk)]
+        for layer in self.layers:
+            if cancelled is not None and cancelled():
+                return None
+            for c in chunks:
+                x[c] += layer.attn.forward(rms_norm(x[c], layer.ln1, eps), start + c.start, cache, self.rope)
+            if type(layer.mlp) is MoE:
+                x += layer.mlp.forward(rms_norm(x, layer.ln2, eps), x, guess=False)
+            else:
+                for c in chunks:
+                    x[c] += layer.mlp.forward(rms_norm(x[c], layer.ln2, eps))
+        cache.length = start + T
+        if not all_logits:
+            x = x[-1:]
+        return linear(rms_norm(x, self.final_norm, eps), self.lm_head)
 
     def moe_overlap(self) -> tuple[int, int]:
         """(one-token MoE calls launched beside the interpreter, one-token MoE calls) so far."""
@@ -657,13 +703,27 @@ class Model:
         (forward takes [batch, T]); the single-sequence cache is restored after."""
         return _Sequences(self, batch)
 
-    def prefill(self, ids, batch: int, all_logits: bool = False) -> np.ndarray:
-        """Feed the prompt in chunks of `batch` tokens; logits of every position or of the last."""
+    def prefill(self, ids, batch: int, all_logits: bool = False, window: int | None = None, cancelled=None,
+                on_step=None) -> np.ndarray | None:
+        """Feed the prompt in windows of `window` tokens a layer at a time (see `window`), each layer's
+        attention in chunks of `batch`; a window of one chunk or less (the default) feeds it chunk by
+        chunk through forward. Logits of every position or of the last; None when `cancelled()` said
+        so. `on_step(n)` after each window or chunk of n tokens."""
         if batch < 1:
             raise ValueError("--prefill-batch-size must be at least 1")
+        step = max(batch, window or 0)
         outs = []
-        for s in range(0, len(ids), batch):
-            outs.append(self.forward(ids[s:s + batch], all_logits=all_logits))
+        for s in range(0, len(ids), step):
+            if cancelled is not None and cancelled():
+                return None
+            part = ids[s:s + step]
+            out = (self.forward(part, all_logits=all_logits) if len(part) <= batch
+                   else self.window(part, batch, all_logits, cancelled))
+            if out is None:
+                return None
+            outs.append(out)
+            if on_step is not None:
+                on_step(len(part))
         return np.concatenate(outs, axis=0) if all_logits else outs[-1]
 
     def reset(self):

@@ -151,7 +151,8 @@ class ExpertPager:
         self._guessed = False                    # any speculative read asked for in this run
         self._verified: set[tuple] = set()       # experts whose bytes matched their checksum once
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="kimi-prefetch")
+        self.threads = max(1, threads)
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kimi-prefetch")
         self.cached_bytes = 0
         # --io auto: a decision to drop evicted experts' pages asks for O_DIRECT reads instead (see
         # make_pager); the provider carries it out between model steps (direct_successor)
@@ -229,6 +230,19 @@ class ExpertPager:
         behind its back and memory would grow past the budget (a prefill chunk can route to far more
         experts than a tight cache holds); then they are taken one at a time."""
         return n * self._largest <= self.capacity
+
+    def cache_slots(self) -> int:
+        """How many of the largest experts the cache holds."""
+        return self.capacity // self._largest if self._largest else 0
+
+    def read_ahead_depth(self) -> int:
+        """How many experts may be read ahead of the one in use, in a pass over more experts than the
+        cache holds, without the cache evicting one of them before its use: fetch_ahead makes those
+        already read the most recent entries, so the oldest are used ones while the ones ahead and
+        the one in use take at most half the cache (a quarter under lfru, which evicts the least used
+        of the older half); two reads per prefetch thread at most, which keeps every thread busy."""
+        room = (self.cache_slots() - 2) // (2 if self.policy == "lru" else 4)
+        return max(0, min(room, 2 * self.threads))
 
     def note_routed(self, layer: int, experts) -> None:
         """Score the prediction made for `layer` against the experts actually routed there."""
@@ -620,6 +634,9 @@ class PreadPager(ExpertPager):
 
     def _in_page_cache(self, off: int, n: int) -> bool:
         return not self.direct and super()._in_page_cache(off, n)      # O_DIRECT reads bypass it
+
+    def cache_slots(self) -> int:
+        return self.slots
 
     def holds_together(self, n: int) -> bool:
         # Guesses may take slots while the layer's experts are fetched: room for both (a wrong guess's

@@ -41,17 +41,18 @@ def plan_config(args, log) -> int:
     # Not this process's RSS: the plan is for a kimi-run that has not started (maybe on another machine)
     baseline = memplan.recorded_baseline(footprint.total_experts)
 
-    def replan(ctx, chunk, fp=None):
+    def replan(ctx, chunk, window=None, fp=None):
         return planner.plan(cfg, fp or footprint, args, baseline, ctx or args.max_ctx,
-                            chunk or args.prefill_batch_size or planner.MIN_PREFILL_BATCH, recorded=True)
+                            chunk or args.prefill_batch_size or planner.MIN_PREFILL_BATCH, recorded=True,
+                            window=window)
     # Too big at the preset: resident classes one rung lower each, the least KL per byte first, as
     # kimi-convert --memory-budget does: planned with the smallest prompt chunk the default may pick and
     # the KV cache in f16 unless --kv-dtype says otherwise (kimi-run takes f16 when f32 does not fit)
     chunk, kv = args.prefill_batch_size or planner.MIN_FIT_CHUNK, args.kv_dtype
     args.kv_dtype = kv or "f16"
     preset_classes = dict(precision.classes)
-    steps = memplan.fit_resident(cfg, precision, lambda fp: replan(None, chunk, fp).fits)
-    if steps and not replan(None, chunk, memplan.of_config(cfg, precision)[0]).fits:
+    steps = memplan.fit_resident(cfg, precision, lambda fp: replan(None, chunk, fp=fp).fits)
+    if steps and not replan(None, chunk, fp=memplan.of_config(cfg, precision)[0]).fits:
         log("resident: even with every resident class at its lowest rung the plan does not fit")
         precision.classes, steps = preset_classes, []
     args.kv_dtype = kv
@@ -68,6 +69,7 @@ def plan_config(args, log) -> int:
     if args.prefill_batch_size is None:
         args.prefill_batch_size = planner.auto_prefill_batch(lambda b: replan(args.max_ctx, b))
         log(f"prefill batch: {args.prefill_batch_size} tokens (--prefill-batch-size to choose)")
+    planner.default_prompt_window(args, replan, cfg.num_experts_per_tok, log)
     plan = replan(args.max_ctx, args.prefill_batch_size)
     log(f"{path}: {cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts × {len(cfg.moe_layers)} MoE layers, "
         f"preset {args.quant}: file {B.fmt(total)}, resident {B.fmt(footprint.resident)} (float32 copies included), "

@@ -25,12 +25,14 @@ def of_file(wf) -> Footprint:
 
 
 def plan(cfg: ModelConfig, fp: Footprint, args, baseline: int, max_ctx: int, chunk: int,
-         recorded: bool = False) -> B.MemoryPlan:
-    """The plan under args.budget for a context of max_ctx and prefill chunks of `chunk` tokens;
-    `recorded`: the baseline is the recorded one, not this process's."""
+         recorded: bool = False, window: int | None = None) -> B.MemoryPlan:
+    """The plan under args.budget for a context of max_ctx, prefill chunks of `chunk` tokens and prompt
+    windows of `window` (default: args.prompt_window, once chosen); `recorded`: the baseline is the
+    recorded one, not this process's."""
+    window = getattr(args, "prompt_window", None) if window is None else window
     return memplan.plan_for(cfg, fp, budget=args.budget, baseline=baseline, max_context=max_ctx, chunk=chunk,
                             prefetch=args.prefetch == "next-layer", kv_itemsize=2 if args.kv_dtype == "f16" else 4,
-                            baseline_recorded=recorded)
+                            baseline_recorded=recorded, window=window or 0)
 
 
 def describe_plan(plan: B.MemoryPlan, log) -> None:
@@ -122,6 +124,36 @@ def auto_prefill_batch(plan_with) -> int:
     return _largest_fitting(1, MIN_PREFILL_BATCH - 1, lambda b: plan_with(b).fits) or MIN_PREFILL_BATCH
 
 
+def auto_prompt_window(plan_with, chunk: int, max_ctx: int, k: int) -> int:
+    """The default prompt window: the most prompt tokens (whole chunks, up to the context) that go
+    through the model a layer at a time, each layer's routed experts read once for all of them. Their
+    residual stream takes only memory the expert cache leaves unused, where that cache holds a token's
+    experts over all its layers (decode steps find them again); where it holds fewer (Kimi K2 in
+    8.24 GB: decode finds none of them again), it may take all of the cache but one layer's k experts
+    and the pager's read-ahead. A window of one chunk is the chunk-by-chunk prefill. `plan_with(window)`
+    is the plan with that window."""
+    base = plan_with(0)
+    floor = base.cache_experts
+    if base.token_experts and base.cache_experts < base.token_experts:
+        floor = min(floor, max(base.min_cache_experts, k + 4))
+    chunks = _largest_fitting(1, -(-max_ctx // chunk), lambda n: (
+        (p := plan_with(min(max_ctx, n * chunk))).fits and p.cache_experts >= floor))
+    return min(max_ctx, (chunks or 1) * chunk)
+
+
+def default_prompt_window(args, replan, k: int, log) -> None:
+    """--prompt-window, checked, or the default (auto_prompt_window; k: experts a token routes to in a
+    layer), said in one line.
+    `replan(max_context, prefill_batch_size, window)` recomputes the plan with other flags unchanged."""
+    if args.prompt_window is not None:
+        if args.prompt_window < 1:
+            raise RunError("--prompt-window must be >= 1")
+        return
+    args.prompt_window = auto_prompt_window(lambda w: replan(args.max_ctx, args.prefill_batch_size, w),
+                                            args.prefill_batch_size, args.max_ctx, k)
+    log(f"prompt window: {args.prompt_window} tokens through each layer in turn (--prompt-window to choose)")
+
+
 def refuse_if_unfit(plan: B.MemoryPlan, replan, args) -> None:
     """Refuse an unfit plan, naming each flag that alone would make it fit and the value to use.
     `replan(max_context, prefill_batch_size)` recomputes the plan with other flags unchanged."""
@@ -134,6 +166,10 @@ def refuse_if_unfit(plan: B.MemoryPlan, replan, args) -> None:
     batch = _largest_fitting(1, args.prefill_batch_size - 1, lambda b: replan(args.max_ctx, b).fits)
     if batch is not None:
         tips.append(f"lower --prefill-batch-size from {args.prefill_batch_size} to {batch}")
+    window = getattr(args, "prompt_window", None) or 0
+    if window > args.prefill_batch_size and replan(args.max_ctx, args.prefill_batch_size, 0).fits:
+        tips.append(f"lower --prompt-window from {window} to "
+                    f"{_largest_fitting(1, window - 1, lambda n: replan(args.max_ctx, args.prefill_batch_size, n).fits)}")
     if plan.resident > plan.budget // 2:
         tips.append(f"convert with a lower-precision --quant (resident weights alone take {B.fmt(plan.resident)})")
     raise RunError(f"a budget of {B.fmt(plan.budget)} cannot hold the minimum ({B.fmt(plan.fixed)} fixed + "

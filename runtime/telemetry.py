@@ -74,12 +74,15 @@ class Telemetry:
     def summary(self) -> dict:
         s = self.pager.stats
         dec = [r for r in self.records if r["phase"] == "decode"]
+        pre = [r for r in self.records if r["phase"] == "prefill"]
         n = len(dec)
         return {
             "hits": s.hits, "misses": s.misses, "hit_rate": round(s.hit_rate, 4),
             "bytes_read": s.bytes_read, "io_wait_s": round(s.io_wait_s, 4), "evictions": s.evictions,
             "prefetch_recall": round(s.recall, 4) if s.routed_checked else None,
             "prefetch_bytes": s.prefetch_bytes, "prefetch_wasted_bytes": s.prefetch_wasted_bytes,
+            "prefill_bytes_read": sum(r["bytes_read"] for r in pre),
+            "prefill_io_wait_s": round(sum(r["io_wait_s"] for r in pre), 4),
             "decode_bytes_read_per_token": round(sum(r["bytes_read"] for r in dec) / n) if n else 0,
             "decode_io_wait_s_per_token": round(sum(r["io_wait_s"] for r in dec) / n, 6) if n else 0,
             "decode_compute_s_per_token": round(sum(r["compute_s"] for r in dec) / n, 6) if n else 0,

@@ -106,7 +106,8 @@ class ExpertProvider:
         and the only point where `buffer` may change."""
 
     def routed(self, layer: int, experts) -> None:
-        """`layer` routed to `experts` (unique ids): score any guess, start reading them all."""
+        """`layer` routed to `experts` (unique ids): score any guess, start reading them (all of them
+        when they can be held together, else the first few, and `stream` reads on)."""
 
     def guess(self, layer: int, experts) -> None:
         """The model's guess of `layer`'s experts, before it gets there."""
@@ -129,6 +130,12 @@ class ExpertProvider:
 
     def get(self, layer: int, e: int) -> tuple[Weight, Weight, Weight]:
         raise NotImplementedError
+
+    def stream(self, layer: int, experts):
+        """(id, (gate, up, down)) for each of `experts` in turn, when `together` could not hold them:
+        each may be given back once the next is asked for."""
+        for e in experts:
+            yield int(e), self.get(layer, int(e))
 
 
 class ModelWeights(ExpertProvider):
@@ -271,10 +278,21 @@ class ModelWeights(ExpertProvider):
             self._expert_weights.clear()
 
     def routed(self, layer: int, experts) -> None:
-        self.pager.note_routed(layer, experts)
-        self.pager.fetch_ahead(layer, experts)
-        if self.pager.watch_reads:
+        p = self.pager
+        p.note_routed(layer, experts)
+        # more than the cache holds (a prompt window's): only as many ahead as stream keeps ahead, as
+        # reads started for all of them would evict the first before their use
+        p.fetch_ahead(layer, experts if p.holds_together(len(experts)) else experts[:p.read_ahead_depth()])
+        if p.watch_reads:
             self._judge_guesses()
+
+    def stream(self, layer: int, experts):
+        p = self.pager
+        depth = p.read_ahead_depth()
+        for j, e in enumerate(experts):
+            if depth:
+                p.fetch_ahead(layer, experts[j + 1:j + 1 + depth])
+            yield int(e), self.expert(layer, int(e))
 
     def _judge_guesses(self) -> None:
         """--prefetch auto: stop guessing for the run when most guesses were wrong; pause while the

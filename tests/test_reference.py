@@ -1,6 +1,7 @@
 """kimi-run against the reference: transformers' DeepseekV3ForCausalLM in fp32. For several random
 tiny configs covering every architectural switch, the logits at every prompt position match to
-1e-4 of the logits' scale and 32 greedy tokens are identical."""
+1e-4 of the logits' scale and 32 greedy tokens are identical, the prompt fed chunk by chunk or in
+windows a layer at a time."""
 
 import zlib
 
@@ -51,9 +52,17 @@ def test_logits_and_greedy_match_transformers(name, tmp_path):
     assert got.shape == ref.shape
     assert np.abs(got - ref).max() <= 1e-4 * scale
 
+    # windows of 20 tokens a layer at a time, attention in chunks of 6 (20 = 6 + 6 + 6 + 2; 48 = 20 + 20 + 8)
+    model.reset()
+    windows = model.prefill(ids, batch=6, all_logits=True, window=20)
+    assert np.abs(windows - ref).max() <= 1e-4 * scale
+
+    greedy = refmodels.reference_greedy(ckpt, ids[:16], 32)
     model.reset()
     ours = list(generate(model, ids[:16], 32, Sampler(0.0), prefill_batch=5))
-    assert ours == refmodels.reference_greedy(ckpt, ids[:16], 32)
+    assert ours == greedy
+    model.reset()
+    assert list(generate(model, ids[:16], 32, Sampler(0.0), prefill_batch=3, window=7)) == greedy
 
 
 def _prefill_against_reference(tmp_path, ids, batch, **checkpoint):

@@ -16,7 +16,7 @@ import pytest
 from kimistream.formats.presets import PrecisionPlan
 from kimistream.convert.synthetic import write_synthetic
 from kimistream.formats.weightfile import WeightFile
-from kimistream.runtime.generate import generate
+from kimistream.runtime.generate import GenerationStats, generate
 from kimistream.runtime.model import Model
 from kimistream.runtime.pager import ExpertReadError
 from kimistream.runtime.sampler import Sampler
@@ -92,8 +92,10 @@ def test_direct_io_matches(synthetic):
 
 @pytest.mark.parametrize("io", ["mmap", "pread"])
 def test_peak_rss_within_budget_when_experts_are_4x_the_cache(synthetic, io):
+    # the plan of chunks alone (at 10G the default window would be the whole context)
     plan = json.loads(kimi_run("--weights", synthetic, "--dry-run", "--json", "--memory-budget", "10G",
-                               "--max-context", 256, "--prefill-batch-size", 8, "--quiet").stdout)["memory_plan"]
+                               "--max-context", 256, "--prefill-batch-size", 8, "--prompt-window", 8,
+                               "--quiet").stdout)["memory_plan"]
     expert, total = plan["expert_bytes"], plan["total_experts"]
     cache = total // 6
     # Baseline RSS is measured at start-up by the run itself; leave a margin for its variation.
@@ -137,11 +139,13 @@ def test_pread_io_error_is_clear(synthetic, tmp_path):
 
 def test_trace_and_plot(synthetic, tmp_path):
     trace, png = tmp_path / "t.jsonl", tmp_path / "t.png"
+    # the prompt's 10 tokens in windows of 8 a layer at a time (chunks of 4): a record a window
     proc = kimi_run("--weights", synthetic, "--prompt", "abcdefghij", "--max-tokens", 6, "--trace", trace,
-                    "--prefill-batch-size", 4, "--quiet")
+                    "--prefill-batch-size", 4, "--prompt-window", 8, "--quiet")
     assert proc.returncode == 0, proc.stderr
     recs = [json.loads(l) for l in trace.read_text().splitlines()]
-    assert [r["phase"] for r in recs] == ["prefill"] * 3 + ["decode"] * 5
+    assert [r["phase"] for r in recs] == ["prefill"] * 2 + ["decode"] * 5
+    assert [r["tokens"] for r in recs[:2]] == [8, 2]
     for r in recs:
         assert r["rss_bytes"] >= r["rss_anon_bytes"] > 0 and r["wall_s"] >= r["compute_s"] >= 0
     proc = kimi_run("--plot-trace", trace, "-o", png)
@@ -912,3 +916,84 @@ def test_run_summary_says_how_many_moe_calls_overlapped(synthetic_q2, monkeypatc
     evicting = run("--io", "pread")
     assert evicting["stats"]["moe_overlap"].startswith("none: the expert cache may evict")
     assert small["tokens"] == shared["tokens"]
+
+
+@pytest.mark.parametrize("io", ["mmap", "pread"])
+def test_a_prompt_window_reads_each_layers_experts_once(synthetic, io, monkeypatch):
+    """A prompt in one window a layer at a time, under a cache of 12 of a layer's 32 experts: every
+    (layer, expert) it routes to is read once, some of them ahead of their use (the stream's
+    read-ahead) and none evicted before it; chunk by chunk, experts are read again for later chunks.
+    The logits are the chunk-by-chunk ones (f32 weights: to float rounding)."""
+    from kimistream.runtime import pager as P
+    expert = max(e.nbytes for e in WeightFile(synthetic).extents if e.kind == "expert")
+    reads = []
+    ahead = []
+    cls = P.MmapPager if io == "mmap" else P.PreadPager
+    real_load, real_ahead = cls._load, cls._start_prefetch
+
+    def load(self, key):
+        if key not in self._inflight:
+            reads.append(key)
+        return real_load(self, key)
+
+    def start(self, key, speculative=True):
+        n = len(self._inflight)
+        real_ahead(self, key, speculative)
+        if len(self._inflight) > n:
+            reads.append(key)
+            ahead.append(key)
+    monkeypatch.setattr(cls, "_load", load)
+    monkeypatch.setattr(cls, "_start_prefetch", start)
+
+    def run(window):
+        reads.clear(), ahead.clear()
+        w = ModelWeights(synthetic, io=io, cache_bytes=12 * expert, prefetch="off")
+        w.load_resident()
+        assert w.pager.read_ahead_depth() == 4
+        m = Model(w, 128)
+        logits = m.prefill(PROMPT, 5, all_logits=False, window=window)
+        w.close()
+        return logits, list(reads), list(ahead)
+    by_chunk, chunk_reads, _ = run(None)
+    windowed, window_reads, window_ahead = run(len(PROMPT))
+    assert len(window_reads) == len(set(window_reads))                      # each once
+    assert len(chunk_reads) > len(set(chunk_reads)) >= len(set(window_reads))
+    assert window_ahead and set(window_reads) >= set(window_ahead)
+    assert np.abs(windowed - by_chunk).max() <= 1e-4 * np.abs(by_chunk).max()
+
+
+def test_a_window_stops_between_layers_when_cancelled(synthetic):
+    """cancelled() is asked before each layer of a window: a prompt cancelled in its first window
+    leaves the cache where it was, and the next request runs as if it never happened."""
+    w = ModelWeights(synthetic)
+    w.load_resident()
+    m = Model(w, 128)
+    asked = []
+
+    def cancelled():
+        asked.append(1)
+        return len(asked) > 2              # asked before the window and its first layer, then stop
+    stats = GenerationStats()
+    assert list(generate(m, PROMPT, 4, Sampler(0.0), 5, stats=stats, cancelled=cancelled, window=16)) == []
+    assert stats.stop_reason == "cancelled" and m.cache.length == 0 and len(asked) == 3
+    again = list(generate(m, PROMPT, 4, Sampler(0.0), 5, window=16))
+    m.reset()
+    assert again == list(generate(m, PROMPT, 4, Sampler(0.0), 5))
+
+
+def test_prompt_window_plan_and_flag(synthetic):
+    """The default window: the context's worth where the cache holds every expert beside it; Kimi
+    K2 in 8.24 GB (a cache far short of a token's 480 experts) gives up all but 12 experts for 896
+    tokens; --prompt-window is checked and planned as given."""
+    proc = kimi_run("--weights", synthetic, "--dry-run", "--max-context", 256)
+    assert proc.returncode == 0, proc.stderr
+    assert "prompt window: 256 tokens" in proc.stderr
+    proc = kimi_run("--plan-config", DATA / "kimi-k2-instruct-config.json", "--quant", "q2",
+                    "--memory-budget", "8.24G", "--max-context", 4096, "--json")
+    assert "prompt window: 896 tokens" in proc.stderr
+    assert json.loads(proc.stdout)["memory_plan"]["cache_experts"] == 12
+    proc = kimi_run("--plan-config", DATA / "kimi-k2-instruct-config.json", "--quant", "q2",
+                    "--memory-budget", "8.24G", "--max-context", 4096, "--prompt-window", 64, "--json")
+    assert "prompt window" not in proc.stderr and json.loads(proc.stdout)["memory_plan"]["cache_experts"] == 18
+    proc = kimi_run("--weights", synthetic, "--prompt", "hi", "--prompt-window", 0)
+    assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1] == "kimi-run: error: --prompt-window must be >= 1"
