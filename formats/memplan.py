@@ -138,8 +138,29 @@ def activation_bytes(cfg: ModelConfig, chunk: int, max_context: int, expert_scra
     per_token = 4 * (8 * H + 3 * q + 4 * inter + cfg.vocab_size)
     scores = 4 * 3 * nh * chunk * max_context
     kv_copy = 4 * max_context * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)   # one layer's f16 cache, as f32
-    return (chunk * per_token + scores + kv_copy + expert_scratch
-            + max(0, window - chunk) * window_bytes_per_token(cfg))
+    extra = 0
+    if window > chunk:
+        extra = ((window - chunk) * window_bytes_per_token(cfg)
+                 + (projection_block(chunk, window) - chunk) * projection_bytes_per_token(cfg))
+    return chunk * per_token + scores + kv_copy + expert_scratch + extra
+
+
+PROJECTION_TOKENS = 256      # a prompt window's attention projections take this many tokens at once
+
+
+def projection_block(chunk: int, window: int) -> int:
+    """How many tokens of a prompt window go through the attention's projections at once: whole
+    chunks, about PROJECTION_TOKENS (BLAS's products on weights decoded once for all of them; a
+    16 to 64-token chunk decodes every weight again for few tokens), never more than the window."""
+    return min(window, max(chunk, PROJECTION_TOKENS // chunk * chunk))
+
+
+def projection_bytes_per_token(cfg: ModelConfig) -> int:
+    """What each token of a projection block holds beyond a chunk's (float32): its normalised input,
+    queries, q LoRA and KV latent, the heads' outputs and the output projection."""
+    nh = cfg.num_attention_heads
+    return 4 * (2 * cfg.hidden_size + nh * (cfg.qk_head_dim + cfg.v_head_dim) + (cfg.q_lora_rank or 0)
+                + cfg.kv_lora_rank + cfg.qk_rope_head_dim)
 
 
 def window_bytes_per_token(cfg: ModelConfig) -> int:

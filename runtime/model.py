@@ -22,6 +22,7 @@ from kimistream.formats import blas
 from kimistream.formats.config import ModelConfig, RopeConfig
 from kimistream.formats.ggufcodecs import is_gguf_codec
 from kimistream.formats.layout import split_kv_b_names
+from kimistream.formats.memplan import projection_block
 
 from . import kernels
 from .weights import ExpertProvider, ModelWeights, Weight, has_fused_kernel
@@ -250,10 +251,16 @@ class Attention:
 
     def forward(self, h: np.ndarray, start: int, cache: KVCache, rope: Rope) -> np.ndarray:
         """h [B * T, hidden]: B sequences (the cache's batch), T new tokens each."""
+        if h.shape[0] == 1 and cache.batch == 1 and self.mla is not None:
+            return self.decode(h, start, cache, rope)
+        q_nope, q_rot = self.project(h, start, cache, rope)
+        return linear(self.attend(q_nope, q_rot, start, cache), self.o)
+
+    def project(self, h: np.ndarray, start: int, cache: KVCache, rope: Rope):
+        """The queries of h [B * T, hidden] at positions start .. start+T-1, (q_nope [B * T, nh, nope],
+        rotated q_rot [B * T, nh, rope]); their keys' latents and rotated parts written to the cache."""
         cfg, B = self.cfg, cache.batch
         T = h.shape[0] // B
-        if B * T == 1 and self.mla is not None:
-            return self.decode(h, start, cache, rope)
         nh, nope = cfg.num_attention_heads, cfg.qk_nope_head_dim
         if self.qkv_a is not None and B * T < kernels.BLAS_MIN_TOKENS:
             qa, ckv = self.qkv_a(h)
@@ -271,6 +278,15 @@ class Attention:
         C, K = cache.latent[self.index], cache.k_rot[self.index]          # [B, context, r], [B, context, rope]
         C[:, start:start + T] = latent.reshape(B, T, -1)
         K[:, start:start + T] = k_rot.reshape(B, T, -1)
+        return q_nope, q_rot
+
+    def attend(self, q_nope: np.ndarray, q_rot: np.ndarray, start: int, cache: KVCache) -> np.ndarray:
+        """The heads' outputs [B * T, nh * v] of T tokens a sequence at positions start .. start+T-1 (their
+        queries from `project`), each over the cache up to itself."""
+        cfg, B = self.cfg, cache.batch
+        T = q_nope.shape[0] // B
+        nh, nope = cfg.num_attention_heads, cfg.qk_nope_head_dim
+        C, K = cache.latent[self.index], cache.k_rot[self.index]          # [B, context, r], [B, context, rope]
         S = start + T
         # [B, nh, T, d]
         q_nope = q_nope.reshape(B, T, nh, nope).transpose(0, 2, 1, 3)
@@ -321,7 +337,9 @@ class Attention:
                 o_lat = _times_shared(probs, Cs)                                # [B, nh, T, r]
                 o = (kernels.gguf_heads_matmul(self.v_b.codec, self.v_b.raw, self.v_b.shape, o_lat, w_v_t)
                      if rounded else np.matmul(o_lat, w_v_t))
-        return linear(o.transpose(0, 2, 1, 3).reshape(B * T, nh * cfg.v_head_dim), self.o)
+        return o.transpose(0, 2, 1, 3).reshape(B * T, nh * cfg.v_head_dim)
+
+
 
 
 def _times_shared(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -678,11 +696,19 @@ class Model:
         self._step_begins(T)
         x = self.embed(ids)
         chunks = [slice(a, min(a + chunk, T)) for a in range(0, T, chunk)]
+        step = projection_block(chunk, T)
         for layer in self.layers:
             if cancelled is not None and cancelled():
                 return None
-            for c in chunks:
-                x[c] += layer.attn.forward(rms_norm(x[c], layer.ln1, eps), start + c.start, cache, self.rope)
+            attn = layer.attn
+            for b in range(0, T, step):
+                # the projections for a block of whole chunks at once (each weight decoded once for all
+                # of them), the scores a chunk at a time (their memory grows with chunk x context)
+                blk = slice(b, min(b + step, T))
+                q_nope, q_rot = attn.project(rms_norm(x[blk], layer.ln1, eps), start + b, cache, self.rope)
+                o = np.concatenate([attn.attend(q_nope[c.start - b:c.stop - b], q_rot[c.start - b:c.stop - b],
+                                                start + c.start, cache) for c in chunks[b // chunk:-(-blk.stop // chunk)]])
+                x[blk] += linear(o, attn.o)
             if type(layer.mlp) is MoE:
                 x += layer.mlp.forward(rms_norm(x, layer.ln2, eps), x, guess=False)
             else:

@@ -983,17 +983,35 @@ def test_a_window_stops_between_layers_when_cancelled(synthetic):
 
 def test_prompt_window_plan_and_flag(synthetic):
     """The default window: the context's worth where the cache holds every expert beside it; Kimi
-    K2 in 8.24 GB (a cache far short of a token's 480 experts) gives up all but 12 experts for 896
+    K2 in 8.24 GB (a cache far short of a token's 480 experts) gives up all but 12 experts for 704
     tokens; --prompt-window is checked and planned as given."""
     proc = kimi_run("--weights", synthetic, "--dry-run", "--max-context", 256)
     assert proc.returncode == 0, proc.stderr
     assert "prompt window: 256 tokens" in proc.stderr
     proc = kimi_run("--plan-config", DATA / "kimi-k2-instruct-config.json", "--quant", "q2",
                     "--memory-budget", "8.24G", "--max-context", 4096, "--json")
-    assert "prompt window: 896 tokens" in proc.stderr
+    assert "prompt window: 704 tokens" in proc.stderr
     assert json.loads(proc.stdout)["memory_plan"]["cache_experts"] == 12
     proc = kimi_run("--plan-config", DATA / "kimi-k2-instruct-config.json", "--quant", "q2",
                     "--memory-budget", "8.24G", "--max-context", 4096, "--prompt-window", 64, "--json")
     assert "prompt window" not in proc.stderr and json.loads(proc.stdout)["memory_plan"]["cache_experts"] == 18
     proc = kimi_run("--weights", synthetic, "--prompt", "hi", "--prompt-window", 0)
     assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1] == "kimi-run: error: --prompt-window must be >= 1"
+
+
+def test_a_long_window_projects_in_blocks_and_matches_chunk_by_chunk(synthetic):
+    """A window longer than PROJECTION_TOKENS goes through the attention's projections a block of whole
+    chunks at a time (the last block shorter): the logits of every position are the chunk-by-chunk
+    ones (f32 weights: to float rounding)."""
+    from kimistream.formats.memplan import projection_block
+    assert [projection_block(c, w) for c, w in ((32, 2464), (64, 704), (6, 20), (300, 1000), (8, 300))] == \
+        [256, 256, 20, 300, 256]
+    ids = [int(i) for i in np.random.RandomState(3).randint(0, 512, 300)]
+    w = ModelWeights(synthetic)
+    w.load_resident()
+    m = Model(w, 320)
+    by_chunk = m.prefill(ids, 8, all_logits=True)
+    m.reset()
+    windowed = m.window(ids, 8, all_logits=True)
+    assert m.cache.length == 300
+    assert np.abs(windowed - by_chunk).max() <= 1e-4 * np.abs(by_chunk).max()
