@@ -47,10 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-window", type=int, default=None, metavar="TOKENS",
                    help="prompt tokens that go through the model one layer at a time, each layer's routed "
                         "experts read once for all of them (attention still a chunk at a time); a window of "
-                        "one chunk or less feeds the prompt chunk by chunk (default: the most whole chunks, "
-                        "up to the context, that fit beside the expert cache; where that cache holds fewer "
-                        "experts than a token uses over all layers, it gives up all but one layer's and "
-                        "the read-ahead's)")
+                        "one chunk or less feeds the prompt chunk by chunk (default: chunk by chunk where "
+                        "every expert stays cached, else the most whole chunks, up to the context, that fit "
+                        "beside the expert cache; where that cache holds fewer experts than a token uses over "
+                        "all layers, it gives up all but one layer's and the read-ahead's)")
     p.add_argument("--json", action="store_true", help="print one JSON object with ids, text and stats")
     p.add_argument("--warm-up", action="store_true",
                    help="run the prompt and one token through the model first, untimed and unprinted, so "

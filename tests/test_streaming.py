@@ -982,12 +982,13 @@ def test_a_window_stops_between_layers_when_cancelled(synthetic):
 
 
 def test_prompt_window_plan_and_flag(synthetic):
-    """The default window: the context's worth where the cache holds every expert beside it; Kimi
+    """The default window: none (one chunk) where the cache holds every expert, a window only saves
+    reads of evicted ones; under a budget of fewer, what the cache leaves; Kimi
     K2 in 8.24 GB (a cache far short of a token's 480 experts) gives up all but 12 experts for 704
     tokens; --prompt-window is checked and planned as given."""
     proc = kimi_run("--weights", synthetic, "--dry-run", "--max-context", 256)
     assert proc.returncode == 0, proc.stderr
-    assert "prompt window: 256 tokens" in proc.stderr
+    assert "prompt window: none, the prompt goes chunk by chunk" in proc.stderr
     proc = kimi_run("--plan-config", DATA / "kimi-k2-instruct-config.json", "--quant", "q2",
                     "--memory-budget", "8.24G", "--max-context", 4096, "--json")
     assert "prompt window: 704 tokens" in proc.stderr
