@@ -161,7 +161,7 @@ def default_prompt_window(args, replan, k: int, log) -> None:
 
 def refuse_if_unfit(plan: B.MemoryPlan, replan, args) -> None:
     """Refuse an unfit plan, naming each flag that alone would make it fit and the value to use.
-    `replan(max_context, prefill_batch_size)` recomputes the plan with other flags unchanged."""
+    `replan(max_context, prefill_batch_size[, window])` recomputes the plan with other flags unchanged."""
     if plan.fits:
         return
     tips = [f"raise --memory-budget to at least {B.fmt(plan.budget + plan.shortfall())}"]
