@@ -682,11 +682,12 @@ class Model:
 
     def window(self, ids, chunk: int, all_logits: bool = False, cancelled=None):
         """Tokens `ids` of one sequence at the next positions of the cache, a layer at a time: each
-        layer's attention half a chunk of `chunk` tokens at a time (in order, each chunk attending to
-        the ones before it, as forward would chunk by chunk), then its MLP half for all the tokens at
-        once, so that a MoE layer reads each routed expert once for the whole window instead of once
-        per chunk. Logits as forward gives them; None when `cancelled()` said so between two layers
-        (the cache then stays where it was)."""
+        layer's attention half takes its projections a block of whole chunks at a time
+        (memplan.projection_block) and its scores a chunk of `chunk` tokens at a time (in order, each
+        chunk attending to the ones before it, as forward would chunk by chunk), then its MLP half
+        takes all the tokens at once, so that a MoE layer reads each routed expert once for the whole
+        window instead of once per chunk. Logits as forward gives them; None when `cancelled()` said so
+        between two layers (the cache then stays where it was)."""
         if self.cache.batch != 1:
             raise ValueError("a prompt window runs one sequence")
         ids = np.asarray(ids).reshape(-1)
@@ -695,7 +696,7 @@ class Model:
             raise ContextFull(f"context of {cache.max_context} tokens is full (raise --max-context)")
         self._step_begins(T)
         x = self.embed(ids)
-        chunks = [slice(a, min(a + chunk, T)) for a in range(0, T, chunk)]
+        chunks = [slice(a, min(a + chunk, T)) for a in range(0, T, chunk)]      # (the dense layers')
         step = projection_block(chunk, T)
         for layer in self.layers:
             if cancelled is not None and cancelled():
@@ -706,9 +707,9 @@ class Model:
                 # of them), the scores a chunk at a time (their memory grows with chunk x context)
                 blk = slice(b, min(b + step, T))
                 q_nope, q_rot = attn.project(rms_norm(x[blk], layer.ln1, eps), start + b, cache, self.rope)
-                o = np.concatenate([attn.attend(q_nope[c.start - b:c.stop - b], q_rot[c.start - b:c.stop - b],
-                                                start + c.start, cache) for c in chunks[b // chunk:-(-blk.stop // chunk)]])
-                x[blk] += linear(o, attn.o)
+                o = [attn.attend(q_nope[a:a + chunk], q_rot[a:a + chunk], start + b + a, cache)
+                     for a in range(0, blk.stop - b, chunk)]
+                x[blk] += linear(np.concatenate(o), attn.o)
             if type(layer.mlp) is MoE:
                 x += layer.mlp.forward(rms_norm(x, layer.ln2, eps), x, guess=False)
             else:
