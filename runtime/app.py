@@ -190,7 +190,8 @@ def _open_session(args, log, path: Path, wf: WeightFile, describe: bool, hold_ba
     held_back = int(max(0, free) * hold_back)
     cache_bytes = min(plan.cache_experts * plan.expert_bytes, plan.expert_cache - held_back)
     page_cache, tight = args.page_cache, None
-    if args.io == "auto" and page_cache == "auto" and (tight := B.no_page_cache_room(plan)):
+    experts = sum(e.nbytes for e in wf.extents if e.kind == "expert")
+    if args.io == "auto" and page_cache == "auto" and (tight := B.no_page_cache_room(plan, experts=experts)):
         page_cache = "drop"             # O_DIRECT reads from the start (make_pager), no trial of keeping pages
     weights = ModelWeights(wf, io=args.io, cache_bytes=cache_bytes,
                            policy=args.cache_policy, direct=args.direct, prefetch=args.prefetch,

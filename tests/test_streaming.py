@@ -865,6 +865,30 @@ def test_no_page_cache_room_only_under_a_hard_limit_and_a_cache_short_of_a_token
     assert B.no_page_cache_room(dataclasses.replace(unknown, cache_experts=7), limit=200 << 20) is None
 
 
+def test_no_page_cache_room_when_memory_holds_a_small_share_of_the_experts():
+    """O_DIRECT from the start also without a limit when all the memory the process and the page cache
+    may use holds less than 15 % of the routed experts (Kimi K2 on a PC): the page cache could find
+    few re-read experts. A model whose experts memory mostly holds is left to measurement, and the
+    memory counted is no more than the cgroup's limit."""
+    import dataclasses
+
+    from kimistream.runtime import budget as B
+    k2 = B.MemoryPlan(budget=8240 << 20, baseline=100 << 20, resident=7000 << 20, metadata=50 << 20,
+                      kv_cache=300 << 20, activations=400 << 20, expert_cache=400 << 20, expert_bytes=13 << 20,
+                      cache_experts=30, min_cache_experts=8, total_experts=384 * 60, token_experts=480)
+    experts = 384 * 60 * (13 << 20)
+    why = B.no_page_cache_room(k2, limit=None, memory=22 << 30)
+    assert why and "holds 8% of the routed experts' 292.50 GiB" in why and "pays from 15%" in why
+    assert B.no_page_cache_room(k2, limit=None, memory=int(0.15 * experts) + 1) is None
+    assert B.no_page_cache_room(k2, limit=None, memory=int(0.15 * experts) - 1)
+    small = dataclasses.replace(k2, expert_bytes=1 << 20, total_experts=704, cache_experts=88, token_experts=66,
+                                budget=385 << 20)
+    assert B.no_page_cache_room(small, limit=385 << 20, memory=385 << 20) is None       # ½ of the bench model
+    assert B.no_page_cache_room(small, limit=None, memory=100 << 20)
+    assert B.no_page_cache_room(k2, limit=None, memory=22 << 30, experts=100 << 30) is None     # the file's own bytes
+    assert B.process_memory(limit=64 << 20) <= 64 << 20
+
+
 def test_plan_counts_a_tokens_experts():
     """make_plan's token_experts: k routed experts in each MoE layer of the config (Kimi K2: 8 x 60)."""
     from kimistream.formats.config import ModelConfig
@@ -876,10 +900,10 @@ def test_plan_counts_a_tokens_experts():
 
 
 def test_no_page_cache_room_means_o_direct_reads_from_the_start(synthetic, monkeypatch, capsys):
-    """When the memory limit leaves the page cache no room (budget.no_page_cache_room gives its reason),
-    kimi-run's --io auto --page-cache auto drops evicted experts' pages from the first step, with no
-    trial of keeping them; the run summary says why, and the tokens are those of a run that decides
-    by measuring."""
+    """When the memory limit leaves the page cache no room, or memory holds a sliver of the experts
+    (budget.no_page_cache_room gives its reason), kimi-run's --io auto --page-cache auto drops evicted
+    experts' pages from the first step, with no trial of keeping them; the run summary says why, and
+    the tokens are those of a run that decides by measuring."""
     from kimistream.runtime import budget as B
     from kimistream.runtime import cli
 
@@ -888,12 +912,17 @@ def test_no_page_cache_room_means_o_direct_reads_from_the_start(synthetic, monke
                          "4G", "--max-context", "64", "--prompt", "abcdefghij", "--max-tokens", "6"]) == 0
         return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     free = run()
-    monkeypatch.setattr(B, "no_page_cache_room", lambda plan: "the memory limit of 4 GiB leaves 0 B beside it")
+    monkeypatch.setattr(B, "no_page_cache_room", lambda plan, **_: "the memory limit of 4 GiB leaves 0 B beside it")
     tight = run()
     policy = "drop evicted experts (auto: the memory limit of 4 GiB leaves 0 B beside it)"
     assert tight["stats"]["page_cache_policy"] == policy and free["stats"]["page_cache_policy"] != policy
     assert tight["stats"]["io"] != free["stats"]["io"]          # O_DIRECT reads (or, without them, mapped pages dropped)
     assert tight["tokens"] == free["tokens"]
+    monkeypatch.undo()
+    monkeypatch.setattr(B, "process_memory", lambda limit=None: 1 << 20)     # memory for a sliver of the experts
+    small = run()
+    assert "of memory holds" in small["stats"]["page_cache_policy"] and small["stats"]["io"] == tight["stats"]["io"]
+    assert small["tokens"] == free["tokens"]
 
 
 def test_run_summary_says_how_many_moe_calls_overlapped(synthetic_q2, monkeypatch, capsys):
