@@ -393,6 +393,28 @@ def test_kernels_refuse_corrupt_outlier_columns_themselves(name, at, isa, activa
             kernels._run(raw, geom[None, :], x, jobs, np.empty(T * shape[0], np.float32), 0, name, T, shape[0])
 
 
+@pytest.mark.parametrize("name", ["q2", "t1", "q1"])
+def test_kernels_refuse_corrupt_outlier_columns_of_rows_with_few(name, isa, activations):
+    """Rows of eight outliers or fewer (summed one by one, not gathered): a column that does not
+    increase, or one past the row, is refused on every route; intact, the product is the reference's."""
+    shape = (3, 2048)
+    c = get_codec(name)
+    g = c.geometry(shape)
+    assert 2 <= g.k <= 8
+    for at, col in ((1, None), (g.k - 1, shape[1])):
+        raw = encode(c, weight(shape, seed=6)).copy()
+        _, geom, _ = kernels._prepare(name, raw, shape)
+        jobs = kernels._linear_jobs(*shape)
+        x1 = np.random.default_rng(0).standard_normal((1, shape[1])).astype(np.float32)
+        assert_int8_close(kernels.linear(x1[0], name, raw, shape), name, raw, shape, x1[0])
+        ocol = raw[g.off_ocol:g.off_oval].view("<u2").reshape(g.rows, g.k)
+        ocol[2, at] = ocol[2, at - 1] if col is None else col
+        for T in (1, 3):
+            x = np.random.default_rng(T).standard_normal((T, shape[1])).astype(np.float32)
+            with pytest.raises(CodecError, match="outlier"):
+                kernels._run(raw, geom[None, :], x, jobs, np.empty(T * shape[0], np.float32), 0, name, T, shape[0])
+
+
 @pytest.mark.parametrize("name", ["f32", "f16", "bf16"])
 def test_float_codecs_fall_back_to_numpy(name):
     assert not kernels.has_kernel(name)
