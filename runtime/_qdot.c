@@ -785,64 +785,49 @@ static inline void prefetch_next_row(const uint8_t *t, const int64_t *g, int64_t
 }
 
 #if HAVE_X86
-#define OUTLIERS_SCALAR 8          /* rows of up to this many outliers sum them one by one (and a last
-                                      half as many past groups of eight) */
+#define OUTLIERS_SCALAR 8          /* see outlier_sum */
 
 /* the outliers' corrections times x on the AVX2 paths, checked in the same pass (outliers_valid's rule):
    eight at a time, binary16 through F16C, x gathered (a scalar loop per outlier was a sixth of a q2
-   row's time: its sums went through the stack) */
+   row's time: its sums went through the stack); a row of OUTLIERS_SCALAR or fewer, and a last
+   OUTLIERS_SCALAR / 2 or fewer past the groups of eight, one at a time (the masked gather of eight
+   lanes and its sum took a q2 row of 1024 columns with two outliers 12 % of its time, as long as its
+   scales' set-up) */
 AVX2 static inline __attribute__((always_inline)) float outlier_sum(const uint8_t *t, const int64_t *g, int64_t r,
                                                                   const float *x, atomic_int *bad) {
-    int64_t k = g[G_K], cols = g[G_COLS];
+    int64_t k = g[G_K], cols = g[G_COLS], i = 0;
     const uint8_t *oc = t + g[G_OFFOCOL] + 2 * r * k, *ov = t + g[G_OFFOVAL] + 2 * r * k;
-    if (k <= OUTLIERS_SCALAR) {
-        /* a few: one scalar load, check and product apiece (the masked gather of eight lanes and its
-           sum took a q2 row of 1024 columns with two outliers 12 % of its time, as long as its scales'
-           set-up) */
-        float tot = 0;
-        int64_t last = -1;
-        for (int64_t i = 0; i < k; i++) {
-            int64_t col = oc[2 * i] | (oc[2 * i + 1] << 8);
-            if (col >= cols || col <= last) {
-                outliers_valid(t, g, r, bad);         /* flags corrupt data as the general path does */
-                break;
-            }
-            last = col;
-            uint16_t vw;
-            memcpy(&vw, ov + 2 * i, 2);
-            tot += _cvtsh_ss(vw) * x[col];
-        }
-        return tot;
-    }
     __m256 acc = _mm256_setzero_ps();
-    __m256i prev = _mm256_set1_epi32(-1), lim = _mm256_set1_epi32((int)cols);
-    int64_t i = 0;
-    /* eight at a time: the columns checked (increasing, inside the row) with two compares, x gathered */
-    for (; i + 8 <= k; i += 8) {
-        __m256i c = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(oc + 2 * i)));
-        /* each column's predecessor: the previous eight's last, then these shifted up by one */
-        __m256i before = _mm256_permutevar8x32_epi32(c, _mm256_setr_epi32(7, 0, 1, 2, 3, 4, 5, 6));
-        before = _mm256_blend_epi32(before, prev, 1);
-        __m256i ok = _mm256_and_si256(_mm256_cmpgt_epi32(c, before), _mm256_cmpgt_epi32(lim, c));
-        if (_mm256_movemask_ps(_mm256_castsi256_ps(ok)) != 0xFF) break;
-        __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ov + 2 * i)));
-        acc = _mm256_fmadd_ps(v, _mm256_i32gather_ps(x, c, 4), acc);
-        prev = _mm256_permutevar8x32_epi32(c, _mm256_set1_epi32(7));
-    }
-    /* the last one to seven the same way, masked, where sixteen bytes from each array's next one are
-       still inside the tensor (after a scalar loop's sum they had waited on each other row by row) */
-    const uint8_t *end = t + g[G_NBYTES];
-    if (k - i > OUTLIERS_SCALAR / 2 && oc + 2 * i + 16 <= end && ov + 2 * i + 16 <= end) {
-        __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(k - i)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        __m256i c = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(oc + 2 * i)));
-        __m256i before = _mm256_permutevar8x32_epi32(c, _mm256_setr_epi32(7, 0, 1, 2, 3, 4, 5, 6));
-        before = _mm256_blend_epi32(before, prev, 1);
-        __m256i ok = _mm256_and_si256(_mm256_cmpgt_epi32(c, before), _mm256_cmpgt_epi32(lim, c));
-        if (_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_or_si256(ok, _mm256_xor_si256(live, _mm256_set1_epi32(-1))))) == 0xFF) {
-            /* the lanes past the row's outliers: no load, and 0 x 0 (their bytes may decode to NaN) */
-            __m256 v = _mm256_and_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ov + 2 * i))), _mm256_castsi256_ps(live));
-            acc = _mm256_fmadd_ps(v, _mm256_mask_i32gather_ps(_mm256_setzero_ps(), x, c, _mm256_castsi256_ps(live), 4), acc);
-            i = k;
+    const int gathered = k > OUTLIERS_SCALAR;
+    if (gathered) {
+        __m256i prev = _mm256_set1_epi32(-1), lim = _mm256_set1_epi32((int)cols);
+        /* eight at a time: the columns checked (increasing, inside the row) with two compares, x gathered */
+        for (; i + 8 <= k; i += 8) {
+            __m256i c = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(oc + 2 * i)));
+            /* each column's predecessor: the previous eight's last, then these shifted up by one */
+            __m256i before = _mm256_permutevar8x32_epi32(c, _mm256_setr_epi32(7, 0, 1, 2, 3, 4, 5, 6));
+            before = _mm256_blend_epi32(before, prev, 1);
+            __m256i ok = _mm256_and_si256(_mm256_cmpgt_epi32(c, before), _mm256_cmpgt_epi32(lim, c));
+            if (_mm256_movemask_ps(_mm256_castsi256_ps(ok)) != 0xFF) break;
+            __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ov + 2 * i)));
+            acc = _mm256_fmadd_ps(v, _mm256_i32gather_ps(x, c, 4), acc);
+            prev = _mm256_permutevar8x32_epi32(c, _mm256_set1_epi32(7));
+        }
+        /* a last five to seven the same way, masked, where sixteen bytes from each array's next one are
+           still inside the tensor (after a scalar loop's sum they had waited on each other row by row) */
+        const uint8_t *end = t + g[G_NBYTES];
+        if (k - i > OUTLIERS_SCALAR / 2 && oc + 2 * i + 16 <= end && ov + 2 * i + 16 <= end) {
+            __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(k - i)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            __m256i c = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(oc + 2 * i)));
+            __m256i before = _mm256_permutevar8x32_epi32(c, _mm256_setr_epi32(7, 0, 1, 2, 3, 4, 5, 6));
+            before = _mm256_blend_epi32(before, prev, 1);
+            __m256i ok = _mm256_and_si256(_mm256_cmpgt_epi32(c, before), _mm256_cmpgt_epi32(lim, c));
+            if (_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_or_si256(ok, _mm256_xor_si256(live, _mm256_set1_epi32(-1))))) == 0xFF) {
+                /* the lanes past the row's outliers: no load, and 0 x 0 (their bytes may decode to NaN) */
+                __m256 v = _mm256_and_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ov + 2 * i))), _mm256_castsi256_ps(live));
+                acc = _mm256_fmadd_ps(v, _mm256_mask_i32gather_ps(_mm256_setzero_ps(), x, c, _mm256_castsi256_ps(live), 4), acc);
+                i = k;
+            }
         }
     }
     int64_t last = i ? (int64_t)(oc[2 * i - 2] | (oc[2 * i - 1] << 8)) : -1;
@@ -858,7 +843,7 @@ AVX2 static inline __attribute__((always_inline)) float outlier_sum(const uint8_
         memcpy(&vw, ov + 2 * i, 2);
         tot += _cvtsh_ss(vw) * x[col];
     }
-    return hsum8(acc) + tot;
+    return gathered ? hsum8(acc) + tot : tot;
 }
 
 /* the rows of one job for one token, the codec a constant: coefficients, the whole chunks, then the
