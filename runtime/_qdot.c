@@ -774,8 +774,11 @@ static inline void prefetch_lines(const uint8_t *p, int64_t n) {
 static inline void prefetch_next_row(const uint8_t *t, const int64_t *g, int64_t r) {
     /* all of the next row's small streams (parameters, scales, outliers): too short and too many for
        the hardware prefetcher to pick up in time, and a row's set-up reads each of them whole before
-       its first product (q2 at 7168 columns: 224 bytes of scales, 112 of parameters) */
-    if (r + 1 < g[G_ROWS]) {
+       its first product (q2 at 7168 columns: 224 bytes of scales, 112 of parameters). Not where a
+       row's scales take less than a cache line: the next row's then mostly lie in lines this one
+       brought in, and the prefetches cost more than they saved (q2 1024x1024 on a Zen 4: 1.02x
+       without them, 7168x2048 and 2048x7168 even) */
+    if (r + 1 < g[G_ROWS] && g[G_SUBROW] >= 64) {
         int64_t n = r + 1;
         prefetch_lines(t + g[G_OFFPAR] + n * g[G_PARROW], g[G_PARROW]);
         prefetch_lines(t + g[G_OFFSUB] + n * g[G_SUBROW], g[G_SUBROW]);
