@@ -176,8 +176,14 @@ def _open_session(args, log, path: Path, wf: WeightFile, describe: bool, hold_ba
         log(f"prefill batch: {args.prefill_batch_size} tokens (--prefill-batch-size to choose)")
     planner.default_prompt_window(args, replan, cfg.num_experts_per_tok, log)
     plan = replan(None, None)
+    page_cache, tight = args.page_cache, None
+    experts = sum(e.nbytes for e in wf.extents if e.kind == "expert")
+    if args.io == "auto" and page_cache == "auto" and (tight := B.no_page_cache_room(plan, experts=experts)):
+        page_cache = "drop"             # O_DIRECT reads from the start (make_pager), no trial of keeping pages
     if describe:
         describe_plan(plan, log)
+        if tight:
+            log(f"expert reads: O_DIRECT from the start, evicted experts not kept in the page cache ({tight})")
     if args.dry_run and args.json:
         print(json.dumps({"memory_plan": plan.to_json()}))
     refuse_if_unfit(plan, replan, args)
@@ -189,10 +195,6 @@ def _open_session(args, log, path: Path, wf: WeightFile, describe: bool, hold_ba
     free = plan.expert_cache - plan.min_cache_experts * plan.expert_bytes
     held_back = int(max(0, free) * hold_back)
     cache_bytes = min(plan.cache_experts * plan.expert_bytes, plan.expert_cache - held_back)
-    page_cache, tight = args.page_cache, None
-    experts = sum(e.nbytes for e in wf.extents if e.kind == "expert")
-    if args.io == "auto" and page_cache == "auto" and (tight := B.no_page_cache_room(plan, experts=experts)):
-        page_cache = "drop"             # O_DIRECT reads from the start (make_pager), no trial of keeping pages
     weights = ModelWeights(wf, io=args.io, cache_bytes=cache_bytes,
                            policy=args.cache_policy, direct=args.direct, prefetch=args.prefetch,
                            page_cache=page_cache)

@@ -903,7 +903,7 @@ def test_no_page_cache_room_means_o_direct_reads_from_the_start(synthetic, monke
     """When the memory limit leaves the page cache no room, or memory holds a sliver of the experts
     (budget.no_page_cache_room gives its reason), kimi-run's --io auto --page-cache auto drops evicted
     experts' pages from the first step, with no trial of keeping them; the run summary says why, and
-    the tokens are those of a run that decides by measuring."""
+    the tokens are those of a run that decides by measuring; --dry-run says so."""
     from kimistream.runtime import budget as B
     from kimistream.runtime import cli
 
@@ -923,6 +923,9 @@ def test_no_page_cache_room_means_o_direct_reads_from_the_start(synthetic, monke
     small = run()
     assert "of memory holds" in small["stats"]["page_cache_policy"] and small["stats"]["io"] == tight["stats"]["io"]
     assert small["tokens"] == free["tokens"]
+    assert cli.main(["--weights", str(synthetic), "--memory-budget", "4G", "--max-context", "64", "--dry-run"]) == 0
+    assert "expert reads: O_DIRECT from the start, evicted experts not kept in the page cache (1.00 MiB of memory " \
+           "holds" in capsys.readouterr().err
 
 
 def test_run_summary_says_how_many_moe_calls_overlapped(synthetic_q2, monkeypatch, capsys):
