@@ -394,6 +394,8 @@ def print_summary(stats: GenerationStats, report: dict, tele: dict, plan: B.Memo
         ("generated", f"{stats.generated_tokens} tokens at {report['decode_tokens_per_s']:.1f} tok/s ({stats.stop_reason})"),
         ("per decoded token: compute", f"{tele['decode_compute_s_per_token'] * 1000:.1f} ms"),
         ("per decoded token: waiting on I/O", f"{tele['decode_io_wait_s_per_token'] * 1000:.1f} ms"),
+        ("per decoded token: CPU of expert reads", f"{tele['decode_read_cpu_s_per_token'] * 1000:.1f} ms "
+                                                    "(copies and checksums, on any thread)"),
         ("per decoded token: expert bytes read", B.fmt(tele["decode_bytes_read_per_token"])),
         ("experts touched", f"{report['experts_touched']} of {report['experts_total']}"),
         ("expert cache", f"{plan.cache_experts} experts, hit rate {tele['hit_rate']:.1%}, {tele['evictions']} evictions"),

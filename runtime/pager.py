@@ -96,6 +96,7 @@ class PagerStats:
     routed_checked: int = 0          # routed experts at layers where a prediction was made
     reloads: int = 0                 # misses of experts evicted before, scored while --page-cache auto decides
     reloads_cached: float = 0.0      # the share of their pages the page cache still held, summed
+    read_cpu_s: float = 0.0          # CPU time of reads and their checksums, on whichever thread ran them
 
     @property
     def hit_rate(self) -> float:
@@ -449,6 +450,14 @@ class ExpertPager:
                                   f"kimi-verify {self.wf.path} checks all of it)")
         self._verified.add(key)
 
+    def _count_cpu(self, t0: float) -> None:
+        """Add the CPU time this thread spent since thread_time() was t0 to the reads' account (the
+        kernel's copy or zero-fill of a read, the page-table work of a mapping, the checksums): with
+        the computation on every core, it is time the kernels did not get."""
+        dt = time.thread_time() - t0
+        with self._lock:
+            self.stats.read_cpu_s += dt
+
     def _start_prefetch(self, key, speculative: bool = True) -> None:
         raise NotImplementedError
 
@@ -490,12 +499,14 @@ class MmapPager(ExpertPager):
             if self._inflight.pop(key, None) is not None:
                 self.inflight_bytes -= n        # its reserved room becomes the cache's
             self._make_room(n)          # before mapping the new pages: RSS never exceeds the cache
+        t0 = time.thread_time()
         try:
             self.wf.mm.madvise(MADV_POPULATE_READ, off // PAGE * PAGE, n + off % PAGE)
         except OSError as e:
             raise ExpertReadError(f"{self.wf.path}: reading expert {key[0]}.{key[1]} "
                                   f"(bytes {off}..{off + n}): {e.strerror}") from None
         self._verify(key, self._all[off:off + n])
+        self._count_cpu(t0)
         self.stats.bytes_read += n
         with self._lock:
             ent = _Entry(key, off, n, self._views(key, self._all[off:off + n], off, off))
@@ -518,6 +529,7 @@ class MmapPager(ExpertPager):
         self._count_prefetch(n, speculative)
 
         def work():
+            t0 = time.thread_time()
             try:
                 self._willneed(off, n)
                 if not speculative:
@@ -525,6 +537,7 @@ class MmapPager(ExpertPager):
             except OSError as e:
                 ent.error = e
             finally:
+                self._count_cpu(t0)
                 ent.ready.set()
         self._pool.submit(work)
 
@@ -584,6 +597,13 @@ class PreadPager(ExpertPager):
         os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
 
     def _read_into(self, ent: _Entry) -> None:
+        t0 = time.thread_time()
+        try:
+            self._read_and_check(ent)
+        finally:
+            self._count_cpu(t0)
+
+    def _read_and_check(self, ent: _Entry) -> None:
         # O_DIRECT wants the length rounded up to the page; extents start page-aligned.
         length = -(-ent.nbytes // PAGE) * PAGE if self.direct else ent.nbytes
         length = min(length, self.wf.size - ent.offset) if not self.direct else length

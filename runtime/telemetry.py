@@ -1,7 +1,8 @@
 """Where time and memory go, per token, from the OS's own accounting: wall time split into compute
-and waiting on expert I/O, bytes read, cache hit rate, prefetch recall, major faults (getrusage),
-RSS split into anonymous and file-backed (the kernel's counters in /proc/self/status), and the page cache
-(/proc/meminfo). Records go to a JSONL trace; a summary closes the run; a trace can be plotted."""
+and waiting on expert I/O, the CPU time reads and their checksums took (on any thread), bytes read,
+cache hit rate, prefetch recall, major faults (getrusage), RSS split into anonymous and file-backed
+(the kernel's counters in /proc/self/status), and the page cache (/proc/meminfo). Records go to a
+JSONL trace; a summary closes the run; a trace can be plotted."""
 
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ class Telemetry:
             "step": len(self.records), "phase": phase, "tokens": tokens, "t": round(now - self._t0, 6),
             "wall_s": round(wall, 6), "io_wait_s": round(d["io_wait_s"], 6),
             "compute_s": round(max(0.0, wall - d["io_wait_s"]), 6),
+            "read_cpu_s": round(d["read_cpu_s"], 6),
             "bytes_read": d["bytes_read"], "hits": d["hits"], "misses": d["misses"],
             "hit_rate": round(d["hits"] / (d["hits"] + d["misses"]), 4) if d["hits"] + d["misses"] else None,
             "prefetch_recall": round(d["predicted_used"] / d["routed_checked"], 4) if d["routed_checked"] else None,
@@ -86,6 +88,8 @@ class Telemetry:
             "decode_bytes_read_per_token": round(sum(r["bytes_read"] for r in dec) / n) if n else 0,
             "decode_io_wait_s_per_token": round(sum(r["io_wait_s"] for r in dec) / n, 6) if n else 0,
             "decode_compute_s_per_token": round(sum(r["compute_s"] for r in dec) / n, 6) if n else 0,
+            "decode_read_cpu_s_per_token": round(sum(r["read_cpu_s"] for r in dec) / n, 6) if n else 0,
+            "prefill_read_cpu_s": round(sum(r["read_cpu_s"] for r in pre), 4),
             "major_faults": sum(r["major_faults"] for r in self.records),
             "peak_rss_anon_bytes": max((r["rss_anon_bytes"] for r in self.records), default=0),
             "peak_rss_file_bytes": max((r["rss_file_bytes"] for r in self.records), default=0),

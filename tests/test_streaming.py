@@ -137,6 +137,24 @@ def test_pread_io_error_is_clear(synthetic, tmp_path):
     w.close()
 
 
+@pytest.mark.parametrize("io", ["mmap", "pread"])
+def test_reads_count_their_cpu_time(synthetic, io):
+    """The pager's account of the CPU time expert reads took (the copy or mapping, the first-read
+    checksum), on whichever thread ran them: it grows while experts are read and not while every
+    expert comes from the cache."""
+    w = ModelWeights(synthetic, io=io, cache_bytes=64 << 20)
+    w.load_resident()
+    m = Model(w, 64)
+    m.forward(PROMPT[:8])
+    st = w.pager.stats
+    read, cpu = st.bytes_read, st.read_cpu_s
+    assert read > 0 and cpu > 0
+    m.reset()
+    m.forward(PROMPT[:8])
+    assert st.bytes_read == read and st.read_cpu_s == cpu
+    w.close()
+
+
 def test_trace_and_plot(synthetic, tmp_path):
     trace, png = tmp_path / "t.jsonl", tmp_path / "t.png"
     # the prompt's 10 tokens in windows of 8 a layer at a time (chunks of 4): a record a window
@@ -148,6 +166,7 @@ def test_trace_and_plot(synthetic, tmp_path):
     assert [r["tokens"] for r in recs[:2]] == [8, 2]
     for r in recs:
         assert r["rss_bytes"] >= r["rss_anon_bytes"] > 0 and r["wall_s"] >= r["compute_s"] >= 0
+        assert r["read_cpu_s"] >= 0 and (r["read_cpu_s"] > 0 or not r["bytes_read"])
     proc = kimi_run("--plot-trace", trace, "-o", png)
     assert proc.returncode == 0, proc.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
