@@ -10,7 +10,8 @@ over the expert bytes a token needs). Needs root and cgroup v1's memory controll
                                                [--llama-tokens N] [--configs NAME,...] [--json]
 
 Each run starts with the page cache dropped (so every expert read is a real read), the budget equal
-to the cap, and a 26-letter prompt; rounds alternate the configurations so drift falls on all alike.
+to the cap, and a 26-letter prompt; rounds alternate the configurations so drift falls on all alike,
+each round starting one configuration further on than the one before.
 With --llama-bench and --gguf (llama.cpp's own file of the same weights, e.g. the Q2_K that
 benchmarks/bench_llamacpp.py makes), llama.cpp runs under the same caps in the same rounds:
 `llama-bench -p 0 -n TOKENS -r 1 --repack 0` (its decode tok/s, weights memory-mapped as it does by
@@ -122,11 +123,14 @@ def main():
     caps = [int(float(c) * size) if "." in c and not c[-1].isalpha() else parse_size(c) for c in a.caps.split(",")]
     results, disks = {}, {}
     for cap in caps:
-        for _ in range(a.repeats):
+        for i in range(a.repeats):
             # this disk's speed drifts 2-4x within minutes: measured before each round, and each cap's
             # bound taken from the median of its rounds
             disks.setdefault(cap, []).append(disk_read_bandwidth(a.weights))
-            for name, extra in configs.items():
+            # each round starts one configuration further on, so that none always runs first after the
+            # disk's measurement or last before llama.cpp
+            order = list(configs.items())
+            for name, extra in order[i % len(order):] + order[:i % len(order)]:
                 st = run_capped(a.weights, cap, a.tokens, extra)
                 results.setdefault((cap, name), []).append(st)
             if a.llama_bench:
