@@ -776,7 +776,7 @@ static inline void prefetch_next_row(const uint8_t *t, const int64_t *g, int64_t
        the hardware prefetcher to pick up in time, and a row's set-up reads each of them whole before
        its first product (q2 at 7168 columns: 224 bytes of scales, 112 of parameters). Not where a
        row's scales take less than a cache line: the next row's then mostly lie in lines this one
-       brought in, and the prefetches cost more than they saved (q2 1024x1024 on a Zen 4: 1.02x
+       brought in, and the prefetches cost more than they saved (q2 1024x1024 on a Zen 4: 1.03x
        without them, 7168x2048 and 2048x7168 even) */
     if (r + 1 < g[G_ROWS] && g[G_SUBROW] >= 64) {
         int64_t n = r + 1;

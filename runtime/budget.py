@@ -28,7 +28,7 @@ def current_rss() -> int:
 # Below this share of the routed experts' bytes held by all the memory the process and the page cache
 # can use, evicted experts' pages cannot pay: routing spread over the experts finds about that share of
 # re-reads cached, and mapping costs compute at every read (Kimi K2's synthetic file on 24 GiB, memory
-# for 7 % of its experts: decode 0.74 s of compute a token with O_DIRECT, 1.04-1.47 s mapped; at 3 GB/s a
+# for 8 % of its experts: decode 0.74 s of compute a token with O_DIRECT, 1.04-1.47 s mapped; at 3 GB/s a
 # read, hits below about 15 % save less disk time than that). The 0.8 GB bench model under caps of
 # ¼ to ½ of its file has memory for 30-60 % and is left to measurement.
 PAGE_CACHE_MIN_SHARE = 0.15
