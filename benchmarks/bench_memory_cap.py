@@ -11,7 +11,8 @@ over the expert bytes a token needs). Needs root and cgroup v1's memory controll
 
 Each run starts with the page cache dropped (so every expert read is a real read), the budget equal
 to the cap, and a 26-letter prompt; rounds alternate the configurations so drift falls on all alike,
-each round starting one configuration further on than the one before.
+each round starting one configuration further on than the one before. A second table gives each
+configuration's lowest and highest run, the noise a ratio between two columns sits in.
 With --llama-bench and --gguf (llama.cpp's own file of the same weights, e.g. the Q2_K that
 benchmarks/bench_llamacpp.py makes), llama.cpp runs under the same caps in the same rounds:
 `llama-bench -p 0 -n TOKENS -r 1 --repack 0` (its decode tok/s, weights memory-mapped as it does by
@@ -145,6 +146,7 @@ def main():
                 med[name] = {k: statistics.median(r[k] for r in runs) for k in
                              ("decode_tokens_per_s", "prefill_tokens_per_s", "peak_rss_bytes",
                               "decode_bytes_read_per_token", "prefetch_wasted_bytes")}
+                med[name]["decode_samples"] = [r["decode_tokens_per_s"] for r in runs]
                 med[name]["policy"] = f"prefetch {runs[-1].get('prefetch_policy')}; page cache: " \
                                       f"{runs[-1].get('page_cache_policy')}; reads: {runs[-1].get('io')}"
             else:
@@ -181,6 +183,14 @@ def main():
             cells += [num(r["llama_decode"]), num(r["default_over_llama"], ".1f") + ("x" if r["default_over_llama"] else "")]
         print(f"| {fmt(r['cap'])} | " + " | ".join(cells) +
               f" | {num(r['default_over_best'])} | {num(r['default_over_disk_bound'])} |")
+    # the spread of each configuration's runs: the noise any ratio between two columns sits in
+    print("\nlowest - highest decode tok/s of each configuration's runs:\n")
+    print("| cap | " + " | ".join(configs) + " |")
+    print("| --- |" + " --- |" * len(configs))
+    for r in rows:
+        print(f"| {fmt(r['cap'])} | " + " | ".join(
+            "refused" if "error" in v else f"{min(v['decode_samples']):.2f} - {max(v['decode_samples']):.2f}"
+            for v in r["configs"].values()) + " |")
     print("\ndecode tok/s; default's choices: " + "; ".join(
         f"{fmt(r['cap'])}: {r['configs']['default'].get('policy')}" for r in rows))
     print("peak RSS of the default: " + ", ".join(
