@@ -63,6 +63,7 @@ class Footprint:
     total_experts: int
     metadata: int            # the parsed header and tokenizer, as Python objects
     scratch: int             # the largest transient decode buffer
+    routed_bytes: int = 0    # all the routed experts' extents together
 
 
 def footprint(tensors, extents, header_bytes: int, blob_bytes: int) -> Footprint:
@@ -85,7 +86,7 @@ def footprint(tensors, extents, header_bytes: int, blob_bytes: int) -> Footprint
     experts = [nb for kind, nb in extents if kind == EXTENT_EXPERT]
     return Footprint(resident=sum(nb for kind, nb in extents if kind == EXTENT_RESIDENT) + copies,
                      expert_bytes=max(experts, default=0), total_experts=len(experts),
-                     metadata=4 * header_bytes + 8 * blob_bytes, scratch=scratch)
+                     metadata=4 * header_bytes + 8 * blob_bytes, scratch=scratch, routed_bytes=sum(experts))
 
 
 def _expert_part(cfg: ModelConfig, precision) -> tuple[list, list]:

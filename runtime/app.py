@@ -177,8 +177,8 @@ def _open_session(args, log, path: Path, wf: WeightFile, describe: bool, hold_ba
     planner.default_prompt_window(args, replan, cfg.num_experts_per_tok, log)
     plan = replan(None, None)
     page_cache, tight = args.page_cache, None
-    experts = sum(e.nbytes for e in wf.extents if e.kind == "expert")
-    if args.io == "auto" and page_cache == "auto" and (tight := B.no_page_cache_room(plan, experts=experts)):
+    if args.io == "auto" and page_cache == "auto" and (
+            tight := B.no_page_cache_room(plan, experts=footprint.routed_bytes)):
         page_cache = "drop"             # O_DIRECT reads from the start (make_pager), no trial of keeping pages
     if describe:
         describe_plan(plan, log)
