@@ -18,7 +18,10 @@ e.g. `--prompt-tokens 256 --configs "default;--prompt-window 32"` for windows a 
 it waited for expert reads; "read CPU" is the CPU time the reads and their checksums took on any
 thread (kimi-run's own account: with the computation on both cores, time the kernels did not get;
 on this sparse file most of it is the kernel's zero-fill of holes, which a disk's DMA would not
-cost, and the first-read checksums). With --cap (root, cgroup v1's memory controller: as
+cost, and the first-read checksums). For reads that cost what a disk read costs, point --weights at
+a copy whose holes are shared blocks of zeros on the disk (`benchmarks/reflink_holes.py SPARSE.kst
+/mnt/kx/k2-q2.kst`, on a filesystem with reflinks): the same bytes, the experts then read from the
+device, so the I/O wait is the disk's and the zero-fill is gone from the cores. With --cap (root, cgroup v1's memory controller: as
 benchmarks/bench_memory_cap.py), each run is under a memory limit equal to the budget that counts the
 page cache, as on a machine whose RAM is the budget, with the page cache dropped before it.
 
