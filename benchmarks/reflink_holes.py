@@ -18,18 +18,23 @@ not copy through the page cache:
     truncate -s 64G /var/tmp/xfs.img && mkfs.xfs -m reflink=1 /var/tmp/xfs.img
     dev=$(losetup --direct-io=on -f --show /var/tmp/xfs.img) && mkdir -p /mnt/kx && mount $dev /mnt/kx
 
-The copy is written under DEST.partial and renamed when complete; a DEST that exists is left alone.
+The copy is written under DEST.partial and renamed when complete (the zero block is cloned once
+before any data is copied, so a filesystem without reflinks is found at once); a DEST that exists is
+left alone, and nothing is left beside it on failure.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import fcntl
 import os
 import struct
 import sys
 import time
 from pathlib import Path
+
+from kimistream.formats.sizes import fmt, parse_size
 
 FICLONERANGE = 0x4020940D        # _IOW(0x94, 13, struct file_clone_range)
 BLOCK = 4096
@@ -72,6 +77,11 @@ def reflink_holes(src: Path, dest: Path, chunk: int = 64 << 20) -> None:
     try:
         size = os.fstat(sfd).st_size
         data = data_ranges(sfd, size)
+        holes, pos = [], 0
+        for start, end in data + [(size, size)]:
+            if start > pos:
+                holes.append((pos, start))
+            pos = end
         with open(zeros, "wb") as f:         # the one chunk of zeros every hole shares
             f.write(bytes(chunk))
             f.flush()
@@ -80,17 +90,14 @@ def reflink_holes(src: Path, dest: Path, chunk: int = 64 << 20) -> None:
         dfd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.ftruncate(dfd, size)
+            clone(zfd, 0, BLOCK, dfd, 0)      # the filesystem takes clones: known before any data is copied
             t0, done = time.monotonic(), 0
             for start, end in data:
                 copy_range(sfd, dfd, start, end)
                 done += end - start
             print(f"reflink_holes: {done / 2**30:.2f} GiB of data copied in {time.monotonic() - t0:.0f} s",
                   file=sys.stderr)
-            holes, pos, clones = [], 0, 0
-            for start, end in data + [(size, size)]:
-                if start > pos:
-                    holes.append((pos, start))
-                pos = end
+            clones = 0
             for start, end in holes:
                 # whole blocks inside the hole; its ragged edges stay holes (a few KiB at most)
                 a, b = -(-start // BLOCK) * BLOCK, end // BLOCK * BLOCK
@@ -106,9 +113,11 @@ def reflink_holes(src: Path, dest: Path, chunk: int = 64 << 20) -> None:
         os.rename(part, dest)
         shared = sum(e - s for s, e in holes)
         print(f"reflink_holes: {dest}: {size / 2**30:.2f} GiB, {shared / 2**30:.2f} GiB of holes as {clones} clones "
-              f"of {zeros.name} ({chunk >> 20} MiB)", file=sys.stderr)
+              f"of one {fmt(chunk)} block of zeros", file=sys.stderr)
     finally:
         os.close(sfd)
+        part.unlink(missing_ok=True)
+        zeros.unlink(missing_ok=True)         # its blocks stay, shared by the copy's clones
 
 
 def main(argv=None) -> int:
@@ -117,8 +126,10 @@ def main(argv=None) -> int:
     ap.add_argument("dest", type=Path)
     ap.add_argument("--chunk", default="64MiB", help="size of the shared zero file (a multiple of 4 KiB)")
     a = ap.parse_args(argv)
-    from kimistream.formats.sizes import parse_size
-    chunk = parse_size(a.chunk)
+    try:
+        chunk = parse_size(a.chunk)
+    except ValueError as e:
+        ap.error(f"--chunk: {e}")
     if chunk <= 0 or chunk % BLOCK:
         ap.error("--chunk: a positive multiple of 4 KiB")
     if a.dest.exists():
@@ -127,8 +138,9 @@ def main(argv=None) -> int:
     try:
         reflink_holes(a.src, a.dest, chunk)
     except OSError as e:
-        print(f"reflink_holes: {e.filename or a.dest}: {e.strerror or e} (is it on a filesystem with reflinks?)",
-              file=sys.stderr)
+        hint = (" (the destination's filesystem takes no reflinks: XFS with reflink=1 or btrfs do)"
+                if e.errno in (errno.EOPNOTSUPP, errno.EXDEV, errno.EINVAL) else "")
+        print(f"reflink_holes: {e.filename or a.dest}: {e.strerror or e}{hint}", file=sys.stderr)
         return 1
     return 0
 

@@ -76,14 +76,13 @@ def run(args) -> int:
     kernels.set_gguf_inputs(args.gguf_inputs)
     kernels.set_activations(args.activations)
     try:
+        _check_flags(args)
         if args.plot_trace:
             if not args.output:
                 raise RunError("--plot-trace needs -o FILE.png")
             plot_trace(args.plot_trace, args.output)
             log(f"wrote {args.output}")
             return 0
-        if args.warm_up and (args.plan_config or args.perplexity or args.calibration or args.serve or args.prompt is None):
-            raise RunError("--warm-up applies to a run of one --prompt")
         if args.plan_config:
             from .planconfig import plan_config
             return plan_config(args, log)
@@ -95,6 +94,36 @@ def run(args) -> int:
     except (RunError, WeightFileError, BundledModelError, TokenizerError, ExpertReadError, ContextFull,
             ValueError, OSError) as e:
         return _fail(str(e))
+
+
+def _check_flags(args) -> None:
+    """Flags that the chosen mode would not use, or values wrong before anything loads: one line each,
+    before the model is read (a --dump-logits path that cannot be written had failed after the prompt)."""
+    if args.seed is not None and args.seed < 0:
+        raise RunError("--seed must be >= 0")
+    one_prompt = not (args.plan_config or args.perplexity or args.calibration or args.serve or args.prompt is None)
+    for flag, value in (("--warm-up", args.warm_up), ("--trace", args.trace), ("--dump-logits", args.dump_logits)):
+        if value and not one_prompt:
+            raise RunError(f"{flag} applies to a run of one --prompt")
+    if args.json and not (one_prompt or args.plan_config or args.perplexity or args.calibration or args.dry_run):
+        raise RunError("--json applies to a run of one --prompt, --perplexity, --calibration, --plan-config or --dry-run")
+    if args.kl_reference and not args.perplexity:
+        raise RunError("--kl-reference needs --perplexity")
+    if (args.quant is not None or args.override) and not args.plan_config:
+        raise RunError("--quant and --override apply with --plan-config (kimi-convert chooses a file's precision)")
+    if args.memory_budget:
+        try:
+            B.parse_size(args.memory_budget)
+        except ValueError as e:
+            raise RunError(f"--memory-budget: {e}") from None
+    for flag, path in (("--trace", args.trace), ("--dump-logits", args.dump_logits), ("-o", args.output)):
+        if path:
+            target = Path(path)
+            if target.is_dir():
+                raise RunError(f"{flag} {path}: is a directory, not a file")
+            folder = target.resolve().parent
+            if not folder.is_dir() or not os.access(folder, os.W_OK):
+                raise RunError(f"{flag} {path}: cannot write in {folder}")
 
 
 def _warm_up(codecs=()) -> None:
@@ -291,12 +320,21 @@ def _generate(args, log) -> int:
 
     stats = GenerationStats()
     dump = None
+    if args.dump_logits and args.prompt_window and args.prompt_window > args.prefill_batch_size:
+        # every position's logits are planned for a chunk at a time (generate), not for a window's
+        if args.prompt_window_flag:
+            log(f"--dump-logits: the prompt runs in chunks of {args.prefill_batch_size} tokens, not in windows "
+                f"of {args.prompt_window} (--prompt-window)")
+        args.prompt_window = args.prefill_batch_size
     if args.dump_logits:
         def dump(all_logits):
             target = Path(args.dump_logits)
             tmp = target.with_name(target.name + ".partial.npy")
-            np.save(tmp, np.ascontiguousarray(all_logits, dtype=np.float32))
-            os.replace(tmp, target)
+            try:
+                np.save(tmp, np.ascontiguousarray(all_logits, dtype=np.float32))
+                os.replace(tmp, target)
+            finally:
+                tmp.unlink(missing_ok=True)
 
     stop_ids = {i for i in (tok.eos_id, *cfg.eos_token_ids) if i is not None}
     if args.warm_up:            # greedy, its own sampler: the measured run's draws stay as without it
@@ -385,18 +423,23 @@ def print_summary(stats: GenerationStats, report: dict, tele: dict, plan: B.Memo
     t.add_column("", style="bold")
     t.add_column("", justify="right")
     na = "—"
+    decoded = stats.generated_tokens > 1            # the first generated token belongs to the prompt
+
+    def per_token(text: str) -> str:
+        return text if decoded else na
     rows = [
         ("prompt", f"{stats.prompt_tokens} tokens at {report['prefill_tokens_per_s']:.1f} tok/s"),
         ("prompt: how", (f"up to {report['prompt_window']} tokens a layer at a time "
                          f"(attention: {report['prefill_batch']} at a time)" if report["prompt_window"] > report["prefill_batch"]
                          else f"chunks of {report['prefill_batch']} tokens")),
         ("prompt: expert bytes read", f"{B.fmt(tele['prefill_bytes_read'])} ({tele['prefill_io_wait_s']:.2f} s waiting)"),
-        ("generated", f"{stats.generated_tokens} tokens at {report['decode_tokens_per_s']:.1f} tok/s ({stats.stop_reason})"),
-        ("per decoded token: compute", f"{tele['decode_compute_s_per_token'] * 1000:.1f} ms"),
-        ("per decoded token: waiting on I/O", f"{tele['decode_io_wait_s_per_token'] * 1000:.1f} ms"),
-        ("per decoded token: CPU of expert reads", f"{tele['decode_read_cpu_s_per_token'] * 1000:.1f} ms "
-                                                    "(copies and checksums, on any thread)"),
-        ("per decoded token: expert bytes read", B.fmt(tele["decode_bytes_read_per_token"])),
+        ("generated", f"{stats.generated_tokens} tokens" + (f" at {report['decode_tokens_per_s']:.1f} tok/s" if decoded else "")
+                      + f" ({stats.stop_reason})"),
+        ("per decoded token: compute", per_token(f"{tele['decode_compute_s_per_token'] * 1000:.1f} ms")),
+        ("per decoded token: waiting on I/O", per_token(f"{tele['decode_io_wait_s_per_token'] * 1000:.1f} ms")),
+        ("per decoded token: CPU of expert reads", per_token(f"{tele['decode_read_cpu_s_per_token'] * 1000:.1f} ms "
+                                                              "(copies and checksums, on any thread)")),
+        ("per decoded token: expert bytes read", per_token(B.fmt(tele["decode_bytes_read_per_token"]))),
         ("experts touched", f"{report['experts_touched']} of {report['experts_total']}"),
         ("expert cache", f"{plan.cache_experts} experts, hit rate {tele['hit_rate']:.1%}, {tele['evictions']} evictions"),
         ("expert bytes read", B.fmt(tele["bytes_read"])),
@@ -452,6 +495,23 @@ def _token_progress(label: str, total: int, quiet: bool):
         yield phase.advance
 
 
+def _open_reference(args, log, s: Session) -> Session:
+    """--kl-reference's file, opened beside the scored one under the same --memory-budget (which held
+    back part of its expert cache's room for it): its plan gets the budget less what the first
+    session will still add to memory (its KV cache, activations and expert cache, untouched so far);
+    its baseline, measured now, holds the rest of the first."""
+    p = s.plan
+    later = p.kv_cache + p.activations + s.weights.pager.capacity
+    budget = args.budget
+    args.budget = budget - later
+    args.reserved = (later, f" (--memory-budget less {B.fmt(later)} that {s.path.name} will still take)")
+    try:
+        return open_session(args, log, weights_path=args.kl_reference, describe=False)
+    finally:
+        args.budget = budget
+        del args.reserved
+
+
 def _quality(args, log) -> int:
     """--perplexity FILE [--kl-reference REF] and --calibration FILE --imatrix-out PATH."""
     from rich.console import Console
@@ -464,7 +524,8 @@ def _quality(args, log) -> int:
         raise RunError("--calibration needs --imatrix-out PATH")
     # calibrating: half the expert cache's room above its minimum holds the second moments and the
     # residual stream of the layer-by-layer pass instead (it reads each expert once anyway)
-    s = open_session(args, log, hold_back=CALIBRATION_HOLD_BACK if args.calibration else 0.0)
+    # the same share, when scoring against --kl-reference, is the reference file's room
+    s = open_session(args, log, hold_back=CALIBRATION_HOLD_BACK if args.calibration or args.kl_reference else 0.0)
     if s is None:
         return 0
     out = {}
@@ -524,7 +585,7 @@ def _quality(args, log) -> int:
         ids = s.tok.encode(_read_text(args.perplexity))
         ref = None
         if args.kl_reference:
-            r = open_session(args, log, weights_path=args.kl_reference, describe=False)
+            r = _open_reference(args, log, s)
             if r.cfg.vocab_size != s.cfg.vocab_size or r.weights.header["tokenizer"] != s.weights.header["tokenizer"]:
                 raise RunError(f"{args.kl_reference}: the reference has another tokenizer or vocabulary")
             ref = r.model
@@ -544,5 +605,5 @@ def _quality(args, log) -> int:
         if not args.json:
             Console().print(t)
     if args.json:
-        print(json.dumps(out))
+        print(json.dumps(out | {"peak_rss_bytes": peak_rss_bytes()}))
     return 0

@@ -41,9 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache length in tokens (default: min(4096, the model's maximum), shortened when "
                         "that does not fit --memory-budget)")
     p.add_argument("--prefill-batch-size", type=int, default=None,
-                   help="prompt tokens per forward chunk (default: 256 when the budget has room for it "
-                        "without shrinking the expert cache by more than a tenth, else 64 or the largest "
-                        "that fits)")
+                   help="prompt tokens per forward chunk (default: 256, else 128, when the budget has room "
+                        "for it without shrinking the expert cache by more than a tenth, else 64 or the "
+                        "largest that fits)")
     p.add_argument("--prompt-window", type=int, default=None, metavar="TOKENS",
                    help="prompt tokens that go through the model one layer at a time, each layer's routed "
                         "experts read once for all of them (attention still a chunk at a time); a window of "
@@ -69,9 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--direct", action="store_true", help="with --io pread: O_DIRECT reads (bypass the page cache)")
     m.add_argument("--prefetch", choices=("auto", "off", "next-layer"), default="auto",
                    help="speculative reads of the next layer's experts, guessed by its router from the current "
-                        "hidden state: auto (the default) guesses only when the expert cache can keep a "
-                        "token's experts of every layer, and while most guesses are used; the run summary "
-                        "says what it chose")
+                        "hidden state: auto (the default) guesses only when the expert cache holds every "
+                        "expert of the file, and while most guesses are used; the run summary says what it "
+                        "chose")
     m.add_argument("--page-cache", choices=("auto", "keep", "drop"), default="auto",
                    help="an evicted expert's pages in the OS page cache: keep (a later miss may find them there), "
                         "drop (when memory outside the budget cannot hold them, keeping them only makes the "
@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--dry-run", action="store_true", help="print the memory plan and exit")
     m.add_argument("--plan-config", metavar="CONFIG_JSON",
                    help="plan memory for a Hugging Face config.json alone (with --quant), before any download")
-    m.add_argument("--quant", default="q2", help="with --plan-config: the precision preset to plan for (default q2)")
+    m.add_argument("--quant", default=None, help="with --plan-config: the precision preset to plan for (default q2)")
     m.add_argument("--override", action="append", default=[], metavar="REGEX=CODEC",
                    help="with --plan-config: a per-tensor codec, as kimi-convert takes it (repeatable)")
     v = p.add_argument_group("server (OpenAI API; needs the serve extra: pip install 'kimi-stream[serve]')")

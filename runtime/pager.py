@@ -122,6 +122,7 @@ class _Entry:
     freq: int = 0
     ready: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
+    ahead: bool = False             # read ahead of its use (fetch_ahead, prefetch): its first use is a miss
 
 
 class ExpertPager:
@@ -177,12 +178,13 @@ class ExpertPager:
             ent = self._cache.get(key)
             if ent is not None and ent.ready.is_set() and ent.error is None:
                 self._cache.move_to_end(key)
-                self.stats.hits += 1
+                self._count_use(ent)
                 return ent.views
         t0 = time.perf_counter()
         ent = self._load(key)
         self.stats.io_wait_s += time.perf_counter() - t0
         self.stats.misses += 1
+        ent.ahead = False               # a read ahead of it that it waited for: this was its miss
         return ent.views
 
     def get_many(self, layer: int, experts) -> list:
@@ -196,11 +198,11 @@ class ExpertPager:
                 if ent is not None and ent.ready.is_set() and ent.error is None:
                     self._freq[key] = self._freq.get(key, 0) + 1
                     self._cache.move_to_end(key)
+                    self._count_use(ent)
                     out.append(ent.views)
                 else:
                     missing.append(len(out))
                     out.append(None)
-            self.stats.hits += len(out) - len(missing)
         if self._prefetched:
             self._prefetched.difference_update((layer, e) for e in experts)
         for i in missing:                                   # get counts and reads them
@@ -220,10 +222,20 @@ class ExpertPager:
             for ent in sorted(ents, key=_by_key):        # in id order, as fetch_ahead and get_many take them
                 cache.move_to_end(ent.key)
                 self._freq[ent.key] = self._freq.get(ent.key, 0) + 1
-            self.stats.hits += len(ents)
+                self._count_use(ent)
         if self._prefetched:
             self._prefetched.difference_update(ent.key for ent in ents)
         return ents
+
+    def _count_use(self, ent: _Entry) -> None:
+        """A use of a ready entry (under the lock): a hit, but for the first use of one read ahead of
+        it, which the cache did not hold before it was asked for (so a hit means the same under every
+        --io: a use no read was started for)."""
+        if ent.ahead:
+            ent.ahead = False
+            self.stats.misses += 1
+        else:
+            self.stats.hits += 1
 
     def holds_together(self, n: int) -> bool:
         """Whether n experts fetched one after another can all be held until used within the cache: a
@@ -676,7 +688,7 @@ class PreadPager(ExpertPager):
             if len(self._inflight) >= self.slots - 1 or (not self._free and len(self._cache) <= 1):
                 self._prefetched.discard(key)
                 return
-            ent = _Entry(key, off, n, slot=self._take_slot(n))
+            ent = _Entry(key, off, n, slot=self._take_slot(n), ahead=True)
             self._inflight[key] = ent
         self._note_read(key, off, n)
         self._count_prefetch(n, speculative)

@@ -24,6 +24,7 @@ def plan_config(args, log) -> int:
         cfg = ModelConfig.from_hf(json.loads(path.read_text()))
     except (OSError, json.JSONDecodeError, ConfigError) as e:
         raise RunError(f"{path}: {e}") from None
+    args.quant = args.quant or "q2"
     if args.quant == "keep":
         raise RunError("--quant keep keeps a GGUF file's own types: convert it, then plan the file with --weights "
                        "FILE --dry-run")

@@ -111,9 +111,9 @@ def auto_fit(args, replan, log) -> None:
 
 
 def auto_prefill_batch(plan_with) -> int:
-    """The default prompt chunk: 256 tokens when that costs the expert cache at most a tenth of what it
-    holds at 64 (larger chunks let each expert's rows serve more tokens: 75 against 45 tok/s of
-    prefill in benchmarks/RESULTS.md), else 64, else the largest that fits."""
+    """The default prompt chunk: 256 tokens, else 128, when that costs the expert cache at most a tenth
+    of what it holds at 64 (larger chunks let each expert's rows serve more tokens: 75 against 45 tok/s
+    of prefill in benchmarks/RESULTS.md), else 64, else the largest that fits."""
     base = plan_with(MIN_PREFILL_BATCH)
     for b in (256, 128):
         p = plan_with(b)
@@ -164,7 +164,9 @@ def refuse_if_unfit(plan: B.MemoryPlan, replan, args) -> None:
     `replan(max_context, prefill_batch_size[, window])` recomputes the plan with other flags unchanged."""
     if plan.fits:
         return
-    tips = [f"raise --memory-budget to at least {B.fmt(plan.budget + plan.shortfall())}"]
+    # a second file opened beside a first (--kl-reference) plans with what the first leaves of the budget
+    reserved, why = getattr(args, "reserved", (0, ""))
+    tips = [f"raise --memory-budget to at least {B.fmt(reserved + plan.budget + plan.shortfall())}"]
     ctx = _largest_fitting(1, args.max_ctx - 1, lambda c: replan(c, args.prefill_batch_size).fits)
     if ctx is not None:
         tips.append(f"lower --max-context from {args.max_ctx} to {ctx}")
@@ -177,6 +179,6 @@ def refuse_if_unfit(plan: B.MemoryPlan, replan, args) -> None:
                     f"{_largest_fitting(1, window - 1, lambda n: replan(args.max_ctx, args.prefill_batch_size, n).fits)}")
     if plan.resident > plan.budget // 2:
         tips.append(f"convert with a lower-precision --quant (resident weights alone take {B.fmt(plan.resident)})")
-    raise RunError(f"a budget of {B.fmt(plan.budget)} cannot hold the minimum ({B.fmt(plan.fixed)} fixed + "
+    raise RunError(f"a budget of {B.fmt(plan.budget)}{why} cannot hold the minimum ({B.fmt(plan.fixed)} fixed + "
                    f"{plan.min_cache_experts} experts × {B.fmt(plan.expert_bytes)}; short by "
                    f"{B.fmt(plan.shortfall())}): " + "; or ".join(tips))

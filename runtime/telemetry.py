@@ -35,6 +35,7 @@ class Telemetry:
         self._trace = open(Path(trace_path), "w") if trace_path else None
         self._t0 = time.perf_counter()
         self._mark()
+        self._start = self._stats          # the pager's totals before this run (a --warm-up's reads are not its)
 
     def _mark(self):
         self._t = time.perf_counter()
@@ -74,15 +75,16 @@ class Telemetry:
         return rec
 
     def summary(self) -> dict:
-        s = self.pager.stats
+        now = self.pager.stats.snapshot()
+        s = {k: now[k] - self._start[k] for k in now}          # this run's share of the pager's totals
         dec = [r for r in self.records if r["phase"] == "decode"]
         pre = [r for r in self.records if r["phase"] == "prefill"]
-        n = len(dec)
+        n, accesses = len(dec), s["hits"] + s["misses"]
         return {
-            "hits": s.hits, "misses": s.misses, "hit_rate": round(s.hit_rate, 4),
-            "bytes_read": s.bytes_read, "io_wait_s": round(s.io_wait_s, 4), "evictions": s.evictions,
-            "prefetch_recall": round(s.recall, 4) if s.routed_checked else None,
-            "prefetch_bytes": s.prefetch_bytes, "prefetch_wasted_bytes": s.prefetch_wasted_bytes,
+            "hits": s["hits"], "misses": s["misses"], "hit_rate": round(s["hits"] / accesses, 4) if accesses else 0.0,
+            "bytes_read": s["bytes_read"], "io_wait_s": round(s["io_wait_s"], 4), "evictions": s["evictions"],
+            "prefetch_recall": round(s["predicted_used"] / s["routed_checked"], 4) if s["routed_checked"] else None,
+            "prefetch_bytes": s["prefetch_bytes"], "prefetch_wasted_bytes": s["prefetch_wasted_bytes"],
             "prefill_bytes_read": sum(r["bytes_read"] for r in pre),
             "prefill_io_wait_s": round(sum(r["io_wait_s"] for r in pre), 4),
             "decode_bytes_read_per_token": round(sum(r["bytes_read"] for r in dec) / n) if n else 0,
@@ -102,12 +104,27 @@ class Telemetry:
             self._trace = None
 
 
+TRACE_KEYS = ("step", "rss_bytes", "rss_anon_bytes", "rss_file_bytes", "vm_hwm_bytes", "bytes_read", "io_wait_s",
+              "compute_s")           # what plot_trace draws, each a number in every record
+
+
 def plot_trace(trace: str, out: str) -> None:
     """Memory over time and I/O per step from a --trace file, as a PNG."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    recs = [json.loads(line) for line in Path(trace).read_text().splitlines() if line.strip()]
+    recs = []
+    for i, line in enumerate(Path(trace).read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{trace}: line {i}: not JSON ({e.msg})") from None
+        missing = [k for k in TRACE_KEYS if not isinstance(rec, dict) or not isinstance(rec.get(k), (int, float))]
+        if missing or not isinstance(rec.get("phase"), str):
+            raise ValueError(f"{trace}: line {i}: not a kimi-run --trace record (no {(missing or ['phase'])[0]!r})")
+        recs.append(rec)
     if not recs:
         raise ValueError(f"{trace}: no records")
     steps = [r["step"] for r in recs]

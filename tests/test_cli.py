@@ -160,6 +160,56 @@ def test_run_errors(tiny_kst, tmp_path):
     _one_line_error(kimi_run("--weights", tiny_kst, "--prompt", "x", "--top-p", 0, "--quiet", check=False), "--top-p")
 
 
+def test_flags_a_mode_would_ignore_or_cannot_use_are_refused_before_loading(tiny_kst, tmp_path):
+    """Each gives one line naming the flag, before the model is read, and writes nothing (a --dump-logits
+    directory had left `DIR.partial.npy` beside it after running the prompt)."""
+    text = tmp_path / "t.txt"
+    text.write_text("some text to score\n")
+    cases = [
+        (("--seed", -1, "--prompt", "x"), "--seed must be >= 0"),
+        (("--trace", tmp_path / "t.jsonl", "--perplexity", text), "--trace applies to a run of one --prompt"),
+        (("--dump-logits", tmp_path / "l.npy", "--perplexity", text), "--dump-logits applies to a run of one --prompt"),
+        (("--kl-reference", tiny_kst, "--prompt", "x"), "--kl-reference needs --perplexity"),
+        (("--quant", "q1", "--prompt", "x"), "--quant and --override apply with --plan-config"),
+        (("--memory-budget", "5X", "--prompt", "x"), "--memory-budget: cannot read size '5X'"),
+        (("--dump-logits", tmp_path, "--prompt", "x"), "is a directory"),
+        (("--trace", tmp_path / "no" / "t.jsonl", "--prompt", "x"), "--trace"),
+        (("--json", "--serve"), "--json applies to"),
+    ]
+    before = sorted(tmp_path.parent.iterdir())
+    for flags, message in cases:
+        r = kimi_run("--weights", tiny_kst, *flags, check=False)
+        _one_line_error(r, message)
+        assert "memory plan" not in r.stderr and "weight file" not in r.stderr, flags     # nothing loaded
+    assert sorted(tmp_path.parent.iterdir()) == before and sorted(tmp_path.iterdir()) == [text]
+
+
+def test_plot_trace_names_the_line_that_is_not_a_record(tmp_path):
+    for content, message in [("{}\n", "line 1: not a kimi-run --trace record (no 'step')"),
+                             ('{"step": 0}\n[1, 2]\n', "line 1: not a kimi-run --trace record"),
+                             ("root:x:0:0\n", "line 1: not JSON")]:
+        trace = tmp_path / "t.jsonl"
+        trace.write_text(content)
+        _one_line_error(kimi_run("--plot-trace", trace, "-o", tmp_path / "p.png", check=False), "t.jsonl", message)
+        assert not (tmp_path / "p.png").exists()
+
+
+def test_a_run_with_no_decode_step_shows_no_decode_speed(tiny_kst):
+    r = kimi_run("--weights", tiny_kst, "--prompt", "hello", "--max-tokens", 1)
+    row = next(line for line in r.stderr.splitlines() if "generated" in line)
+    assert "1 tokens (" in row and "tok/s" not in row, row
+    assert all("—" in line for line in r.stderr.splitlines() if "per decoded token" in line)
+
+
+def test_dump_logits_reports_the_chunks_it_ran_not_a_window(tiny_kst, tmp_path):
+    prompt = "".join(chr(97 + i % 26) for i in range(40))
+    r = kimi_run("--weights", tiny_kst, "--prompt", prompt, "--max-tokens", 2, "--json", "--prefill-batch-size", 8,
+                 "--prompt-window", 32, "--dump-logits", tmp_path / "l.npy")
+    assert json.loads(r.stdout)["stats"]["prompt_window"] == 8
+    assert "--dump-logits: the prompt runs in chunks of 8 tokens, not in windows of 32" in r.stderr
+    assert np.load(tmp_path / "l.npy").shape[0] == len(json.loads(r.stdout)["prompt_tokens"])
+
+
 def test_convert_errors(tiny_ckpt, tmp_path):
     _one_line_error(convert(tmp_path / "missing", "-o", tmp_path / "x.kst", check=False), "missing")
     src = tmp_path / "src"

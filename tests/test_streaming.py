@@ -113,6 +113,25 @@ def test_peak_rss_within_budget_when_experts_are_4x_the_cache(synthetic, io):
     assert st["peak_rss_bytes"] <= budget, (st["peak_rss_bytes"], budget, proc.stderr)
 
 
+def test_a_kl_reference_opens_within_the_same_budget(synthetic, tmp_path):
+    """--perplexity with --kl-reference holds two files: the first leaves half its expert cache's room
+    to the reference, which plans with what the first will still take counted out, so peak RSS stays
+    within --memory-budget (it had reached 178 MiB under 124); a budget too small for both is refused
+    in one line."""
+    text = tmp_path / "t.txt"
+    text.write_text("".join(chr(33 + (i * 7) % 90) for i in range(300)))
+    budget = 130_000_000
+    r = kimi_run("--weights", synthetic, "--perplexity", text, "--max-context", 64, "--memory-budget", budget,
+                 "--kl-reference", synthetic, "--json", "--quiet")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["quality"]["kl_mean"] == 0.0 and out["peak_rss_bytes"] <= budget, out["peak_rss_bytes"]
+    r = kimi_run("--weights", synthetic, "--perplexity", text, "--max-context", 64, "--memory-budget", 75_000_000,
+                 "--kl-reference", synthetic, "--quiet")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(lines) == 1 and "will still take" in lines[0] and "Traceback" not in r.stderr
+
+
 def test_impossible_budget_refused_before_loading(synthetic):
     proc = kimi_run("--weights", synthetic, "--prompt", "hi", "--memory-budget", "20M")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
@@ -153,6 +172,40 @@ def test_reads_count_their_cpu_time(synthetic, io):
     m.forward(PROMPT[:8])
     assert st.bytes_read == read and st.read_cpu_s == cpu
     w.close()
+
+
+@pytest.mark.parametrize("io", ["mmap", "pread"])
+def test_an_expert_read_ahead_of_its_use_is_a_miss_under_every_io(synthetic, io):
+    """A hit is a use no read was started for: an expert fetch_ahead read (and that landed before its
+    use) counts as a miss under pread as under mmap, and only its second use is a hit."""
+    from kimistream.runtime.pager import MmapPager, PreadPager
+    wf = WeightFile(synthetic)
+    expert = max(e.nbytes for e in wf.extents if e.kind == "expert")
+    p = (PreadPager if io == "pread" else MmapPager)(wf, 8 * expert)
+    p.fetch_ahead(1, [0, 1])
+    p._pool.submit(lambda: None).result()           # the pool's reads have landed (one thread at a time)
+    p.close()
+    p.get(1, 0)
+    p.get_many(1, [1])
+    assert (p.stats.hits, p.stats.misses) == (0, 2)
+    p.get(1, 0)
+    assert p.held(1, [0, 1]) is not None
+    assert (p.stats.hits, p.stats.misses) == (3, 2)
+    wf.close()
+
+
+def test_the_summary_counts_only_the_measured_run(synthetic, tmp_path):
+    """With --warm-up the pager's totals hold the warm-up's reads too; the summary reports the measured
+    run's: its bytes read, hits and misses are the sums of its own steps in the trace."""
+    trace = tmp_path / "t.jsonl"
+    r = kimi_run("--weights", synthetic, "--prompt", "abcdefghij", "--max-tokens", "4", "--memory-budget", "72M",
+                 "--json", "--quiet", "--warm-up", "--threads", "1", "--trace", trace)
+    assert r.returncode == 0, r.stderr
+    st = json.loads(r.stdout)["stats"]
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    for k in ("bytes_read", "hits", "misses"):
+        assert st[k] == sum(s[k] for s in steps), k
+    assert st["bytes_read"] > 0
 
 
 def test_trace_and_plot(synthetic, tmp_path):
