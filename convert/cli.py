@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder of ORG--NAME@COMMIT.sha256 manifests (default: this project's checksums/)")
     g.add_argument("--manifest", type=Path, metavar="FILE",
                    help="sha256sum-format manifest the downloaded files must also match")
-    p.add_argument("--quant", default="bf16", choices=sorted(PRESETS),
+    p.add_argument("--quant", default=None, choices=sorted(PRESETS),
                    help="precision preset (default bf16); keep: a GGUF source's own types, unchanged")
     p.add_argument("--override", action="append", default=[], metavar="REGEX=CODEC",
                    help="codec for tensors whose name matches REGEX (repeatable, first match wins)")
@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = p.add_argument_group("releases")
     r.add_argument("--publish", type=Path, metavar="DIR",
                    help="also split the weight file into zstd chunks with a manifest in DIR (SOURCE may be a .kst)")
-    r.add_argument("--chunk-size", default="2GiB", help="with --publish: raw bytes per chunk (default 2GiB)")
+    r.add_argument("--chunk-size", default="2GiB", help="with --publish: raw bytes per chunk (default 2GiB, at least 16MiB)")
     r.add_argument("--assemble", type=Path, metavar="RELEASE_DIR",
                    help="rebuild a weight file from a downloaded release (chunks + *.release.json) into -o")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object on stdout")
@@ -99,12 +99,25 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     # Parsing and imports (rich, the hub client, the quantizers: only after the arguments parse) run to
     # their end; Ctrl-C at any point ends with one line.
+    parsed = []
+
     def start():
         args = build_parser().parse_args(argv)
+        parsed.append(args)
         from .commands import run
         return lambda: run(args)
-    return interrupts.command("kimi-convert", start,
-                              "error: interrupted; partial output kept as *.partial, run the same command to resume")
+
+    def interrupted() -> str:
+        """What an interrupted run left to resume from: the output's .partial if it exists, a download."""
+        args = parsed[0] if parsed else None
+        if args is not None and args.output and not args.dry_run:
+            partial = Path(args.output).with_name(Path(args.output).name + ".partial")
+            if partial.is_file():
+                return f"error: interrupted; partial output kept as {partial}, run the same command to resume"
+        if args is not None and not args.dry_run and (args.urls or (args.source and not Path(args.source).exists())):
+            return "error: interrupted; run the same command to resume the download"
+        return "error: interrupted"
+    return interrupts.command("kimi-convert", start, interrupted)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ line on standard error and an exit code."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -178,7 +179,44 @@ def _fit(args, err: Console, cfg, plan, tokenizer_bytes: int | None = None) -> d
     return 0
 
 
+def _misplaced(args, quant_given: bool) -> str | None:
+    """A flag the chosen job would not use, or an output that cannot be one (one line, before any work)."""
+    if args.output and (args.output.endswith(("/", os.sep)) or Path(args.output).is_dir()):
+        return f"{args.output}: is a directory (-o names the weight file to write)"
+    if args.sparse and not args.synthetic:
+        return "--sparse applies to --synthetic"
+    if args.publish:
+        from kimistream.formats.sizes import fmt, parse_size
+
+        from .publish import READ_BLOCK
+        try:
+            chunk = parse_size(args.chunk_size)
+        except ValueError as e:
+            return f"--chunk-size: {e}"
+        if chunk < READ_BLOCK:
+            return f"--chunk-size must be at least {fmt(READ_BLOCK)} ({READ_BLOCK} bytes), got {args.chunk_size}"
+    if args.publish and args.source and Path(args.source).is_file() and not is_gguf(args.source):
+        given = [f for f, v in (("-o", args.output), ("--quant", quant_given), ("--override", args.override),
+                                ("--calibration", args.calibration), ("--imatrix", args.imatrix),
+                                ("--memory-budget", args.memory_budget), ("--synthetic", args.synthetic)) if v]
+        if given:
+            return (f"--publish {args.source}: publishes that weight file as it is; {', '.join(given)} "
+                    f"apply to a conversion (give the checkpoint to convert and publish)")
+    if args.synthetic:
+        given = [f for f, v in (("--calibration", args.calibration), ("--imatrix", args.imatrix),
+                                ("--delete-source", args.delete_source),
+                                ("--max-context", args.max_context is not None and not (args.memory_budget or args.dry_run)))
+                 if v]
+        if given:
+            return f"--synthetic writes random weights: {', '.join(given)} do not apply"
+    return None
+
+
 def _main(args, err: Console) -> int:
+    quant_given = args.quant is not None
+    args.quant = args.quant or "bf16"
+    if (wrong := _misplaced(args, quant_given)) is not None:
+        return _error(wrong, 2)
     out = Path(args.output) if args.output else None
     if args.ray and (args.assemble or args.synthetic or args.download_only):
         return _error("--ray encodes a checkpoint's tensors: it does not apply to --assemble, --synthetic or "
@@ -191,6 +229,11 @@ def _main(args, err: Console) -> int:
         err.print(f"assembled {path} from {args.assemble} (every chunk's SHA-256 checked)")
         return 0
     if args.publish and args.source and Path(args.source).is_file() and not is_gguf(args.source):
+        from kimistream.formats.weightfile import WeightFile, WeightFileError
+        try:
+            WeightFile(args.source).close()      # a release is of a weight file: its header checked first
+        except WeightFileError as e:
+            return _error(e, 2)
         m = _publish(args, err, Path(args.source))
         if args.json:
             sys.stdout.write(json.dumps({"release": m}) + "\n")

@@ -110,6 +110,7 @@ def assemble(release_dir, out=None, progress=None) -> Path:
         raise PublishError(f"{release_dir}: expected one *{RELEASE_SUFFIX} manifest, found {len(found)}")
     m = load_manifest(found[0])
     out = Path(out) if out else release_dir / m["file"]
+    out.parent.mkdir(parents=True, exist_ok=True)      # as a conversion's output does
     tmp = out.with_name(out.name + ".partial")
     mode = "r+b" if tmp.exists() and tmp.stat().st_size == m["size"] else "w+b"
     dctx = zstandard.ZstdDecompressor()

@@ -4,7 +4,6 @@ come from (a manifest, the project's checksums/, the hub's listing), the checks,
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -93,6 +92,12 @@ def _hub_shards(snap, directory: Path) -> list[str]:
 def run(args) -> int:
     err = Console(stderr=True)
     all_rows, sources = [], []
+    if args.jobs < 1:
+        say("kimi-verify: error: --jobs must be >= 1")
+        return 2
+    if args.write_manifest and not any(Path(p).is_dir() for p in args.paths):
+        say("kimi-verify: error: --write-manifest records a checkpoint directory's files: none of the paths is a directory")
+        return 2
     progress = Progress(TextColumn("[bold]hashing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                         console=err, transient=True)
     try:

@@ -63,11 +63,12 @@ def say(text: str) -> None:
     sys.stderr.flush()
 
 
-def command(prog: str, start, interrupted: str) -> int:
+def command(prog: str, start, interrupted) -> int:
     """A command's main: `start()` (parse the arguments, import the work) runs with the interrupt held
     and returns the work, a callable giving the exit status. Ctrl-C at any point, even wrapped in
-    another exception, prints "PROG: INTERRUPTED" and returns 130. Messages name `prog`, also when the
-    command runs as `python -m`."""
+    another exception, prints "PROG: INTERRUPTED" (a string, or a callable that says what the
+    interrupted work left) and returns 130. Messages name `prog`, also when the command runs as
+    `python -m`."""
     sys.argv[0] = prog
     try:
         if threading.current_thread() is threading.main_thread():
@@ -82,5 +83,5 @@ def command(prog: str, start, interrupted: str) -> int:
             raise
     except KeyboardInterrupt:
         pass
-    say(f"{prog}: {interrupted}")
+    say(f"{prog}: {interrupted() if callable(interrupted) else interrupted}")
     return 130

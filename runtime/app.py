@@ -272,8 +272,16 @@ def _interactive(args, log) -> int:
             max_body = B.parse_size(args.max_body)
         except ValueError as e:
             raise RunError(f"--max-body: {e}") from None
+        if max_body < server.MIN_BODY:
+            raise RunError(f"--max-body must be at least {server.MIN_BODY} bytes (a smaller limit refuses every request)")
     Sampler(args.temperature, args.top_p, args.seed)      # flag errors before loading
-    s = open_session(args, log)
+    sock = server.listen(args.host, args.port) if args.serve and not args.dry_run else None
+    try:
+        s = open_session(args, log)
+    except BaseException:
+        if sock is not None:
+            sock.close()
+        raise
     if s is None:
         return 0
     untrained = untrained_chat_markers(s.tok, s.weights)
@@ -288,11 +296,13 @@ def _interactive(args, log) -> int:
             cfg = server.ServerConfig(model_id=s.path.stem, api_key=args.api_key, max_body=max_body,
                                max_queue=args.max_queue, memory_budget=s.plan.budget,
                                created=int(s.path.stat().st_mtime))
-            return server.serve(engine, cfg, args.host, args.port, log)
+            return server.serve(engine, cfg, sock, args.host, log)
         from .chat import repl
         return repl(engine, args)
     finally:
         s.weights.close()
+        if sock is not None:
+            sock.close()
 
 
 def _generate(args, log) -> int:

@@ -26,6 +26,8 @@ from .tokenizer import TokenizerError
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 MAX_STOP_STRINGS = 4
+ROLES = ("system", "developer", "user", "assistant", "tool")    # the chat roles OpenAI's API takes
+MIN_BODY = 1024                # --max-body below this would refuse every request
 MAX_JSON_DEPTH = 64
 DRAIN_LIMIT = 16        # an oversized body is read (and dropped) up to this many times --max-body
 
@@ -205,8 +207,9 @@ def _unsupported(body: dict, checks: dict) -> None:
                            "unsupported_parameter", param=key)
 
 
-def _sampling(body: dict, n_prompt: int, max_context: int) -> tuple[Request, bool, bool]:
-    """The request's generation parameters; (request, stream, include_usage)."""
+def _sampling(body: dict, n_prompt: int, max_context: int, prompt_param: str) -> tuple[Request, bool, bool]:
+    """The request's generation parameters; (request, stream, include_usage). `prompt_param`: the field
+    a prompt too long for the context is blamed on ('messages' or 'prompt')."""
     _unsupported(body, {"n": lambda v: v == 1, "logprobs": lambda v: v is False or v == 0,
                         "tools": lambda v: v == [], "echo": lambda v: v is False, "best_of": lambda v: v == 1,
                         "suffix": lambda v: v == "", "frequency_penalty": lambda v: v == 0,
@@ -215,7 +218,7 @@ def _sampling(body: dict, n_prompt: int, max_context: int) -> tuple[Request, boo
     room = max_context - n_prompt
     if room <= 0:
         raise ApiError(400, f"the prompt has {n_prompt} tokens; this server's context is {max_context} tokens",
-                       "context_length_exceeded", param="messages")
+                       "context_length_exceeded", param=prompt_param)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _number(body, key, room, 1, 1 << 31, integer=True)
     if n_prompt + max_tokens > max_context:
@@ -251,6 +254,11 @@ def _messages(body: dict) -> list[dict]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(400, f"messages[{i}] must be an object with a string 'role'", "invalid_type", param="messages")
+        if m["role"] not in ROLES:
+            raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m['role'][:40]!r}",
+                           "invalid_value", param="messages")
+        if "content" not in m and m["role"] != "assistant":     # an assistant's turn may hold only tool calls
+            raise ApiError(400, f"messages[{i}] has no 'content'", "invalid_type", param="messages")
         content = m.get("content")
         if isinstance(content, list):             # content parts: text only
             texts = []
@@ -393,7 +401,7 @@ def build_app(engine: Engine, cfg: ServerConfig, log) -> Starlette:
             ids = tok.encode(tok.render_chat(messages), add_special_tokens=False)
         except TokenizerError as e:
             raise ApiError(400, str(e), "template_error", param="messages") from None
-        req, stream, usage = _sampling(body, len(ids), engine.max_context)
+        req, stream, usage = _sampling(body, len(ids), engine.max_context, "messages")
         req.prompt_ids = ids
         return await answer(request, req, stream, usage, chat=True)
 
@@ -402,7 +410,7 @@ def build_app(engine: Engine, cfg: ServerConfig, log) -> Starlette:
         body = await _json_body(request, cfg.max_body)
         check_model(body)
         ids = _prompt_ids(body, tok)
-        req, stream, usage = _sampling(body, len(ids), engine.max_context)
+        req, stream, usage = _sampling(body, len(ids), engine.max_context, "prompt")
         req.prompt_ids = ids
         return await answer(request, req, stream, usage, chat=False)
 
@@ -536,14 +544,10 @@ def warm_up() -> None:
     _config(Starlette()).load()
 
 
-def serve(engine: Engine, cfg: ServerConfig, host: str, port: int, log) -> int:
-    """Bind, say where, and serve until interrupted."""
+def listen(host: str, port: int):
+    """The server's socket, bound and listening: taken before the model loads, so that a port in use
+    is said at once, not after the weights of a large model have been read."""
     import socket
-
-    import uvicorn
-    if host not in LOOPBACK and cfg.api_key is None:
-        log(f"warning: serving on {host} without --api-key: anyone who can reach this port can use the model")
-    app = build_app(engine, cfg, log)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -553,6 +557,15 @@ def serve(engine: Engine, cfg: ServerConfig, host: str, port: int, log) -> int:
         sock.close()
         raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     sock.listen(128)
+    return sock
+
+
+def serve(engine: Engine, cfg: ServerConfig, sock, host: str, log) -> int:
+    """Say where, and serve on `sock` (listen's) until interrupted."""
+    import uvicorn
+    if host not in LOOPBACK and cfg.api_key is None:
+        log(f"warning: serving on {host} without --api-key: anyone who can reach this port can use the model")
+    app = build_app(engine, cfg, log)
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     server = uvicorn.Server(_config(app))

@@ -220,6 +220,46 @@ def test_convert_errors(tiny_ckpt, tmp_path):
     assert not (tmp_path / "x.kst").exists()
 
 
+def test_convert_refuses_flags_its_job_would_not_use_before_any_work(tiny_ckpt, tiny_kst, tmp_path):
+    """One line and exit 2, nothing written: an -o that is a directory (a conversion had run to its end
+    and failed on the rename, leaving a full-size .partial), flags a --synthetic or a --publish of a
+    weight file would silently ignore, a --publish of a file that is no weight file."""
+    geo = tmp_path / "geo.json"
+    geo.write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                               "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+                               "moe_intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                               "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 16, "v_head_dim": 16,
+                               "qk_nope_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                               "n_shared_experts": 1, "first_k_dense_replace": 1}))
+    (tmp_path / "adir").mkdir()
+    cases = [
+        ((tiny_ckpt, "-o", tmp_path / "adir", "--quant", "f32"), "adir: is a directory"),
+        ((tiny_ckpt, "-o", f"{tmp_path}/newdir/", "--quant", "f32"), "newdir/: is a directory"),
+        ((tiny_ckpt, "-o", tmp_path / "s.kst", "--sparse"), "--sparse applies to --synthetic"),
+        (("--synthetic", geo, "-o", tmp_path / "s.kst", "--calibration", "self"), "--calibration do not apply"),
+        (("--synthetic", geo, "-o", tmp_path / "s.kst", "--imatrix", tmp_path / "x.npz", "--delete-source"),
+         "--imatrix, --delete-source do not apply"),
+        ((tiny_kst, "-o", tmp_path / "other.kst", "--quant", "q4", "--publish", tmp_path / "rel"),
+         "-o, --quant apply to a conversion"),
+        ((geo, "--publish", tmp_path / "rel"), "geo.json"),
+        ((tiny_kst, "--publish", tmp_path / "rel", "--chunk-size", "16M"), "--chunk-size must be at least 16.00 MiB"),
+    ]
+    for flags, message in cases:
+        r = convert(*flags, "--quiet", check=False)
+        _one_line_error(r, message)
+        assert r.returncode == 2, flags
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "geo.json"]
+    assert not any((tmp_path / "adir").iterdir())
+
+
+def test_verify_flags_it_cannot_use_are_one_line_errors(tiny_kst, tmp_path):
+    r = run("convert.verify_cli", tiny_kst, "--write-manifest", tmp_path / "m.sha256", check=False)
+    assert r.returncode == 2 and "--write-manifest records a checkpoint directory's files" in r.stderr
+    assert not (tmp_path / "m.sha256").exists()
+    r = run("convert.verify_cli", tiny_kst, "--jobs", 0, check=False)
+    assert r.returncode == 2 and r.stderr.strip() == "kimi-verify: error: --jobs must be >= 1"
+
+
 def _mapped_rss(path) -> int:
     """Resident bytes of this process's mappings of `path`, as the kernel accounts them."""
     total, inside = 0, False

@@ -387,6 +387,7 @@ def test_delete_source_interrupted_is_not_downloaded_again(hub, ckpt, tmp_path):
             break
     rest = proc.stderr.read()
     assert proc.wait(60) == 130, rest
+    assert f"interrupted; partial output kept as {out}.partial, run the same command to resume" in rest
     d = out.parent / f"test-org--tiny-moe@{hub.commit}"
     assert not (d / SHARDS[0]).exists() and (d / SHARDS[2]).exists()
     n = len(hub.log)

@@ -175,6 +175,19 @@ def test_ctrl_c_between_import_and_main(module, prog):
     assert proc.returncode != 0 and "KeyboardInterrupt" in proc.stderr     # Python's own Ctrl-C, untouched
 
 
+def test_an_interrupted_convert_claims_no_partial_it_did_not_leave(tmp_path):
+    """Ctrl-C before kimi-convert did anything (here: before it parsed its arguments) says only that
+    it was interrupted (it had said "partial output kept as *.partial" whatever the moment, a dry run
+    included); one during a conversion names the OUT.partial it left (test_fetch)."""
+    import subprocess
+    import sys
+    script = (f"import os, signal, sys, time\nsys.argv = ['kimi-convert', {str(tmp_path)!r}, '-o', "
+              f"{str(tmp_path / 'm.kst')!r}, '--dry-run']\nfrom kimistream.convert.cli import main\n"
+              "os.kill(os.getpid(), signal.SIGINT)\ntime.sleep(0.2)\nsys.exit(main())\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 130 and proc.stderr.strip() == "kimi-convert: error: interrupted", proc.stderr
+
+
 @pytest.mark.parametrize("delay", [0.0, 0.01, 0.03, 0.06, 0.1, 0.2])
 def test_ctrl_c_during_start_up(tiny_kst, delay):
     """Ctrl-C at any moment once kimi-run's own code runs (here: from the moment its kernels are

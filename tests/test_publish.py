@@ -87,6 +87,7 @@ def test_cli_synthetic_sparse_publish_assemble(tmp_path):
     proc = _convert(out, "--publish", tmp_path / "rel", "--chunk-size", "16MiB", "--quiet", "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["release"]["compression_ratio"] > 10      # holes compress
-    proc = _convert("--assemble", tmp_path / "rel", "-o", tmp_path / "back.kst", "--quiet")
+    back = tmp_path / "new" / "back.kst"             # a folder not there yet, made as a conversion makes one
+    proc = _convert("--assemble", tmp_path / "rel", "-o", back, "--quiet")
     assert proc.returncode == 0, proc.stderr
-    assert (tmp_path / "back.kst").read_bytes() == out.read_bytes()
+    assert back.read_bytes() == out.read_bytes()

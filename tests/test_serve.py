@@ -259,6 +259,10 @@ def test_errors_have_openai_shape(server):
         (("POST", "/v1/chat/completions", {"model": server.model, "messages": msgs, "n": 2}), 400,
          "unsupported_parameter"),
         (("POST", "/v1/chat/completions", {"model": server.model, "messages": "hi"}), 400, "invalid_type"),
+        (("POST", "/v1/chat/completions", {"model": server.model, "messages": [{"role": "user"}]}), 400,
+         "invalid_type"),
+        (("POST", "/v1/chat/completions", {"model": server.model, "messages": [{"role": "wizard", "content": "hi"}]}),
+         400, "invalid_value"),
         (("POST", "/v1/chat/completions", {"model": server.model, "messages": msgs, "temperature": "hot"}), 400,
          "invalid_type"),
         (("POST", "/v1/chat/completions", b'{"model": "x", "pad": "' + b"a" * (300 << 10) + b'"}'), 413,
@@ -269,6 +273,11 @@ def test_errors_have_openai_shape(server):
     for (method, path, body), status, code in cases:
         got_status, got = server.raw(method, path, body)
         assert (got_status, shape(got)) == (status, code), (path, body if not isinstance(body, bytes) else body[:40], got)
+    # the field a too-long prompt is blamed on is the one that holds it
+    for path, body, param in [("/v1/completions", {"model": server.model, "prompt": "x " * (2 * CONTEXT)}, "prompt"),
+                              ("/v1/chat/completions", {"model": server.model, "messages": [
+                                  {"role": "user", "content": "x " * (2 * CONTEXT)}]}, "messages")]:
+        assert server.raw("POST", path, body)[1]["error"]["param"] == param
     for path in ("/v1/models", "/metrics"):
         status, body = server.raw("GET", path, key="wrong")
         assert (status, shape(body)) == (401, "invalid_api_key")
@@ -434,6 +443,7 @@ def test_bad_server_flags_are_one_line_errors(env):
         for flags, message in [(["--port", "70000"], "--port must be 0..65535"),
                                (["--max-queue", "-1"], "--max-queue must be >= 0"),
                                (["--max-body", "lots"], "--max-body"),
+                               (["--max-body", "0"], "--max-body must be at least 1024 bytes"),
                                (["--prompt", "hi"], "--serve takes no --prompt"),
                                (["--port", str(port)], f"cannot listen on 127.0.0.1:{port}")]:
             proc = subprocess.run([shutil.which("kimi-run"), "--serve", "--max-context", "64", *flags], env=env,
@@ -441,6 +451,7 @@ def test_bad_server_flags_are_one_line_errors(env):
             last = proc.stderr.strip().splitlines()[-1]
             assert proc.returncode == 1 and last.startswith("kimi-run: error: ") and message in last, proc.stderr
             assert "Traceback" not in proc.stderr
+            assert "memory plan" not in proc.stderr          # said before the model loads
     finally:
         taken.close()
 
