@@ -159,8 +159,8 @@ def _fit(args, err: Console, cfg, plan, tokenizer_bytes: int | None = None) -> d
     if not args.dry_run:
         return fit.to_json() if fit else None
     plan.for_model(cfg.first_k_dense_replace, cfg.num_hidden_layers)
-    fp, file_bytes = memplan.of_config(cfg, plan, **({"tokenizer_bytes": tokenizer_bytes} if tokenizer_bytes is not None
-                                                     else {}))
+    fp, file_bytes = memplan.of_config(cfg, plan, alignment=args.alignment,
+                                       **({"tokenizer_bytes": tokenizer_bytes} if tokenizer_bytes is not None else {}))
     data = {"classes": plan.classes, "file_bytes": file_bytes, "resident_bytes": fp.resident,
             "expert_bytes": fp.expert_bytes, "experts": fp.total_experts}
     if fit:

@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass, replace
 
 from .codecs import get_codec, is_float_codec
 from .config import ModelConfig
-from .constants import (ATTENTION, DENSE_MLP, EXTENT_EXPERT, EXTENT_RESIDENT, LM_HEAD, ROUTER, SHARED_EXPERTS)
+from .constants import (ATTENTION, DEFAULT_ALIGNMENT, DENSE_MLP, EXTENT_EXPERT, EXTENT_RESIDENT, LM_HEAD, PREFIX_SIZE,
+                        ROUTER, SHARED_EXPERTS)
 from .layout import EXPERT_PROJS, expert_entries, plan_extents
 from .sizes import fmt
 
@@ -108,10 +109,10 @@ def _expert_part(cfg: ModelConfig, precision) -> tuple[list, list]:
     return tensors, extents
 
 
-def of_config(cfg: ModelConfig, precision, experts=None, tokenizer_bytes: int = TOKENIZER_ALLOWANCE
-              ) -> tuple[Footprint, int]:
+def of_config(cfg: ModelConfig, precision, experts=None, tokenizer_bytes: int = TOKENIZER_ALLOWANCE,
+              alignment: int = DEFAULT_ALIGNMENT) -> tuple[Footprint, int]:
     """The footprint of `cfg` converted with `precision` (a PrecisionPlan for this model), and the
-    file's size, laid out as the converter would. `experts`: the routed experts' part when the caller
+    file's size, laid out as the converter would (extents on `alignment` boundaries). `experts`: the routed experts' part when the caller
     already has it for the same routed-expert codecs and overrides (fit_resident changes neither);
     `tokenizer_bytes`: the tokenizer files' size when known (an allowance otherwise)."""
     layout = plan_extents(cfg, precision.codec_for, experts=False)
@@ -121,7 +122,11 @@ def of_config(cfg: ModelConfig, precision, experts=None, tokenizer_bytes: int = 
     et, ee = experts or _expert_part(cfg, precision)
     tensors, extents = tensors + et, extents + ee
     header = HEADER_BYTES_PER_TENSOR * n_tensors + HEADER_BYTES_PER_EXTENT * len(extents)
-    return footprint(tensors, extents, header, tokenizer_bytes), sum(nb for _, nb in extents)
+    # the file as the writer lays it out: the header, then every extent (the tokenizer's too) on an
+    # alignment boundary (a small model's padding is several per cent of it)
+    pad = lambda n: -(-n // alignment) * alignment          # noqa: E731
+    file_bytes = pad(PREFIX_SIZE + header) + sum(pad(nb) for _, nb in extents) + pad(tokenizer_bytes)
+    return footprint(tensors, extents, header, tokenizer_bytes), file_bytes
 
 
 def kv_bytes(cfg: ModelConfig, max_context: int, itemsize: int = 4) -> int:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kimistream.formats import procfs
 from kimistream.formats.constants import ROUTED_EXPERTS
 from kimistream.formats.interrupts import say
 from kimistream.formats.weightfile import WeightFile, WeightFileError, check_model
@@ -178,6 +179,11 @@ def _open_session(args, log, path: Path, wf: WeightFile, describe: bool, hold_ba
     if not hasattr(args, "budget"):
         if args.memory_budget:
             args.budget = B.parse_size(args.memory_budget)
+            memory = B.process_memory(procfs.cgroup_memory_limit())
+            if memory is not None and args.budget > memory:
+                log(f"warning: --memory-budget {B.fmt(args.budget)} is more than this process can have "
+                    f"({B.fmt(memory)}: available memory and its own, within any cgroup limit): the plan counts on "
+                    f"memory the machine may not give")
         else:
             args.budget = int(B.DEFAULT_FRACTION * B.mem_available())
             log(f"no --memory-budget: using {int(B.DEFAULT_FRACTION * 100)}% of available memory")

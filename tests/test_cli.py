@@ -184,6 +184,12 @@ def test_flags_a_mode_would_ignore_or_cannot_use_are_refused_before_loading(tiny
     assert sorted(tmp_path.parent.iterdir()) == before and sorted(tmp_path.iterdir()) == [text]
 
 
+def test_a_budget_beyond_the_machine_is_warned_about(tiny_kst):
+    big = kimi_run("--weights", tiny_kst, "--dry-run", "--memory-budget", "1000T")
+    assert "warning: --memory-budget" in big.stderr and "is more than this process can have" in big.stderr, big.stderr
+    assert "warning" not in kimi_run("--weights", tiny_kst, "--dry-run", "--memory-budget", "1G").stderr
+
+
 def test_plot_trace_names_the_line_that_is_not_a_record(tmp_path):
     for content, message in [("{}\n", "line 1: not a kimi-run --trace record (no 'step')"),
                              ('{"step": 0}\n[1, 2]\n', "line 1: not a kimi-run --trace record"),
