@@ -9,6 +9,8 @@ The `gguf` package is imported on first use: the runtime never needs it."""
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import re
 from pathlib import Path
@@ -161,11 +163,40 @@ class GGUFModel:
         arch = self._get("general.architecture")
         if arch != ARCH:
             raise GGUFError(f"{self.path}: architecture {arch!r}; kimi-stream reads {ARCH!r} files (DeepSeek-V3, Kimi K2)")
-        self.config = self._config()
+        self._key = None                     # the metadata key being read (named when its value is wrong)
+        with self._typed():
+            self.config = self._config()
+            self._check_config()
         self._map = self._names()
+
+    @contextlib.contextmanager
+    def _typed(self):
+        """A metadata value of the wrong type or range, met while reading it: one error naming the key."""
+        try:
+            yield
+        except GGUFError:
+            raise
+        except (TypeError, ValueError, IndexError, AttributeError, OverflowError, KeyError) as e:
+            raise GGUFError(f"{self.path}: metadata key {self._key}: a value of the wrong type or range "
+                            f"({type(e).__name__}: {e})") from None
+
+    def _check_config(self) -> None:
+        """What the rest relies on: a layer count the tensors have (a huge one made the name map loop
+        for ever), token ids inside the vocabulary."""
+        layers = {int(n.split(".")[1]) for n in self._tensors if n.startswith("blk.") and n.split(".")[1].isdigit()}
+        n = self.config["num_hidden_layers"]
+        if n < 1 or n > max(layers, default=-1) + 1:
+            raise GGUFError(f"{self.path}: metadata key {ARCH}.block_count is {n}, but the file holds tensors of "
+                            f"{max(layers, default=-1) + 1} layers")
+        tokens = self._get("tokenizer.ggml.tokens") or []
+        for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+            i = self._get(key)
+            if i is not None and tokens and not 0 <= int(i) < len(tokens):
+                raise GGUFError(f"{self.path}: metadata key {key} is {i}, outside the {len(tokens)} tokens")
 
     # ------------------------------------------------------------------ metadata
     def _get(self, key: str, default=None, required: bool = False):
+        self._key = key
         f = self.fields.get(key)
         if f is None:
             if required:
@@ -370,6 +401,10 @@ class GGUFModel:
 
     # ------------------------------------------------------------------ tokenizer
     def tokenizer_files(self) -> tuple[str, dict[str, bytes]]:
+        with self._typed():
+            return self._tokenizer_files()
+
+    def _tokenizer_files(self) -> tuple[str, dict[str, bytes]]:
         """The embedded tokenizer rebuilt as the files the runtime reads: ("hf", tokenizer.json and
         tokenizer_config.json) for byte-level BPE with a pre-tokenizer llama.cpp names (gpt2,
         deepseek-v3, llama3), ("tiktoken", tiktoken.model and tokenizer_config.json) for kimi-k2."""

@@ -110,6 +110,14 @@ def _check_flags(args) -> None:
         raise RunError("--json applies to a run of one --prompt, --perplexity, --calibration, --plan-config or --dry-run")
     if args.kl_reference and not args.perplexity:
         raise RunError("--kl-reference needs --perplexity")
+    if args.imatrix_out and not args.calibration:
+        raise RunError("--imatrix-out applies to --calibration")
+    if args.imatrix_out:
+        # the importances replace whatever is at that path: never the weights or the text being read
+        target = Path(args.imatrix_out).resolve()
+        for flag, path in (("--weights", args.weights), ("--calibration", args.calibration)):
+            if path and Path(path).exists() and Path(path).resolve() == target:
+                raise RunError(f"--imatrix-out {args.imatrix_out}: is the {flag} file this run reads")
     if (args.quant is not None or args.override) and not args.plan_config:
         raise RunError("--quant and --override apply with --plan-config (kimi-convert chooses a file's precision)")
     if args.memory_budget:
@@ -117,7 +125,8 @@ def _check_flags(args) -> None:
             B.parse_size(args.memory_budget)
         except ValueError as e:
             raise RunError(f"--memory-budget: {e}") from None
-    for flag, path in (("--trace", args.trace), ("--dump-logits", args.dump_logits), ("-o", args.output)):
+    for flag, path in (("--trace", args.trace), ("--dump-logits", args.dump_logits), ("-o", args.output),
+                       ("--imatrix-out", args.imatrix_out)):
         if path:
             target = Path(path)
             if target.is_dir():

@@ -175,6 +175,10 @@ def test_flags_a_mode_would_ignore_or_cannot_use_are_refused_before_loading(tiny
         (("--dump-logits", tmp_path, "--prompt", "x"), "is a directory"),
         (("--trace", tmp_path / "no" / "t.jsonl", "--prompt", "x"), "--trace"),
         (("--json", "--serve"), "--json applies to"),
+        (("--imatrix-out", tmp_path / "i.npz", "--prompt", "x"), "--imatrix-out applies to --calibration"),
+        (("--calibration", text, "--imatrix-out", tiny_kst), "is the --weights file this run reads"),
+        (("--calibration", text, "--imatrix-out", text), "is the --calibration file this run reads"),
+        (("--calibration", text, "--imatrix-out", tmp_path), "--imatrix-out"),
     ]
     before = sorted(tmp_path.parent.iterdir())
     for flags, message in cases:

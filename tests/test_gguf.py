@@ -239,3 +239,28 @@ def test_gguf_block_sizes_are_llama_cpps():
     from kimistream.formats.ggufcodecs import BLOCK_SIZES
     for t, sizes in BLOCK_SIZES.items():
         assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[t]] == sizes, t
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("deepseek2.block_count", 100_000_000_000,
+     "metadata key deepseek2.block_count is 100000000000, but the file holds tensors of 5 layers"),
+    ("deepseek2.block_count", [1, 2], "metadata key deepseek2.block_count: a value of the wrong type or range"),
+    ("deepseek2.block_count", "five", "metadata key deepseek2.block_count: a value of the wrong type or range"),
+    ("deepseek2.expert_gating_func", "sigmoid", "metadata key deepseek2.expert_gating_func: a value of the wrong type"),
+    ("tokenizer.ggml.bos_token_id", 99999, "metadata key tokenizer.ggml.bos_token_id is 99999, outside the"),
+    ("tokenizer.ggml.merges", [1, 2], "metadata key tokenizer.ggml.merges: a value of the wrong type or range"),
+])
+def test_metadata_of_the_wrong_type_or_range_is_one_error_naming_the_key(tmp_path, monkeypatch, key, value, message):
+    """A value llama.cpp's writer would not give (a huge block_count had made the name map loop for
+    ever; others ended in IndexError, AttributeError or TypeError tracebacks)."""
+    src, _ = _source("stdlib-moe")
+    path = write_gguf(src, tmp_path / "m.gguf")
+    real = GGUFModel._get
+
+    def get(self, k, default=None, required=False):
+        got = real(self, k, default, required)          # names the key being read
+        return value if k == key else got
+    monkeypatch.setattr(GGUFModel, "_get", get)
+    with pytest.raises(GGUFError) as e:
+        GGUFModel(path).tokenizer_files()
+    assert str(e.value).startswith(f"{path}: {message}"), str(e.value)
