@@ -202,6 +202,9 @@ def _misplaced(args, quant_given: bool) -> str | None:
         if given:
             return (f"--publish {args.source}: publishes that weight file as it is; {', '.join(given)} "
                     f"apply to a conversion (give the checkpoint to convert and publish)")
+    if args.quant == "keep" and not args.override and (args.calibration not in (None, "none") or args.imatrix):
+        return ("--quant keep keeps the GGUF file's own values: --calibration and --imatrix would change "
+                "none of them (give an --override to re-encode tensors with them)")
     if args.synthetic:
         given = [f for f, v in (("--calibration", args.calibration), ("--imatrix", args.imatrix),
                                 ("--delete-source", args.delete_source),

@@ -253,6 +253,8 @@ def test_convert_refuses_flags_its_job_would_not_use_before_any_work(tiny_ckpt, 
          "-o, --quant apply to a conversion"),
         ((geo, "--publish", tmp_path / "rel"), "geo.json"),
         ((tiny_kst, "--publish", tmp_path / "rel", "--chunk-size", "16M"), "--chunk-size must be at least 16.00 MiB"),
+        ((tmp_path / "m.gguf", "-o", tmp_path / "k.kst", "--quant", "keep", "--calibration", "self"),
+         "--quant keep keeps the GGUF file's own values"),
     ]
     for flags, message in cases:
         r = convert(*flags, "--quiet", check=False)
