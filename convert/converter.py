@@ -174,7 +174,7 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
     other_form = set(model_shapes(cfg, not split)) - set(expected)
     missing = [n for n in expected if not ckpt.has(n)]
     if missing:
-        raise ConversionError(f"{ckpt.dir}: checkpoint lacks {len(missing)} tensor(s) the config requires, "
+        raise ConversionError(f"{getattr(ckpt, 'path', ckpt.dir)}: checkpoint lacks {len(missing)} tensor(s) the config requires, "
                               f"e.g. {missing[0]}")
     for n, shape in expected.items():
         if ckpt.shape(n) is not None and ckpt.shape(n) != shape:

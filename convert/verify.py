@@ -192,10 +192,20 @@ def verify_gguf(path: Path, expected: dict[str, str] | None, on_bytes=None) -> l
         paths = shard_paths(path)
     except GGUFError as e:
         return [Row(str(path), None, "", "", MISSING, str(e).removeprefix(f"{path}: "))]
+    from kimistream.formats.config import ConfigError, ModelConfig
+    from kimistream.formats.layout import model_shapes
     try:
         model = GGUFModel(path)
-        model.tokenizer_files()
-        model.close()
+        try:
+            cfg = ModelConfig.from_hf(model.config)       # what a conversion rebuilds, checked the same way
+            missing = [n for n in model_shapes(cfg) if not model.has(n)]
+            if missing:
+                raise GGUFError(f"{path}: lacks {len(missing)} tensor(s) its metadata requires, e.g. {missing[0]}")
+            model.tokenizer_files()
+        finally:
+            model.close()
+    except ConfigError as e:
+        return [Row(str(path), path.stat().st_size, "", "", CORRUPT, f"metadata: {e}")]
     except GGUFError as e:
         return [Row(str(path), path.stat().st_size, "", "", CORRUPT, str(e).removeprefix(f"{path}: "))]
     rows = []

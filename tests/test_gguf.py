@@ -264,3 +264,17 @@ def test_metadata_of_the_wrong_type_or_range_is_one_error_naming_the_key(tmp_pat
     with pytest.raises(GGUFError) as e:
         GGUFModel(path).tokenizer_files()
     assert str(e.value).startswith(f"{path}: {message}"), str(e.value)
+
+
+def test_kimi_verify_rebuilds_a_gguf_config_as_a_conversion_does(tmp_path, monkeypatch):
+    """A GGUF whose metadata a conversion refuses (no attention heads) is CORRUPT to kimi-verify, not
+    "structure ok"."""
+    from kimistream.convert.verify import CORRUPT, verify_gguf
+    src, _ = _source("stdlib-moe")
+    path = write_gguf(src, tmp_path / "m.gguf")
+    assert verify_gguf(path, None)[0].status != CORRUPT
+    real = GGUFModel._get
+    monkeypatch.setattr(GGUFModel, "_get", lambda self, k, default=None, required=False:
+                        0 if k == "deepseek2.attention.head_count" else real(self, k, default, required))
+    (row,) = verify_gguf(path, None)
+    assert row.status == CORRUPT and row.detail.startswith("metadata: ") and "num_attention_heads" in row.detail, row
