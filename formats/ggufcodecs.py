@@ -21,7 +21,25 @@ BLOCK_SIZES = {
     "IQ1_S": (256, 50), "IQ1_M": (256, 56), "IQ2_XXS": (256, 66), "IQ2_XS": (256, 74), "IQ2_S": (256, 82),
     "IQ3_XXS": (256, 98), "IQ3_S": (256, 110), "IQ4_XS": (256, 136), "TQ1_0": (256, 54), "TQ2_0": (256, 66),
 }
+# GGML type -> byte offsets of its blocks' binary16 scales (d, and dmin where it has one), from the
+# same layouts: kept blocks are checked for NaN and Inf there, as every encoder checks its input
+SCALE_OFFSETS = {
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "IQ4_NL": (0,), "Q8_0": (0,),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+    "IQ1_S": (0,), "IQ1_M": (), "IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,), "IQ3_XXS": (0,), "IQ3_S": (0,),
+    "IQ4_XS": (0,), "TQ1_0": (52,), "TQ2_0": (64,),
+}
 PREFIX = "gguf-"
+
+
+def finite_scales(ggml_type: str, blocks: np.ndarray, type_size: int) -> bool:
+    """Whether every block's binary16 scales in `blocks` (bytes, whole blocks of `type_size`) are finite."""
+    b = np.asarray(blocks, np.uint8).reshape(-1, type_size)
+    for off in SCALE_OFFSETS.get(ggml_type, ()):
+        bits = b[:, off].astype(np.uint16) | (b[:, off + 1].astype(np.uint16) << 8)
+        if ((bits & 0x7C00) == 0x7C00).any():       # exponent all ones: Inf or NaN
+            return False
+    return True
 
 
 def codec_name(ggml_type: str) -> str:

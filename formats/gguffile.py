@@ -385,15 +385,19 @@ class GGUFModel:
     def kept_bytes(self, name: str, codec: str) -> np.ndarray | None:
         """The tensor in `codec`'s layout straight from its blocks, when they hold the same values
         (Q8_0 as q8: each row's scales, then its codes); None otherwise."""
-        from .ggufcodecs import codec_name
+        from .ggufcodecs import BLOCK_SIZES, codec_name, finite_scales
         how = self._map[name]
         if how[0] == "kv_b":
             return None
         t = how[1].tensor_type.name
         data = how[1].data if how[0] in ("whole", "split") else how[1].data[how[2]]
+        kept = codec == codec_name(t) or (codec == "q8" and t == "Q8_0")
+        if kept and not finite_scales(t, np.ascontiguousarray(data).view(np.uint8),
+                                      Q8_0_BLOCK if t == "Q8_0" else BLOCK_SIZES[t][1]):
+            raise GGUFError(f"{self.path}: tensor {how[1].name}: a block's scale is NaN or Inf")
         if codec == codec_name(t):                     # llama.cpp's blocks, row after row, unchanged
             return np.ascontiguousarray(data).view(np.uint8).reshape(-1)
-        if codec != "q8" or t != "Q8_0":
+        if not kept:
             return None
         data = np.asarray(data, dtype=np.uint8)
         blocks = data.reshape(-1, data.shape[-1] // Q8_0_BLOCK, Q8_0_BLOCK)        # rows, sub-blocks, block

@@ -278,3 +278,50 @@ def test_kimi_verify_rebuilds_a_gguf_config_as_a_conversion_does(tmp_path, monke
                         0 if k == "deepseek2.attention.head_count" else real(self, k, default, required))
     (row,) = verify_gguf(path, None)
     assert row.status == CORRUPT and row.detail.startswith("metadata: ") and "num_attention_heads" in row.detail, row
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q2_K"])
+def test_quant_keep_refuses_a_block_whose_scale_is_not_finite(qtype, tmp_path):
+    """A NaN in one block's binary16 scale had been copied into the weight file (and decoded to zeros
+    at run time); the scale at the offset the layout table gives is the one llama.cpp's dequantizer
+    turns the whole block into NaN with."""
+    from kimistream.formats.ggufcodecs import BLOCK_SIZES, SCALE_OFFSETS
+    src, _ = _source("stdlib-moe")
+    path = write_gguf(src, tmp_path / "m.gguf", gguf.GGMLQuantizationType[qtype])
+    t = next(t for t in gguf.GGUFReader(path).tensors
+             if t.name == "blk.0.attn_q_a.weight" or (t.tensor_type.name == qtype and "attn" in t.name))
+    assert t.tensor_type.name == qtype
+    size = 34 if qtype == "Q8_0" else BLOCK_SIZES[qtype][1]
+    off = int(t.data_offset) + size + SCALE_OFFSETS[qtype][0]            # the second block's scale
+    data = bytearray(path.read_bytes())
+    data[off:off + 2] = np.float16(np.nan).tobytes()
+    path.write_bytes(bytes(data))
+    bad = gguf.GGUFReader(path).tensors[[x.name for x in gguf.GGUFReader(path).tensors].index(t.name)]
+    values = gguf.quants.dequantize(np.asarray(bad.data), bad.tensor_type).reshape(-1)
+    block = BLOCK_SIZES.get(qtype, (32,))[0]
+    assert np.isnan(values[block:2 * block]).all() and np.isfinite(values[:block]).all()
+    proc = _run("kimistream.convert.cli", path, "-o", tmp_path / "k.kst", "--quant", "keep", "--quiet")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == f"kimi-convert: error: {path}: tensor {t.name}: a block's scale is NaN or Inf"
+    assert not (tmp_path / "k.kst").exists()
+
+
+@pytest.mark.parametrize("qtype", sorted(__import__("kimistream.formats.ggufcodecs", fromlist=["x"]).SCALE_OFFSETS))
+def test_the_scale_offsets_are_where_llama_cpp_keeps_each_types_scales(qtype):
+    """For every type in the table: a block of random bytes with finite binary16 at the listed offsets
+    decodes (the gguf package's dequantizer) to finite values, and NaN at any one of them makes the
+    block NaN; finite_scales says the same."""
+    from kimistream.formats.ggufcodecs import BLOCK_SIZES, SCALE_OFFSETS, finite_scales
+    n, size = (32, 34) if qtype == "Q8_0" else BLOCK_SIZES[qtype]
+    kind = gguf.GGMLQuantizationType[qtype]
+    assert gguf.GGML_QUANT_SIZES[kind] == (n, size)
+    block = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
+    for off in SCALE_OFFSETS[qtype]:
+        block[off:off + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    assert np.isfinite(gguf.quants.dequantize(block[None], kind)).all() and finite_scales(qtype, block, size)
+    for off in SCALE_OFFSETS[qtype]:
+        bad = block.copy()
+        bad[off:off + 2] = np.frombuffer(np.float16(np.inf).tobytes(), np.uint8)
+        with np.errstate(invalid="ignore", over="ignore"):          # inf x 0 in the dequantizer
+            decoded = gguf.quants.dequantize(bad[None], kind)
+        assert not np.isfinite(decoded).all() and not finite_scales(qtype, bad, size)
