@@ -169,7 +169,12 @@ def _fit(args, err: Console, cfg, plan, tokenizer_bytes: int | None = None) -> d
         sys.stdout.write(json.dumps(data) + "\n")
         return 0
     con = Console(soft_wrap=True, highlight=False)
-    con.print(f"preset {args.quant}: " + ", ".join(f"{cls} {codec}" for cls, codec in plan.classes.items()))
+    if plan.tensors:                         # --quant keep: each tensor's own type
+        from collections import Counter
+        con.print(f"preset {args.quant}: " + ", ".join(f"{n} tensors {codec}" for codec, n in
+                                                      Counter(plan.tensors.values()).most_common()))
+    else:
+        con.print(f"preset {args.quant}: " + ", ".join(f"{cls} {codec}" for cls, codec in plan.classes.items()))
     con.print(f"file {fmt(file_bytes)}, resident {fmt(fp.resident)} (float32 copies included), "
                     f"{fp.total_experts} experts of {fmt(fp.expert_bytes)}")
     if fit:
@@ -318,10 +323,10 @@ def _main(args, err: Console) -> int:
         try:
             if out is not None:
                 check_output_apart(ckpt, out, [args.imatrix] if args.imatrix else [])
+            if args.quant == "keep":             # before planning: every tensor's own codec, not the preset's
+                plan.tensors = ckpt.keep_codecs()
             if args.memory_budget or args.dry_run:
                 fit = _fit(args, err, ckpt.config, plan, sum(map(len, ckpt.tokenizer_files().values())))
-            if args.quant == "keep":
-                plan.tensors = ckpt.keep_codecs()
             stacked = getattr(ckpt, "quantized_types", lambda: [])()
             if stacked and args.quant != "keep" and not args.quiet:
                 err.print(f"[yellow]warning:[/] {args.source} holds {', '.join(stacked)} blocks: --quant {args.quant} "

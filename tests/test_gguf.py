@@ -325,3 +325,14 @@ def test_the_scale_offsets_are_where_llama_cpp_keeps_each_types_scales(qtype):
         with np.errstate(invalid="ignore", over="ignore"):          # inf x 0 in the dequantizer
             decoded = gguf.quants.dequantize(bad[None], kind)
         assert not np.isfinite(decoded).all() and not finite_scales(qtype, bad, size)
+
+
+def test_a_dry_run_of_quant_keep_plans_each_tensors_own_type(tmp_path):
+    """--dry-run with --quant keep plans the codecs the file will hold (it had planned every tensor as
+    f32: 3.7x the file); the tokenizer's bytes are known, so the size is the file's to 2 %."""
+    src, _ = _source("stdlib-moe")
+    q8 = write_gguf(src, tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)
+    dry = json.loads(_run("kimistream.convert.cli", q8, "--quant", "keep", "--dry-run", "--json").stdout)
+    out = tmp_path / "k.kst"
+    assert _run("kimistream.convert.cli", q8, "-o", out, "--quant", "keep", "--quiet").returncode == 0
+    assert abs(dry["file_bytes"] - out.stat().st_size) <= 0.02 * out.stat().st_size, (dry["file_bytes"], out.stat().st_size)
