@@ -249,6 +249,8 @@ def _open_session(args, log, path: Path, wf: WeightFile, describe: bool, hold_ba
         tok = Tokenizer(tok_meta.get("kind", ""), {n: weights.file.blob(n) for n in tok_meta.get("files", [])})
     except KeyError as e:
         raise RunError(f"{path}: tokenizer file {e} missing from the weight file") from None
+    if getattr(args, "chat", False) and not args.serve and not tok.chat_template:     # said before the load
+        raise RunError(f"{path}: this model's tokenizer has no chat template (drop --chat)")
     resident = weights.load_resident()
     model = Model(weights, args.max_ctx, kv_dtype=args.kv_dtype)
     codecs = sorted({t.codec for t in weights.file.tensors.values()})

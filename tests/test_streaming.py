@@ -132,6 +132,15 @@ def test_a_kl_reference_opens_within_the_same_budget(synthetic, tmp_path):
     assert r.returncode != 0 and len(lines) == 1 and "will still take" in lines[0] and "Traceback" not in r.stderr
 
 
+def test_chat_on_a_model_without_a_template_is_refused_before_loading(synthetic):
+    """The synthetic byte tokenizer has no chat template: --chat says so before the resident weights
+    load (it had loaded them, then failed on every message)."""
+    r = kimi_run("--weights", synthetic, "--chat", "--prompt", "hi", "--max-tokens", 2)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == f"kimi-run: error: {synthetic}: this model's tokenizer has no chat template (drop --chat)"
+    assert "layers (" not in r.stderr                   # the start-up report comes after the resident load
+
+
 def test_impossible_budget_refused_before_loading(synthetic):
     proc = kimi_run("--weights", synthetic, "--prompt", "hi", "--memory-budget", "20M")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
