@@ -12,7 +12,8 @@ from kimistream.formats.sizes import fmt
 from .engine import Engine, Request, Result
 from .tokenizer import TokenizerError
 
-HELP = "/reset forgets the conversation, /stats shows counters, Ctrl-C stops an answer, Ctrl-D or /exit quits"
+HELP = ("/reset forgets the conversation, /stats shows counters, Ctrl-C stops an answer, Ctrl-D or /exit quits; "
+        "a line ending in \\ goes on on the next, // starts a message with /")
 
 
 def _stats(engine: Engine, out) -> None:
@@ -35,6 +36,8 @@ def repl(engine: Engine, args, inp=input, out=sys.stdout) -> int:
     while True:
         try:
             line = inp("> ")
+            while line.endswith("\\"):           # a message of several lines
+                line = line[:-1] + "\n" + inp(". ")
         except EOFError:
             out.write("\n")
             return 0
@@ -54,7 +57,9 @@ def repl(engine: Engine, args, inp=input, out=sys.stdout) -> int:
         if cmd == "/stats":
             _stats(engine, out)
             continue
-        if cmd.startswith("/") and " " not in cmd:
+        if cmd.startswith("//"):                # text that starts with a slash, not a command
+            line = line.replace("//", "/", 1)
+        elif cmd.startswith("/") and " " not in cmd:
             out.write(f"unknown command {cmd}: {HELP}\n")
             continue
         messages.append({"role": "user", "content": line})

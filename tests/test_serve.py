@@ -385,6 +385,23 @@ def test_interactive_chat(env):
     assert t.exit_status() == 0
 
 
+def test_interactive_chat_takes_a_message_of_several_lines_and_one_starting_with_a_slash(env):
+    t = Terminal(env, "--max-tokens", "4")
+    t.read_until("> ")
+    t.type("def main(): \\\n")                             # a trailing backslash: the message goes on
+    t.read_until(". ")
+    t.type("    return 1\n")
+    t.read_until("> ")
+    t.type("/stats\n")
+    assert _stats(t.read_until("> "))[0] == 1                 # one turn, not two
+    t.type("//tmp\n")                                         # text, not an unknown command
+    assert "unknown command" not in t.read_until("> ")
+    t.type("/stats\n")
+    assert _stats(t.read_until("> "))[0] == 2
+    t.type("\x04")
+    assert t.exit_status() == 0
+
+
 def test_interactive_chat_ctrl_c_stops_the_answer_only(env):
     t = Terminal(env)                                        # answers run to the end of the context
     t.read_until("> ")
