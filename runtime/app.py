@@ -98,8 +98,8 @@ def run(args) -> int:
 
 
 def _check_flags(args) -> None:
-    """Flags that the chosen mode would not use, or values wrong before anything loads: one line each,
-    before the model is read (a --dump-logits path that cannot be written had failed after the prompt)."""
+    """Flags the chosen mode would not use and values that are wrong, refused in one line each before
+    the model is read (a --dump-logits path that cannot be written had failed only after the prompt ran)."""
     if args.seed is not None and args.seed < 0:
         raise RunError("--seed must be >= 0")
     one_prompt = not (args.plan_config or args.perplexity or args.calibration or args.serve or args.prompt is None)
