@@ -111,9 +111,10 @@ def main(argv=None) -> int:
         """What an interrupted run left to resume from: the output's .partial if it exists, a download."""
         args = parsed[0] if parsed else None
         if args is not None and args.output and not args.dry_run:
-            partial = Path(args.output).with_name(Path(args.output).name + ".partial")
-            if partial.is_file():
-                return f"error: interrupted; partial output kept as {partial}, run the same command to resume"
+            out = Path(args.output)
+            for partial in (out.with_name(out.name + ".partial"), out.with_name(out.name + ".assembling")):
+                if partial.is_file():
+                    return f"error: interrupted; partial output kept as {partial}, run the same command to resume"
         if args is not None and not args.dry_run and (args.urls or (args.source and not Path(args.source).exists())):
             return "error: interrupted; run the same command to resume the download"
         return "error: interrupted"

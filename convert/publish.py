@@ -102,6 +102,9 @@ def load_manifest(path) -> dict:
     return m
 
 
+ASSEMBLING = ".assembling"        # an assembly's output until every chunk is in and checked
+
+
 def assemble(release_dir, out=None, progress=None) -> Path:
     """Rebuild the published file from `release_dir` (its *.release.json and chunks)."""
     release_dir = Path(release_dir)
@@ -111,7 +114,8 @@ def assemble(release_dir, out=None, progress=None) -> Path:
     m = load_manifest(found[0])
     out = Path(out) if out else release_dir / m["file"]
     out.parent.mkdir(parents=True, exist_ok=True)      # as a conversion's output does
-    tmp = out.with_name(out.name + ".partial")
+    # not OUT.partial: a conversion to the same OUT keeps its resumable output under that name
+    tmp = out.with_name(out.name + ASSEMBLING)
     mode = "r+b" if tmp.exists() and tmp.stat().st_size == m["size"] else "w+b"
     dctx = zstandard.ZstdDecompressor()
     with open(tmp, mode) as f:

@@ -51,9 +51,13 @@ def test_assembly_resumes(big_file, tmp_path):
     with pytest.raises(PublishError):
         assemble(tmp_path / "rel", tmp_path / "out.kst")
     (tmp_path / "held").rename(tmp_path / "rel" / "m.kst.part0002.zst")
+    # a conversion's resumable output to the same name is not the assembly's to take
+    (tmp_path / "out.kst.partial").write_bytes(b"a conversion under way")
     written = []
     assemble(tmp_path / "rel", tmp_path / "out.kst", progress=written.append)
     assert (tmp_path / "out.kst").read_bytes() == big_file.read_bytes()
+    assert (tmp_path / "out.kst.partial").read_bytes() == b"a conversion under way"
+    assert not (tmp_path / "out.kst.assembling").exists()
 
 
 def test_manifest_cannot_escape(big_file, tmp_path):
