@@ -21,7 +21,7 @@ from .config import ModelConfig
 from .constants import (ATTENTION, DEFAULT_ALIGNMENT, DENSE_MLP, EXTENT_EXPERT, EXTENT_RESIDENT, LM_HEAD, PREFIX_SIZE,
                         ROUTER, SHARED_EXPERTS)
 from .layout import EXPERT_PROJS, expert_entries, plan_extents
-from .sizes import fmt
+from .sizes import align_up, fmt
 
 # The baseline a plan assumes when it is made outside the process that will run (kimi-convert
 # --memory-budget, kimi-run --plan-config): kimi-run's own RSS before its first weight plus the
@@ -124,8 +124,8 @@ def of_config(cfg: ModelConfig, precision, experts=None, tokenizer_bytes: int = 
     header = HEADER_BYTES_PER_TENSOR * n_tensors + HEADER_BYTES_PER_EXTENT * len(extents)
     # the file as the writer lays it out: the header, then every extent (the tokenizer's too) on an
     # alignment boundary (a small model's padding is several per cent of it)
-    pad = lambda n: -(-n // alignment) * alignment          # noqa: E731
-    file_bytes = pad(PREFIX_SIZE + header) + sum(pad(nb) for _, nb in extents) + pad(tokenizer_bytes)
+    file_bytes = (align_up(PREFIX_SIZE + header, alignment) + sum(align_up(nb, alignment) for _, nb in extents)
+                  + align_up(tokenizer_bytes, alignment))
     return footprint(tensors, extents, header, tokenizer_bytes), file_bytes
 
 

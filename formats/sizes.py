@@ -1,5 +1,5 @@
 """Sizes as people write and read them: "600M", "8.24G", "8GiB" to bytes, and bytes to "1.50 GiB"
-(both commands' flags and reports)."""
+(both commands' flags and reports); and rounding up to an alignment."""
 
 from __future__ import annotations
 
@@ -22,3 +22,8 @@ def fmt(n: float) -> str:
         if abs(n) >= div:
             return f"{n / div:.2f} {unit}"
     return f"{int(n)} B"
+
+
+def align_up(n: int, a: int) -> int:
+    """n rounded up to a multiple of a (the file's extents start on alignment boundaries)."""
+    return (n + a - 1) // a * a

@@ -24,6 +24,7 @@ from . import checksum, mapguard
 from .config import ConfigError, ModelConfig
 from .layout import model_shapes, split_kv_b_names
 from .codecs import CodecError, get_codec
+from .sizes import align_up
 from .constants import (DEFAULT_ALIGNMENT, EXTENT_KINDS, MAGIC, MAX_ALIGNMENT, MAX_HEADER_BYTES,
                         PREFIX_SIZE, TENSOR_ALIGNMENT, TENSOR_CLASSES, VERSION)
 
@@ -46,10 +47,6 @@ def file_version(path) -> int | None:
     if len(head) < 12 or head[:8] != MAGIC:
         return None
     return int.from_bytes(head[8:12], "little")
-
-
-def align_up(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
 
 
 @dataclass
