@@ -40,16 +40,24 @@ def convert(src: Path, out: Path, *extra) -> float:
     return wall, json.loads(proc.stdout)["throughput"]
 
 
-def ray_head(cpus: int, tmp: Path) -> tuple[str, dict]:
+def ray_head(cpus: int) -> tuple[str, dict, str]:
+    """A head on 127.0.0.1 with `cpus` CPUs. Its session folder is a short one under /tmp: Ray puts unix
+    sockets in it, whose paths may not pass 107 bytes (a folder under a deep --workdir failed to start)."""
     exe = shutil.which("ray", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     if exe is None:
         raise SystemExit("bench_convert_scale: the ray command is not installed (pip install '.[cluster]')")
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
     port = 46000 + cpus
     subprocess.run([exe, "stop", "--force"], capture_output=True, env=env)
-    subprocess.run([exe, "start", "--head", "--port", str(port), "--num-cpus", str(cpus), "--include-dashboard",
-                    "false", "--disable-usage-stats", f"--temp-dir={tmp}"], check=True, capture_output=True, env=env)
-    return f"127.0.0.1:{port}", env
+    tmp = tempfile.mkdtemp(prefix="kray", dir="/tmp")
+    proc = subprocess.run([exe, "start", "--head", "--port", str(port), "--num-cpus", str(cpus), "--include-dashboard",
+                           "false", "--disable-usage-stats", f"--temp-dir={tmp}"], capture_output=True, text=True,
+                          env=env)
+    if proc.returncode:
+        shutil.rmtree(tmp, ignore_errors=True)
+        last = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1:] or ["no output"]
+        raise SystemExit(f"bench_convert_scale: ray start failed: {last[0]}")
+    return f"127.0.0.1:{port}", env, tmp
 
 
 def main():
@@ -76,7 +84,7 @@ def main():
     rows["one process (encoder threads on every core)"] = (wall, tp)
     reference = (work / "local.kst").read_bytes()
     for cpus in (1, 2):
-        address, env = ray_head(cpus, work / f"ray{cpus}")
+        address, env, tmp = ray_head(cpus)
         try:
             out = work / f"ray{cpus}.kst"
             wall, tp = convert(ckpt, out, "--ray", address)
@@ -85,6 +93,7 @@ def main():
             rows[f"Ray, {cpus} worker{'s' if cpus > 1 else ''}"] = (wall, tp)
         finally:
             subprocess.run(["ray", "stop", "--force"], capture_output=True, env=env)
+            shutil.rmtree(tmp, ignore_errors=True)
     one = rows["Ray, 1 worker"][1]["params_per_s"]
     two = rows["Ray, 2 workers"][1]["params_per_s"]
     per_core = two / 2
