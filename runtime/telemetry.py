@@ -66,8 +66,8 @@ class Telemetry:
         self.records.append(rec)
         if phase == "decode":
             self.pager.observe_step(wall)        # --page-cache auto may be timing its two policies
-            if self.tuner is not None:
-                self.tuner.observe_step(wall)
+            if self.tuner is not None:         # compute only: the wait on expert reads, whatever the disk
+                self.tuner.observe_step(rec["compute_s"])    # does meanwhile, is no thread count's doing
         if self._trace:
             self._trace.write(json.dumps(rec) + "\n")
             self._trace.flush()

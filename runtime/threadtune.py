@@ -3,13 +3,15 @@
 A kernel call's jobs are shared by its threads, and a thread the OS takes off its core in the middle
 of a job holds the call until it runs again. With another program busy on a core, all threads then
 lose to fewer: on a two-core machine with one core busy, 34-35 tok/s on two threads against 47 on
-one (idle: 79 against 46). So while decoding on all cores, the tuner watches each step: when its time
-grows past `slower` times the best seen, or the calls spent more than `waiting` of it waiting for
-other threads' jobs (`waited`: the kernels' running total; a preempted thread shows there, also when
-the run started with the core already taken), it times a few steps on one thread and keeps whichever
-was faster. On one thread, it tries all of them again every `recheck` steps (the other program may be
-gone). Decisions take the median of `window` steps; the first step after a switch is not scored (the
-pool's workers wake up); a setting is left only for one `margin` faster."""
+one (idle: 79 against 46). So while decoding on all cores, the tuner watches each step's compute time
+(not its wait on expert reads: under a memory cap that is most of a step and swings with the disk, and
+trials timed with it kept one thread by chance): when that grows past `slower` times the best seen, or
+the calls spent more than `waiting` of it waiting for other threads' jobs (`waited`: the kernels'
+running total; a preempted thread shows there, also when the run started with the core already
+taken), it times a few steps on one thread and keeps whichever was faster. On one thread, it tries
+all of them again every `recheck` steps (the other program may be gone). Decisions take the median
+of `window` steps; the first step after a switch is not scored (the pool's workers wake up); a
+setting is left only for one `margin` faster."""
 
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ class ThreadTuner:
         self.note = ""
 
     def observe_step(self, seconds: float) -> None:
-        """One decode step's wall time, at the current setting."""
+        """One decode step's compute time (its wall time less its wait on expert reads), at the current
+        setting."""
         if self.most <= 1:
             return
         waited = 0.0
@@ -79,7 +82,7 @@ class ThreadTuner:
         self.trial, self.recent, self.waits, self.since = None, [], [], 0
         self.best = None            # the step time drifts (a longer context): measure it afresh
         self.note = (f"{self.current} (auto: {tr['threads']} thread{'s' if tr['threads'] > 1 else ''} timed at "
-                     f"{tried * 1e3:.1f} ms a step against {before * 1e3:.1f} on {previous}; "
+                     f"{tried * 1e3:.1f} ms of compute a step against {before * 1e3:.1f} on {previous}; "
                      f"{self.trials} trial{'s' if self.trials > 1 else ''})")
 
     @property

@@ -77,3 +77,35 @@ def test_a_core_taken_from_the_start_shows_in_the_waiting():
     t2 = ThreadTuner(2, m2.set_threads)           # without the waiting measure it would not notice
     run(t2, m2, 20)
     assert t2.current == 2 and t2.trials == 0
+
+
+def test_the_wait_on_expert_reads_is_not_timed(monkeypatch):
+    """Under a memory cap most of a decode step is the wait on expert reads, which swings with the
+    disk whatever the thread count. kimi-run's telemetry hands the tuner each step's compute (wall
+    less that wait): a disk that turns from 5 to 40 ms of reads a step around the same 12.7 ms of
+    compute on two threads starts no trial, while the wall times alone would have (past 1.35 times
+    the best)."""
+    from kimistream.runtime import telemetry
+    from kimistream.runtime.pager import PagerStats
+
+    class Pager:
+        stats = PagerStats()
+
+        def observe_step(self, seconds):
+            pass
+
+    clock = [0.0]
+    monkeypatch.setattr(telemetry.time, "perf_counter", lambda: clock[0])
+    m, pager, walls = Machine(), Pager(), []
+    t = ThreadTuner(2, m.set_threads, lambda: m.waited)
+    tel = telemetry.Telemetry(pager, tuner=t)
+    for wait in ([0.005] * 20 + [0.040] * 20) * 3:
+        walls.append(m.step() + wait)
+        pager.stats.io_wait_s += wait
+        clock[0] += walls[-1]
+        tel.record("decode", 1)
+    assert t.trials == 0 and m.calls == [] and t.current == 2
+    by_wall = ThreadTuner(2, lambda n: None)
+    for w in walls:
+        by_wall.observe_step(w)
+    assert by_wall.trials >= 1
