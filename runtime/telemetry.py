@@ -66,8 +66,10 @@ class Telemetry:
         self.records.append(rec)
         if phase == "decode":
             self.pager.observe_step(wall)        # --page-cache auto may be timing its two policies
-            if self.tuner is not None:         # compute only: the wait on expert reads, whatever the disk
-                self.tuner.observe_step(rec["compute_s"])    # does meanwhile, is no thread count's doing
+            if self.tuner is not None:
+                # compute only: the wait on expert reads is no thread count's doing, nor is a step
+                # whose computation faulted mapped experts in from the disk
+                self.tuner.observe_step(rec["compute_s"], scored=rec["major_faults"] == 0)
         if self._trace:
             self._trace.write(json.dumps(rec) + "\n")
             self._trace.flush()

@@ -5,7 +5,8 @@ of a job holds the call until it runs again. With another program busy on a core
 lose to fewer: on a two-core machine with one core busy, 34-35 tok/s on two threads against 47 on
 one (idle: 79 against 46). So while decoding on all cores, the tuner watches each step's compute time
 (not its wait on expert reads: under a memory cap that is most of a step and swings with the disk, and
-trials timed with it kept one thread by chance): when that grows past `slower` times the best seen, or
+trials timed with it kept one thread by chance; steps whose computation faulted mapped experts in from
+the disk are not timed at all): when that grows past `slower` times the best seen, or
 the calls spent more than `waiting` of it waiting for other threads' jobs (`waited`: the kernels'
 running total; a preempted thread shows there, also when the run started with the core already
 taken), it times a few steps on one thread and keeps whichever was faster. On one thread, it tries
@@ -33,15 +34,18 @@ class ThreadTuner:
         self.trials = self.switches = 0
         self.note = ""
 
-    def observe_step(self, seconds: float) -> None:
+    def observe_step(self, seconds: float, scored: bool = True) -> None:
         """One decode step's compute time (its wall time less its wait on expert reads), at the current
-        setting."""
+        setting. A step that is not `scored` (its computation waited on the disk: page faults of mapped
+        experts) is passed over."""
         if self.most <= 1:
             return
         waited = 0.0
         if self.waited is not None:
             total = self.waited()
             waited, self._waited = total - self._waited, total
+        if not scored:
+            return
         if self.trial is not None:
             self._trial_step(seconds)
             return

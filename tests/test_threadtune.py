@@ -109,3 +109,38 @@ def test_the_wait_on_expert_reads_is_not_timed(monkeypatch):
     for w in walls:
         by_wall.observe_step(w)
     assert by_wall.trials >= 1
+
+
+def test_steps_that_faulted_experts_in_are_not_timed(monkeypatch):
+    """A step whose computation faulted mapped experts in from the disk (major faults: a mapping under
+    a memory cap, while --page-cache auto measures) spent its compute waiting on the disk: kimi-run's
+    telemetry passes it over, so compute that swings from 15 to 60 ms with the faults starts no trial,
+    while the same steps timed would have."""
+    from types import SimpleNamespace
+
+    from kimistream.runtime import telemetry
+    from kimistream.runtime.pager import PagerStats
+
+    class Pager:
+        stats = PagerStats()
+
+        def observe_step(self, seconds):
+            pass
+
+    clock, faults = [0.0], [0]
+    monkeypatch.setattr(telemetry.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(telemetry.resource, "getrusage", lambda who: SimpleNamespace(ru_majflt=faults[0]))
+    m, steps = Machine(), []
+    t = ThreadTuner(2, m.set_threads, lambda: m.waited)
+    tel = telemetry.Telemetry(Pager(), tuner=t)
+    for i in range(60):
+        fault = i % 3 == 0 or i > 30
+        steps.append(m.step() + (0.045 if fault and i % 2 else 0.0))
+        faults[0] += 20 if fault else 0
+        clock[0] += steps[-1]
+        tel.record("decode", 1)
+    assert t.trials == 0 and m.calls == [] and t.current == 2
+    timed = ThreadTuner(2, lambda n: None)
+    for s in steps:
+        timed.observe_step(s)
+    assert timed.trials >= 1
