@@ -79,43 +79,10 @@ def test_a_core_taken_from_the_start_shows_in_the_waiting():
     assert t2.current == 2 and t2.trials == 0
 
 
-def test_the_wait_on_expert_reads_is_not_timed(monkeypatch):
-    """Under a memory cap most of a decode step is the wait on expert reads, which swings with the
-    disk whatever the thread count. kimi-run's telemetry hands the tuner each step's compute (wall
-    less that wait): a disk that turns from 5 to 40 ms of reads a step around the same 12.7 ms of
-    compute on two threads starts no trial, while the wall times alone would have (past 1.35 times
-    the best)."""
-    from kimistream.runtime import telemetry
-    from kimistream.runtime.pager import PagerStats
-
-    class Pager:
-        stats = PagerStats()
-
-        def observe_step(self, seconds):
-            pass
-
-    clock = [0.0]
-    monkeypatch.setattr(telemetry.time, "perf_counter", lambda: clock[0])
-    m, pager, walls = Machine(), Pager(), []
-    t = ThreadTuner(2, m.set_threads, lambda: m.waited)
-    tel = telemetry.Telemetry(pager, tuner=t)
-    for wait in ([0.005] * 20 + [0.040] * 20) * 3:
-        walls.append(m.step() + wait)
-        pager.stats.io_wait_s += wait
-        clock[0] += walls[-1]
-        tel.record("decode", 1)
-    assert t.trials == 0 and m.calls == [] and t.current == 2
-    by_wall = ThreadTuner(2, lambda n: None)
-    for w in walls:
-        by_wall.observe_step(w)
-    assert by_wall.trials >= 1
-
-
-def test_steps_that_faulted_experts_in_are_not_timed(monkeypatch):
-    """A step whose computation faulted mapped experts in from the disk (major faults: a mapping under
-    a memory cap, while --page-cache auto measures) spent its compute waiting on the disk: kimi-run's
-    telemetry passes it over, so compute that swings from 15 to 60 ms with the faults starts no trial,
-    while the same steps timed would have."""
+def through_telemetry(monkeypatch, steps):
+    """Decode steps of a two-thread Machine through kimi-run's telemetry, which hands them to a tuner:
+    each step (io_wait, extra, faults) adds a wait on expert reads, compute spent on the disk and major
+    faults to the machine's own step. Returns the tuner and each step's wall time."""
     from types import SimpleNamespace
 
     from kimistream.runtime import telemetry
@@ -127,20 +94,45 @@ def test_steps_that_faulted_experts_in_are_not_timed(monkeypatch):
         def observe_step(self, seconds):
             pass
 
-    clock, faults = [0.0], [0]
+    clock, faults, walls = [0.0], [0], []
     monkeypatch.setattr(telemetry.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(telemetry.resource, "getrusage", lambda who: SimpleNamespace(ru_majflt=faults[0]))
-    m, steps = Machine(), []
-    t = ThreadTuner(2, m.set_threads, lambda: m.waited)
-    tel = telemetry.Telemetry(Pager(), tuner=t)
-    for i in range(60):
-        fault = i % 3 == 0 or i > 30
-        steps.append(m.step() + (0.045 if fault and i % 2 else 0.0))
-        faults[0] += 20 if fault else 0
-        clock[0] += steps[-1]
+    m, pager = Machine(), Pager()
+    tuner = ThreadTuner(2, m.set_threads, lambda: m.waited)
+    tel = telemetry.Telemetry(pager, tuner=tuner)
+    for io_wait, extra, n in steps:
+        walls.append(m.step() + io_wait + extra)
+        pager.stats.io_wait_s += io_wait
+        faults[0] += n
+        clock[0] += walls[-1]
         tel.record("decode", 1)
-    assert t.trials == 0 and m.calls == [] and t.current == 2
-    timed = ThreadTuner(2, lambda n: None)
-    for s in steps:
-        timed.observe_step(s)
-    assert timed.trials >= 1
+    return tuner, walls
+
+
+def trials_by_time(walls):
+    tuner = ThreadTuner(2, lambda n: None)
+    for w in walls:
+        tuner.observe_step(w)
+    return tuner.trials
+
+
+def test_the_wait_on_expert_reads_is_not_timed(monkeypatch):
+    """Under a memory cap most of a decode step is the wait on expert reads, which swings with the
+    disk whatever the thread count. kimi-run's telemetry hands the tuner each step's compute (wall
+    less that wait): a disk that turns from 5 to 40 ms of reads a step around the same 12.7 ms of
+    compute on two threads starts no trial, while the wall times alone would have (past 1.35 times
+    the best)."""
+    tuner, walls = through_telemetry(monkeypatch, [(w, 0.0, 0) for w in ([0.005] * 20 + [0.040] * 20) * 3])
+    assert tuner.trials == 0 and tuner.current == 2
+    assert trials_by_time(walls) >= 1
+
+
+def test_steps_that_faulted_experts_in_are_not_timed(monkeypatch):
+    """A step whose computation faulted mapped experts in from the disk (major faults: a mapping under
+    a memory cap, while --page-cache auto measures) spent its compute waiting on the disk: kimi-run's
+    telemetry passes it over, so compute that swings from 13 to 58 ms with the faults starts no trial,
+    while the same steps timed would have."""
+    steps = [(0.0, 0.045 if i % 2 else 0.0, 20) if i % 3 == 0 or i > 30 else (0.0, 0.0, 0) for i in range(60)]
+    tuner, walls = through_telemetry(monkeypatch, steps)
+    assert tuner.trials == 0 and tuner.current == 2
+    assert trials_by_time(walls) >= 1
