@@ -932,9 +932,13 @@ AVX2 static inline __attribute__((always_inline)) void quantize_blocks(const flo
     }
 }
 
+/* the largest int8 input magnitude (set_x8_levels; 127 but in measurements of what coarser inputs,
+   such as a table-lookup kernel's, would cost) */
+static float x8_levels = 127.0f;
+
 /* int8 inputs: qd holds a quarter of the step (see row_x8) */
 AVX2 static void quantize_x8(const float *x, int64_t cols, int8_t *q, float *qd, float *qs) {
-    quantize_blocks(x, cols, q, qd, qs, 127.0f, 508.0f);
+    quantize_blocks(x, cols, q, qd, qs, x8_levels, 4.0f * x8_levels);
 }
 
 /* The four spans of 128 columns as bytes: q2's digits masked in place (spans 1 and 3 come out 4x, their
@@ -4238,6 +4242,18 @@ static PyObject *py_set_x8(PyObject *self, PyObject *args) {
     return PyLong_FromLong(old);
 }
 
+static PyObject *py_set_x8_levels(PyObject *self, PyObject *args) {
+    int levels;
+    if (!PyArg_ParseTuple(args, "i", &levels)) return NULL;
+    if (levels < 1 || levels > 127) {
+        PyErr_SetString(PyExc_ValueError, "set_x8_levels: int8 inputs round to -n .. n with n from 1 to 127");
+        return NULL;
+    }
+    int old = (int)x8_levels;
+    x8_levels = (float)levels;
+    return PyLong_FromLong(old);
+}
+
 static PyObject *py_set_isa(PyObject *self, PyObject *args) {
     const char *name;
     if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
@@ -5030,6 +5046,7 @@ static PyMethodDef methods[] = {
     {"dequantize", py_dequantize, METH_VARARGS, dequantize_doc},
     {"read_sum", py_read_sum, METH_VARARGS, "read_sum(buffer, threads): the buffer's uint64 words summed (reads it all)"},
     {"quantize", py_quantize, METH_VARARGS, "quantize(x, xq, xsc, xs): x float32 [cols] -> int16 per 32 values"},
+    {"set_x8_levels", py_set_x8_levels, METH_VARARGS, "set_x8_levels(n): int8 activations round to -n .. n per 128 values (1 <= n <= 127, default 127); returns the old n"},
     {"set_x8", py_set_x8, METH_VARARGS, "set_x8(kinds): the codec kinds (a bit mask of 1 << kind) whose products take int8 activations (per 128 values); returns the old mask"},
     {"set_isa", py_set_isa, METH_VARARGS, "set_isa('avx2' | 'generic'): the kernels' instruction set"},
     {"moe_launch", py_moe_launch, METH_VARARGS, moe_launch_doc},

@@ -200,6 +200,20 @@ def _apply_x8() -> None:
 _apply_x8()     # the C side starts as the setting says, whoever imports this module (not only kimi-run)
 
 
+def set_x8_levels(n: int) -> int:
+    """Round int8 inputs to -n .. n per 128 values instead of -127 .. 127 (1 <= n <= 127): for
+    measuring what coarser inputs would cost in quality (a table-lookup kernel needs four inputs to sum
+    within a byte, n = 31: benchmarks/bench_activation_rounding.py --x8-levels). One t1 token's
+    -21 .. 21 is its own. Returns the previous n."""
+    global _x8_levels
+    old = _qdot.set_x8_levels(int(n))
+    _x8_levels = int(n)
+    return old
+
+
+_x8_levels = 127
+
+
 def takes_int8(codec: str, cols: int | None = None, tokens: int = 1) -> bool:
     """Whether a product of `tokens` tokens by a `codec` weight (of `cols` columns) rounds its input to
     int8 now: rows of whole 128-column blocks and whole code chunks only (q1's are 256; t1 takes its
@@ -217,7 +231,7 @@ def rounded_input(codec: str, x: np.ndarray, tokens: int = 1) -> np.ndarray:
     x = np.ascontiguousarray(x, dtype=np.float32)
     if takes_int8(codec, x.shape[0], tokens):
         # one t1 token: -21 .. 21 (its kernel multiplies bytes up to 255 by three times them, runtime/_qdot.c)
-        top = np.float32(T1_INPUT_TOP if codec == "t1" and tokens == 1 else 127)
+        top = np.float32(T1_INPUT_TOP if codec == "t1" and tokens == 1 else _x8_levels)
         b = x.reshape(-1, X8_BLOCK)
         amax = np.abs(b).max(axis=1, keepdims=True)
         inv = np.where(amax > 0, top / np.where(amax > 0, amax, 1), 0).astype(np.float32)

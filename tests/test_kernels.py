@@ -117,6 +117,37 @@ def test_int8_activations_round_inputs_per_128(name):
         assert rel(kernels.linear(xb, name, raw, shape), xb @ ref.T) < 1e-5
 
 
+@pytest.mark.parametrize("name", ["q2", "q1"])
+def test_x8_levels_round_inputs_coarser(name):
+    """set_x8_levels(31) rounds int8 inputs to -31 .. 31 (what a table-lookup kernel would take): one
+    token's and several tokens' products stay within that rounding's bound, and their error is several
+    times the -127 .. 127 rounding's (so the coarser rounding really ran); set back, the products are as
+    before; n outside 1 .. 127 is refused."""
+    if kernels.isa() != "avx2":
+        pytest.skip("int8 activations are an AVX2 route")
+    shape = (64, 1024)
+    raw = encode(name, weight(shape, seed=5))
+    ref = get_codec(name).decode(raw, shape).astype(np.float64)
+    xs = np.random.default_rng(5).standard_normal((5, shape[1])).astype(np.float32)
+    exact = xs.astype(np.float64) @ ref.T
+    with activations_mode("auto"):
+        before = kernels.linear(xs, name, raw, shape)
+        assert kernels.set_x8_levels(31) == 127
+        try:
+            for x in (xs[:1], xs):
+                T = x.shape[0]
+                y = kernels.linear(x, name, raw, shape)
+                for t in range(T):
+                    assert_int8_close(y[t], name, raw, shape, x[t], T)
+                assert np.abs(y - exact[:T]).mean() > 2 * np.abs(before[:T] - exact[:T]).mean()
+        finally:
+            assert kernels.set_x8_levels(127) == 31
+        np.testing.assert_array_equal(kernels.linear(xs, name, raw, shape), before)
+    for bad in (0, 128):
+        with pytest.raises(ValueError, match="set_x8_levels"):
+            kernels.set_x8_levels(bad)
+
+
 @pytest.mark.parametrize("cols", [128, 256, 512, 1024, 1280, 1408, 7168])
 def test_one_t1_token_is_exact_on_its_input_grid(cols):
     """One t1 token multiplies its trits' bytes without taking the trits out (256 d = 3 y - y', y' = 3 y
