@@ -183,7 +183,14 @@ def build(tmp: str):
     src, lib = os.path.join(tmp, "lut.c"), os.path.join(tmp, "lut.so")
     with open(src, "w") as f:
         f.write(C_SOURCE)
-    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-fopenmp", src, "-o", lib], check=True)
+    try:
+        subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-fopenmp", src, "-o", lib], check=True,
+                       capture_output=True, text=True)
+    except FileNotFoundError:
+        sys.exit("bench_lut: gcc not found (the prototype is C, built at run time)")
+    except subprocess.CalledProcessError as e:
+        last = (e.stderr.strip().splitlines() or ["no message"])[-1]
+        sys.exit(f"bench_lut: building the C prototype failed: {last}")
     so = ctypes.CDLL(lib)
     P = ctypes.c_void_p
     so.lut_prepare.argtypes = [P, ctypes.c_int64, P, P, P, P]

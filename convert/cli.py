@@ -108,17 +108,28 @@ def main(argv=None) -> int:
         return lambda: run(args)
 
     def interrupted() -> str:
-        """What an interrupted run left to resume from: the output's .partial if it exists, a download."""
+        """What an interrupted run left to resume from: its partial output, a download."""
         args = parsed[0] if parsed else None
-        if args is not None and args.output and not args.dry_run:
-            out = Path(args.output)
-            for partial in (out.with_name(out.name + ".partial"), out.with_name(out.name + ".assembling")):
-                if partial.is_file():
-                    return f"error: interrupted; partial output kept as {partial}, run the same command to resume"
+        partial = kept_output(args) if args is not None else None
+        if partial is not None:
+            return f"error: interrupted; partial output kept as {partial}, run the same command to resume"
         if args is not None and not args.dry_run and (args.urls or (args.source and not Path(args.source).exists())):
             return "error: interrupted; run the same command to resume the download"
         return "error: interrupted"
     return interrupts.command("kimi-convert", start, interrupted)
+
+
+def kept_output(args) -> Path | None:
+    """The partial output an interrupted run of these arguments resumes from, if there is one: the
+    output's .partial (a conversion's) or .assembling (--assemble's); both may be there, and the run's
+    own kind comes first."""
+    if not args.output or args.dry_run:
+        return None
+    out = Path(args.output)
+    kept = [out.with_name(out.name + ".partial"), out.with_name(out.name + ".assembling")]
+    if getattr(args, "assemble", None):
+        kept.reverse()
+    return next((p for p in kept if p.is_file()), None)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import ctypes
 import mmap
 import operator
 import os
+import resource
 import threading
 import time
 from collections import OrderedDict
@@ -73,6 +74,12 @@ TIMED_ORDER = (False, True)    # the timed windows: keeping (as during the share
 TIMED_STEPS = 3                # decode steps per window; after a switch its first is not scored
 TIMED_MARGIN = 0.95            # dropping stays if its steps took less than this share of keeping's
 _libc = ctypes.CDLL(None, use_errno=True)
+_RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+
+
+def _thread_mark() -> tuple:
+    """This thread's CPU time and major page faults so far (a read's cost to it: _count_cpu)."""
+    return time.thread_time(), resource.getrusage(_RUSAGE_THREAD).ru_majflt
 
 
 _by_key = operator.attrgetter("key")
@@ -97,6 +104,7 @@ class PagerStats:
     reloads: int = 0                 # misses of experts evicted before, scored while --page-cache auto decides
     reloads_cached: float = 0.0      # the share of their pages the page cache still held, summed
     read_cpu_s: float = 0.0          # CPU time of reads and their checksums, on whichever thread ran them
+    read_faults: int = 0             # major page faults those threads took for them (mapped experts paged in)
 
     @property
     def hit_rate(self) -> float:
@@ -462,13 +470,17 @@ class ExpertPager:
                                   f"kimi-verify {self.wf.path} checks all of it)")
         self._verified.add(key)
 
-    def _count_cpu(self, t0: float) -> None:
-        """Add the CPU time this thread spent since thread_time() was t0 to the reads' account (the
-        kernel's copy or zero-fill of a read, the page-table work of a mapping, the checksums): with
-        the computation on every core, it is time the kernels did not get."""
-        dt = time.thread_time() - t0
+    def _count_cpu(self, mark: tuple) -> None:
+        """Add what this thread spent since `mark` (_thread_mark) to the reads' account: its CPU time (the
+        kernel's copy or zero-fill of a read, the page-table work of a mapping, the checksums: with the
+        computation on every core, time the kernels did not get) and its major page faults (a mapped
+        expert paged in by MADV_POPULATE_READ or by hashing it: the process's count holds them, and
+        they are not the computation's)."""
+        dt = time.thread_time() - mark[0]
+        faults = resource.getrusage(_RUSAGE_THREAD).ru_majflt - mark[1]
         with self._lock:
             self.stats.read_cpu_s += dt
+            self.stats.read_faults += faults
 
     def _start_prefetch(self, key, speculative: bool = True) -> None:
         raise NotImplementedError
@@ -511,7 +523,7 @@ class MmapPager(ExpertPager):
             if self._inflight.pop(key, None) is not None:
                 self.inflight_bytes -= n        # its reserved room becomes the cache's
             self._make_room(n)          # before mapping the new pages: RSS never exceeds the cache
-        t0 = time.thread_time()
+        t0 = _thread_mark()
         try:
             self.wf.mm.madvise(MADV_POPULATE_READ, off // PAGE * PAGE, n + off % PAGE)
         except OSError as e:
@@ -541,7 +553,7 @@ class MmapPager(ExpertPager):
         self._count_prefetch(n, speculative)
 
         def work():
-            t0 = time.thread_time()
+            t0 = _thread_mark()
             try:
                 self._willneed(off, n)
                 if not speculative:
@@ -609,7 +621,7 @@ class PreadPager(ExpertPager):
         os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
 
     def _read_into(self, ent: _Entry) -> None:
-        t0 = time.thread_time()
+        t0 = _thread_mark()
         try:
             self._read_and_check(ent)
         finally:

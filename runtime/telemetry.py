@@ -68,8 +68,9 @@ class Telemetry:
             self.pager.observe_step(wall)        # --page-cache auto may be timing its two policies
             if self.tuner is not None:
                 # compute only: the wait on expert reads is no thread count's doing, nor is a step
-                # whose computation faulted mapped experts in from the disk
-                self.tuner.observe_step(rec["compute_s"], scored=rec["major_faults"] == 0)
+                # whose computation faulted mapped experts in from the disk (faults beyond the ones
+                # the pager's own reads took, whose time is in io_wait_s)
+                self.tuner.observe_step(rec["compute_s"], scored=rec["major_faults"] <= d["read_faults"])
         if self._trace:
             self._trace.write(json.dumps(rec) + "\n")
             self._trace.flush()

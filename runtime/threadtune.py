@@ -12,7 +12,8 @@ running total; a preempted thread shows there, also when the run started with th
 taken), it times a few steps on one thread and keeps whichever was faster. On one thread, it tries
 all of them again every `recheck` steps (the other program may be gone). Decisions take the median
 of `window` steps; the first step after a switch is not scored (the pool's workers wake up); a
-setting is left only for one `margin` faster."""
+setting is left only for one `margin` faster; a trial that meets `4 window` steps it cannot score
+before it has its window gives up and goes back."""
 
 from __future__ import annotations
 
@@ -45,6 +46,10 @@ class ThreadTuner:
             total = self.waited()
             waited, self._waited = total - self._waited, total
         if not scored:
+            if self.trial is not None:
+                self.trial["unscored"] += 1
+                if self.trial["unscored"] >= 4 * self.window:    # the disk, not the threads: give up
+                    self._abandon()
             return
         if self.trial is not None:
             self._trial_step(seconds)
@@ -64,7 +69,7 @@ class ThreadTuner:
             self._start(self.most, now)
 
     def _start(self, threads: int, before: float) -> None:
-        self.trial = {"threads": threads, "skip": 1, "times": [], "before": before}
+        self.trial = {"threads": threads, "skip": 1, "times": [], "before": before, "unscored": 0}
         self.trials += 1
         self.set_threads(threads)
 
@@ -88,6 +93,14 @@ class ThreadTuner:
         self.note = (f"{self.current} (auto: {tr['threads']} thread{'s' if tr['threads'] > 1 else ''} timed at "
                      f"{tried * 1e3:.1f} ms of compute a step against {before * 1e3:.1f} on {previous}; "
                      f"{self.trials} trial{'s' if self.trials > 1 else ''})")
+
+    def _abandon(self) -> None:
+        """End a trial that kept getting steps it cannot score: back to the setting it started from."""
+        n = self.trial["threads"]
+        self.set_threads(self.current)
+        self.trial, self.recent, self.waits, self.since, self.best = None, [], [], 0, None
+        self.note = (f"{self.current} (auto: a trial of {n} thread{'s' if n > 1 else ''} given up, its steps "
+                     f"waited on the disk; {self.trials} trial{'s' if self.trials > 1 else ''})")
 
     @property
     def policy(self) -> str:

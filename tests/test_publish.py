@@ -95,3 +95,19 @@ def test_cli_synthetic_sparse_publish_assemble(tmp_path):
     proc = _convert("--assemble", tmp_path / "rel", "-o", back, "--quiet")
     assert proc.returncode == 0, proc.stderr
     assert back.read_bytes() == out.read_bytes()
+
+
+def test_ctrl_c_names_the_runs_own_partial_output(tmp_path):
+    """Ctrl-C names the file the same command resumes from: with a conversion's out.kst.partial and an
+    assembly's out.kst.assembling both there, an assembly names the latter, a conversion the former."""
+    from kimistream.convert.cli import build_parser, kept_output
+    out = tmp_path / "out.kst"
+    (tmp_path / "out.kst.partial").write_bytes(b"a conversion")
+    assembling = tmp_path / "out.kst.assembling"
+    assembling.write_bytes(b"an assembly")
+    assert kept_output(build_parser().parse_args(["--assemble", str(tmp_path / "rel"), "-o", str(out)])) == assembling
+    assert kept_output(build_parser().parse_args([str(tmp_path / "ckpt"), "-o", str(out)])) == tmp_path / "out.kst.partial"
+    (tmp_path / "out.kst.partial").unlink()
+    assert kept_output(build_parser().parse_args([str(tmp_path / "ckpt"), "-o", str(out)])) == assembling
+    assembling.unlink()
+    assert kept_output(build_parser().parse_args(["--assemble", str(tmp_path / "rel"), "-o", str(out)])) is None

@@ -81,15 +81,17 @@ def test_a_core_taken_from_the_start_shows_in_the_waiting():
 
 def through_telemetry(monkeypatch, steps):
     """Decode steps of a two-thread Machine through kimi-run's telemetry, which hands them to a tuner:
-    each step (io_wait, extra, faults) adds a wait on expert reads, compute spent on the disk and major
-    faults to the machine's own step. Returns the tuner and each step's wall time."""
+    each step (io_wait, extra, faults[, read_faults]) adds a wait on expert reads, compute spent on the
+    disk and major faults (of which read_faults the pager's own reads took) to the machine's own step.
+    Returns the tuner and each step's wall time."""
     from types import SimpleNamespace
 
     from kimistream.runtime import telemetry
     from kimistream.runtime.pager import PagerStats
 
     class Pager:
-        stats = PagerStats()
+        def __init__(self):
+            self.stats = PagerStats()
 
         def observe_step(self, seconds):
             pass
@@ -100,9 +102,10 @@ def through_telemetry(monkeypatch, steps):
     m, pager = Machine(), Pager()
     tuner = ThreadTuner(2, m.set_threads, lambda: m.waited)
     tel = telemetry.Telemetry(pager, tuner=tuner)
-    for io_wait, extra, n in steps:
+    for io_wait, extra, n, *own in steps:
         walls.append(m.step() + io_wait + extra)
         pager.stats.io_wait_s += io_wait
+        pager.stats.read_faults += own[0] if own else 0
         faults[0] += n
         clock[0] += walls[-1]
         tel.record("decode", 1)
@@ -136,3 +139,35 @@ def test_steps_that_faulted_experts_in_are_not_timed(monkeypatch):
     tuner, walls = through_telemetry(monkeypatch, steps)
     assert tuner.trials == 0 and tuner.current == 2
     assert trials_by_time(walls) >= 1
+
+
+def test_faults_of_the_pagers_own_reads_do_not_hide_a_step(monkeypatch):
+    """The process's major faults include those of the pager's own reads (MADV_POPULATE_READ of a
+    mapped expert on a miss, hashing it ahead on a read thread), whose time is already the wait on
+    reads: a step whose faults are all the pager's is timed. So under a cap, where nearly every step
+    misses, a core taken away still shows: compute that turns 2.4x slower starts a trial (it would
+    not if those steps were passed over)."""
+    steps = [(0.004, 0.0 if i < 20 else 0.018, 250, 250) for i in range(40)]
+    tuner, _ = through_telemetry(monkeypatch, steps)
+    assert tuner.trials >= 1
+    steps = [(0.004, 0.0 if i < 20 else 0.018, 250, 200) for i in range(40)]      # 50 of them the computation's
+    tuner, _ = through_telemetry(monkeypatch, steps)
+    assert tuner.trials == 0
+
+
+def test_a_trial_whose_steps_cannot_be_timed_gives_up():
+    """A trial of one thread that then meets only steps it cannot score (their computation faulted
+    experts in) goes back to the setting it left after 4 windows of them, instead of keeping one
+    thread for the rest of the run."""
+    m = Machine()
+    t = ThreadTuner(2, m.set_threads, lambda: m.waited)
+    run(t, m, 30)
+    m.busy = True
+    run(t, m, 6)
+    assert t.trial is not None and m.threads == 1
+    for _ in range(4 * t.window - 1):
+        t.observe_step(m.step(), scored=False)
+    assert t.trial is not None
+    t.observe_step(m.step(), scored=False)
+    assert t.trial is None and t.current == 2 and m.threads == 2 and t.switches == 0
+    assert t.policy.startswith("2 (auto: a trial of 1 thread given up")
