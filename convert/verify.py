@@ -184,8 +184,8 @@ def verify_weight_file(path: Path, workers: int = 2, on_bytes=None, sources: dic
 
 def verify_gguf(path: Path, expected: dict[str, str] | None, on_bytes=None) -> list[Row]:
     """Rows for a llama.cpp GGUF file (each of a split one): readable, a deepseek2 model whose
-    tensors lie inside the file with the sizes their types imply and whose config and tokenizer can
-    be rebuilt; then its SHA-256 against `expected` (by file name, e.g. from --manifest)."""
+    tensors lie inside the file with the sizes their types imply, whose config and tokenizer can be
+    rebuilt and whose tensors have the shapes that config implies (as a conversion checks them); then its SHA-256 against `expected` (by file name, e.g. from --manifest)."""
     from kimistream.formats.gguffile import GGUFError, GGUFModel, shard_paths
     path = Path(path)
     try:
@@ -198,9 +198,14 @@ def verify_gguf(path: Path, expected: dict[str, str] | None, on_bytes=None) -> l
         model = GGUFModel(path)
         try:
             cfg = ModelConfig.from_hf(model.config)       # what a conversion rebuilds, checked the same way
-            missing = [n for n in model_shapes(cfg) if not model.has(n)]
+            shapes = model_shapes(cfg)
+            missing = [n for n in shapes if not model.has(n)]
             if missing:
                 raise GGUFError(f"{path}: lacks {len(missing)} tensor(s) its metadata requires, e.g. {missing[0]}")
+            for n, shape in shapes.items():
+                if tuple(model.shape(n)) != tuple(shape):
+                    raise GGUFError(f"{path}: tensor {n} has shape {list(model.shape(n))}, its metadata implies "
+                                    f"{list(shape)}")
             model.tokenizer_files()
         finally:
             model.close()

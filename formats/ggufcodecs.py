@@ -23,6 +23,7 @@ BLOCK_SIZES = {
 }
 # GGML type -> byte offsets of its blocks' binary16 scales (d, and dmin where it has one), from the
 # same layouts: kept blocks are checked for NaN and Inf there, as every encoder checks its input
+# (IQ1_M has no binary16 of its own: finite_scales puts its d together from the scale words' nibbles)
 SCALE_OFFSETS = {
     "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "IQ4_NL": (0,), "Q8_0": (0,),
     "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
@@ -35,11 +36,13 @@ PREFIX = "gguf-"
 def finite_scales(ggml_type: str, blocks: np.ndarray, type_size: int) -> bool:
     """Whether every block's binary16 scales in `blocks` (bytes, whole blocks of `type_size`) are finite."""
     b = np.asarray(blocks, np.uint8).reshape(-1, type_size)
-    for off in SCALE_OFFSETS.get(ggml_type, ()):
-        bits = b[:, off].astype(np.uint16) | (b[:, off + 1].astype(np.uint16) << 8)
-        if ((bits & 0x7C00) == 0x7C00).any():       # exponent all ones: Inf or NaN
-            return False
-    return True
+    words = [b[:, off].astype(np.uint16) | (b[:, off + 1].astype(np.uint16) << 8)
+             for off in SCALE_OFFSETS.get(ggml_type, ())]
+    if ggml_type == "IQ1_M":
+        # its d is spread over the top nibbles of the four u16 scale words at byte 48
+        sc = [b[:, 48 + 2 * i].astype(np.uint16) | (b[:, 49 + 2 * i].astype(np.uint16) << 8) for i in range(4)]
+        words.append((sc[0] >> 12) | ((sc[1] >> 8) & 0x00F0) | ((sc[2] >> 4) & 0x0F00) | (sc[3] & 0xF000))
+    return not any(((w & 0x7C00) == 0x7C00).any() for w in words)     # exponent all ones: Inf or NaN
 
 
 def codec_name(ggml_type: str) -> str:

@@ -417,6 +417,9 @@ class GGUFModel:
         if model != "gpt2" or not tokens:
             raise GGUFError(f"{self.path}: tokenizer {model!r}: kimi-stream rebuilds byte-level BPE ('gpt2') tokenizers")
         types = list(self._get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens))
+        if len(types) != len(tokens):
+            raise GGUFError(f"{self.path}: metadata key tokenizer.ggml.token_type: {len(types)} entries for "
+                            f"{len(tokens)} tokens")
         pre = self._get("tokenizer.ggml.pre") or "default"
         bos, eos = self._get("tokenizer.ggml.bos_token_id"), self._get("tokenizer.ggml.eos_token_id")
         config = {"bos_token": tokens[bos] if bos is not None else None,

@@ -20,7 +20,7 @@ from .codecs import get_codec, is_float_codec
 from .config import ModelConfig
 from .constants import (ATTENTION, DEFAULT_ALIGNMENT, DENSE_MLP, EXTENT_EXPERT, EXTENT_RESIDENT, LM_HEAD, PREFIX_SIZE,
                         ROUTER, SHARED_EXPERTS)
-from .layout import EXPERT_PROJS, expert_entries, plan_extents
+from .layout import EXPERT_PROJS, expert_entries, plan_extents, split_kv_b_names
 from .sizes import align_up, fmt
 
 # The baseline a plan assumes when it is made outside the process that will run (kimi-convert
@@ -115,7 +115,9 @@ def of_config(cfg: ModelConfig, precision, experts=None, tokenizer_bytes: int = 
     file's size, laid out as the converter would (extents on `alignment` boundaries). `experts`: the routed experts' part when the caller
     already has it for the same routed-expert codecs and overrides (fit_resident changes neither);
     `tokenizer_bytes`: the tokenizer files' size when known (an allowance otherwise)."""
-    layout = plan_extents(cfg, precision.codec_for, experts=False)
+    # kv_b as the two halves a GGUF keeps when the plan names them (--quant keep), as the converter lays it out
+    split = cfg.num_hidden_layers > 0 and split_kv_b_names(0)[0] in getattr(precision, "tensors", {})
+    layout = plan_extents(cfg, precision.codec_for, experts=False, split_kv_b=split)
     tensors = [t for _, _, ts in layout for t in ts]
     extents = [(kind, sum(get_codec(codec).nbytes(shape) for _, _, codec, shape in ts)) for _, kind, ts in layout]
     n_tensors = len(tensors) + len(EXPERT_PROJS) * len(cfg.moe_layers) * cfg.n_routed_experts

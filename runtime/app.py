@@ -118,6 +118,12 @@ def _check_flags(args) -> None:
         for flag, path in (("--weights", args.weights), ("--calibration", args.calibration)):
             if path and Path(path).exists() and Path(path).resolve() == target:
                 raise RunError(f"--imatrix-out {args.imatrix_out}: is the {flag} file this run reads")
+    if args.output and not args.plot_trace:
+        raise RunError("-o applies to --plot-trace (the image it writes)")
+    for flag, value in (("--perplexity", args.perplexity), ("--calibration", args.calibration),
+                        ("--plan-config", args.plan_config)):
+        if args.chat and value:
+            raise RunError(f"--chat applies to a --prompt or a conversation, not to {flag}")
     if (args.quant is not None or args.override) and not args.plan_config:
         raise RunError("--quant and --override apply with --plan-config (kimi-convert chooses a file's precision)")
     if args.memory_budget:

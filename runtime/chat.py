@@ -13,7 +13,16 @@ from .engine import Engine, Request, Result
 from .tokenizer import TokenizerError
 
 HELP = ("/reset forgets the conversation, /stats shows counters, Ctrl-C stops an answer, Ctrl-D or /exit quits; "
-        "a line ending in \\ goes on on the next, // starts a message with /")
+        "a line ending in \\ goes on on the next (in \\\\: ends, with one \\), // starts a message with /")
+
+
+def read_message(inp) -> str:
+    """One message: a line ending in a backslash goes on on the next (the backslash dropped), one
+    ending in two ends there with one of them kept (a path or code that ends in a backslash)."""
+    line = inp("> ")
+    while line.endswith("\\") and not line.endswith("\\\\"):
+        line = line[:-1] + "\n" + inp(". ")
+    return line[:-1] if line.endswith("\\\\") else line
 
 
 def _stats(engine: Engine, out) -> None:
@@ -35,9 +44,7 @@ def repl(engine: Engine, args, inp=input, out=sys.stdout) -> int:
     out.write(f"kimi-run chat: {HELP}\n")
     while True:
         try:
-            line = inp("> ")
-            while line.endswith("\\"):           # a message of several lines
-                line = line[:-1] + "\n" + inp(". ")
+            line = read_message(inp)
         except EOFError:
             out.write("\n")
             return 0

@@ -179,6 +179,9 @@ def test_flags_a_mode_would_ignore_or_cannot_use_are_refused_before_loading(tiny
         (("--calibration", text, "--imatrix-out", tiny_kst), "is the --weights file this run reads"),
         (("--calibration", text, "--imatrix-out", text), "is the --calibration file this run reads"),
         (("--calibration", text, "--imatrix-out", tmp_path), "--imatrix-out"),
+        (("--prompt", "x", "-o", tmp_path / "x.png"), "-o applies to --plot-trace"),
+        (("--chat", "--perplexity", text), "--chat applies to a --prompt or a conversation, not to --perplexity"),
+        (("--chat", "--calibration", text), "--chat applies to a --prompt or a conversation, not to --calibration"),
     ]
     before = sorted(tmp_path.parent.iterdir())
     for flags, message in cases:

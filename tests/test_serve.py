@@ -506,3 +506,17 @@ def test_ctrl_c_as_the_server_starts_stops_it(env):
         assert s.proc.wait(timeout=60) == 130
         time.sleep(0.2)                       # the log thread reads what is left
         assert "kimi-run: interrupted\n" in s.log, s.log[-3:]
+
+
+def test_a_chat_message_may_end_in_a_backslash():
+    """A line ending in one backslash goes on on the next; one ending in two ends the message with
+    one backslash (a Windows folder, a C macro's last line)."""
+    from kimistream.runtime.chat import read_message
+
+    def lines(*ls):
+        it = iter(ls)
+        return lambda prompt: next(it)
+    assert read_message(lines("cd C:\\dir\\\\")) == "cd C:\\dir\\"
+    assert read_message(lines("def f(): \\", "    return 1")) == "def f(): \n    return 1"
+    assert read_message(lines("#define A 1 \\", "  + 2\\\\")) == "#define A 1 \n  + 2\\"
+    assert read_message(lines("plain")) == "plain"
