@@ -14,6 +14,7 @@ Nothing here looks at the running process; the runtime measures its own baseline
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import asdict, dataclass, replace
 
 from .codecs import get_codec, is_float_codec
@@ -22,6 +23,8 @@ from .constants import (ATTENTION, DEFAULT_ALIGNMENT, DENSE_MLP, EXTENT_EXPERT, 
                         ROUTER, SHARED_EXPERTS)
 from .layout import EXPERT_PROJS, expert_entries, plan_extents, split_kv_b_names
 from .sizes import align_up, fmt
+
+PAGE = mmap.PAGESIZE
 
 # The baseline a plan assumes when it is made outside the process that will run (kimi-convert
 # --memory-budget, kimi-run --plan-config): kimi-run's own RSS before its first weight plus the
@@ -60,7 +63,7 @@ DECODED_SUFFIXES = ("kv_a_proj_with_mqa.weight", "o_proj.weight", "q_a_proj.weig
 @dataclass
 class Footprint:
     resident: int            # resident extents plus the float32 copies the model keeps of some
-    expert_bytes: int        # the largest routed expert (one extent)
+    expert_bytes: int        # the largest routed expert (one extent), in whole pages
     total_experts: int
     metadata: int            # the parsed header and tokenizer, as Python objects
     scratch: int             # the largest transient decode buffer
@@ -85,8 +88,9 @@ def footprint(tensors, extents, header_bytes: int, blob_bytes: int) -> Footprint
         if name.endswith(("kv_b_proj.weight", ".k_b_proj.weight", ".v_b_proj.weight")) and codec != "f32":
             scratch = max(scratch, n)                     # decoded per use
     experts = [nb for kind, nb in extents if kind == EXTENT_EXPERT]
+    # an expert in memory takes whole pages (a mapping's, a read pool's slot): the cache counts those
     return Footprint(resident=sum(nb for kind, nb in extents if kind == EXTENT_RESIDENT) + copies,
-                     expert_bytes=max(experts, default=0), total_experts=len(experts),
+                     expert_bytes=align_up(max(experts, default=0), PAGE), total_experts=len(experts),
                      metadata=4 * header_bytes + 8 * blob_bytes, scratch=scratch, routed_bytes=sum(experts))
 
 
@@ -189,7 +193,7 @@ class MemoryPlan:
     kv_cache: int
     activations: int
     expert_cache: int        # what is left for resident copies of routed experts
-    expert_bytes: int        # the largest routed expert (one extent)
+    expert_bytes: int        # the largest routed expert (one extent), in whole pages
     cache_experts: int
     min_cache_experts: int
     total_experts: int

@@ -4318,9 +4318,12 @@ static PyObject *py_set_spin(PyObject *self, PyObject *args) {
 
 /* the attention of a (everything but part set) in four passes over the pool; -1 with MemoryError set */
 static int attend_all(att_t *a, int threads) {
+    /* the positions' split into partial sums from S alone: the sums' order, and so the result's bits,
+       the same on any number of threads (the thread tuner changes it during a run); at least four
+       (positions allowing) so that short caches still share out, at most eight */
     int64_t S = a->S, nh = a->nh, nmix = (S + ATT_MIX_POS - 1) / ATT_MIX_POS;
+    if (nmix < 4) nmix = S < 4 ? S : 4;
     nmix = nmix < 8 ? nmix : 8;
-    if (nmix < threads) nmix = threads < S ? threads : S;
     float *probs = malloc(sizeof(float) * (nh * S + nmix * nh * a->r));
     if (!probs) { PyErr_NoMemory(); return -1; }
     a->part = probs + nh * S;

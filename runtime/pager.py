@@ -77,6 +77,12 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
 
 
+def in_pages(nbytes: int) -> int:
+    """What `nbytes` of an expert take in memory: whole pages (extents start on page boundaries), as a
+    mapping or a pool slot holds them; the cache counts these."""
+    return -(-nbytes // PAGE) * PAGE
+
+
 def _thread_mark() -> tuple:
     """This thread's CPU time and major page faults so far (a read's cost to it: _count_cpu)."""
     return time.thread_time(), resource.getrusage(_RUSAGE_THREAD).ru_majflt
@@ -160,6 +166,9 @@ class ExpertPager:
         self._prefetched: set[tuple] = set()     # prefetched, not yet used
         self._guessed = False                    # any speculative read asked for in this run
         self._verified: set[tuple] = set()       # experts whose bytes matched their checksum once
+        # the experts handed out for the computation under way (a layer's, or the one a stream is on):
+        # no read evicts them, since a pool slot would be overwritten under the kernel reading it
+        self._pinned: set[tuple] = set()
         self._lock = threading.Lock()
         self.threads = max(1, threads)
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kimi-prefetch")
@@ -178,7 +187,18 @@ class ExpertPager:
         ext = self.wf.extent_by_name[expert_extent(*key)]
         return ext.offset, ext.nbytes
 
+    def pin(self, layer: int, experts) -> None:
+        """The experts the next computation uses (they replace the ones pinned before, whose
+        computation is over): no read evicts them until then."""
+        with self._lock:
+            self._pinned = {(layer, int(e)) for e in experts}
+
     def get(self, layer: int, e: int):
+        """One expert's views, pinned alone (a stream's: the previous one's computation is over)."""
+        self.pin(layer, (e,))
+        return self._fetch(layer, e)
+
+    def _fetch(self, layer: int, e: int):
         key = (layer, e)
         self._freq[key] = self._freq.get(key, 0) + 1
         self._prefetched.discard(key)
@@ -196,10 +216,11 @@ class ExpertPager:
         return ent.views
 
     def get_many(self, layer: int, experts) -> list:
-        """[get(layer, e) for e in experts], the cached ones under one lock (a decode step asks for a
-        layer's experts at once, almost always all cached)."""
+        """[get(layer, e) for e in experts], all of them pinned, the cached ones under one lock (a
+        decode step asks for a layer's experts at once, almost always all cached)."""
         out, missing = [], []
         with self._lock:
+            self._pinned = {(layer, int(e)) for e in experts}
             for e in experts:
                 key = (layer, e)
                 ent = self._cache.get(key)
@@ -213,8 +234,8 @@ class ExpertPager:
                     out.append(None)
         if self._prefetched:
             self._prefetched.difference_update((layer, e) for e in experts)
-        for i in missing:                                   # get counts and reads them
-            out[i] = self.get(layer, experts[i])
+        for i in missing:                                   # _fetch counts and reads them
+            out[i] = self._fetch(layer, experts[i])
         return out
 
     def held(self, layer: int, experts) -> list | None:
@@ -223,6 +244,7 @@ class ExpertPager:
         them all: one pass under the lock, no views handed out)."""
         cache = self._cache
         with self._lock:
+            self._pinned = {(layer, int(e)) for e in experts}
             ents = [cache.get((layer, e)) for e in experts]
             for ent in ents:
                 if ent is None or not ent.ready.is_set() or ent.error is not None:
@@ -419,13 +441,15 @@ class ExpertPager:
 
     # ---------------------------------------------------------------- eviction
     def _victim(self):
+        """The entry to evict (under the lock), never a pinned one; None when there is none."""
+        pinned = self._pinned
         if self.policy == "lru":
             for k, ent in self._cache.items():
-                if ent.ready.is_set():
+                if ent.ready.is_set() and k not in pinned:
                     return k
             return None
         # lfru: among the least recent half, evict the least frequently routed expert.
-        ready = [k for k, ent in self._cache.items() if ent.ready.is_set()]
+        ready = [k for k, ent in self._cache.items() if ent.ready.is_set() and k not in pinned]
         if not ready:
             return None
         window = ready[: max(1, len(ready) // 2)]
@@ -440,7 +464,7 @@ class ExpertPager:
             if k is None:
                 return
             ent = self._cache.pop(k)
-            self.cached_bytes -= ent.nbytes
+            self.cached_bytes -= in_pages(ent.nbytes)
             self.stats.evictions += 1
             self._release(ent)
 
@@ -521,8 +545,8 @@ class MmapPager(ExpertPager):
             self._willneed(off, n)
         with self._lock:
             if self._inflight.pop(key, None) is not None:
-                self.inflight_bytes -= n        # its reserved room becomes the cache's
-            self._make_room(n)          # before mapping the new pages: RSS never exceeds the cache
+                self.inflight_bytes -= in_pages(n)      # its reserved room becomes the cache's
+            self._make_room(in_pages(n))        # before mapping the new pages: RSS never exceeds the cache
         t0 = _thread_mark()
         try:
             self.wf.mm.madvise(MADV_POPULATE_READ, off // PAGE * PAGE, n + off % PAGE)
@@ -536,19 +560,19 @@ class MmapPager(ExpertPager):
             ent = _Entry(key, off, n, self._views(key, self._all[off:off + n], off, off))
             ent.ready.set()
             self._cache[key] = ent
-            self.cached_bytes += n
+            self.cached_bytes += in_pages(n)
         return ent
 
     def _start_prefetch(self, key, speculative=True):
         off, n = self.extent(key)
         ent = _Entry(key, off, n)
         with self._lock:
-            self._make_room(n)          # the read's pages count against the cache from now on
-            if self._needs_room(n):     # all the room is taken by other reads in flight: read on demand
+            self._make_room(in_pages(n))        # the read's pages count against the cache from now on
+            if self._needs_room(in_pages(n)):   # the room is taken by reads in flight or pinned experts
                 self._prefetched.discard(key)
                 return
             self._inflight[key] = ent
-            self.inflight_bytes += n
+            self.inflight_bytes += in_pages(n)
         self._note_read(key, off, n)
         self._count_prefetch(n, speculative)
 
@@ -577,8 +601,8 @@ class MmapPager(ExpertPager):
     def _abandon(self, key) -> None:
         with self._lock:
             ent = self._inflight.pop(key, None)
-            if ent is not None:
-                self.inflight_bytes -= ent.nbytes
+            if ent is not None and hasattr(self, "inflight_bytes"):
+                self.inflight_bytes -= in_pages(ent.nbytes)
         if ent is not None:
             self._evicted_pages(key, ent.offset, ent.nbytes)
 
@@ -643,12 +667,26 @@ class PreadPager(ExpertPager):
         self._verify(ent.key, self._buf[base:base + ent.nbytes])
         ent.views = self._views(ent.key, self._buf[base:base + ent.nbytes], ent.offset, base)
 
-    def _take_slot(self, nbytes) -> int:
+    def _free_slot(self) -> int | None:
+        """A free slot (under the lock), evicting an unpinned entry if need be; None when every slot is
+        pinned or being read into."""
         if not self._free:
             self._make_room(self.capacity)      # evict one (capacity is full)
-        if not self._free:
-            raise ExpertReadError(f"{self.wf.path}: expert cache has no free slot (raise --memory-budget)")
-        return self._free.pop()
+        return self._free.pop() if self._free else None
+
+    def _take_slot(self, key) -> int:
+        """A slot for a demand read: when every slot is pinned or being read into, wait for a read in
+        flight to land (its entry can then be evicted)."""
+        while True:
+            with self._lock:
+                slot = self._free_slot()
+                if slot is not None:
+                    return slot
+                landing = next(iter(self._inflight.values()), None)
+            if landing is None:
+                raise ExpertReadError(f"{self.wf.path}: expert cache has no free slot for expert "
+                                      f"{key[0]}.{key[1]} (raise --memory-budget)")
+            landing.ready.wait()
 
     def _load(self, key):
         with self._lock:
@@ -659,8 +697,7 @@ class PreadPager(ExpertPager):
                 return ent
         off, n = self.extent(key)
         self._note_read(key, off, n)
-        with self._lock:
-            ent = _Entry(key, off, n, slot=self._take_slot(n))
+        ent = _Entry(key, off, n, slot=self._take_slot(key))
         try:
             self._read_into(ent)
         except OSError as e:
@@ -673,7 +710,7 @@ class PreadPager(ExpertPager):
         ent.ready.set()
         with self._lock:
             self._cache[key] = ent
-            self.cached_bytes += n
+            self.cached_bytes += in_pages(n)
         return ent
 
     def _in_page_cache(self, off: int, n: int) -> bool:
@@ -696,11 +733,14 @@ class PreadPager(ExpertPager):
     def _start_prefetch(self, key, speculative=True):
         off, n = self.extent(key)
         with self._lock:
-            # Guesses never hold more than all-but-one slot: a demand miss always finds a slot.
-            if len(self._inflight) >= self.slots - 1 or (not self._free and len(self._cache) <= 1):
+            # Reads ahead never hold more than all-but-one slot, nor evict a pinned expert: without a
+            # slot to spare the read is left to the expert's use
+            slot = (None if len(self._inflight) >= self.slots - 1 or (not self._free and len(self._cache) <= 1)
+                    else self._free_slot())
+            if slot is None:
                 self._prefetched.discard(key)
                 return
-            ent = _Entry(key, off, n, slot=self._take_slot(n), ahead=True)
+            ent = _Entry(key, off, n, slot=slot, ahead=True)
             self._inflight[key] = ent
         self._note_read(key, off, n)
         self._count_prefetch(n, speculative)
@@ -708,17 +748,18 @@ class PreadPager(ExpertPager):
         def work():
             try:
                 self._read_into(ent)
-                with self._lock:
-                    self._cache[key] = ent
-                    self.cached_bytes += n
-                    self.stats.bytes_read += n
             except BaseException as e:   # reported when the expert is needed
                 ent.error = e
-                with self._lock:
+            # landing in one step under the lock: a get() between the entry entering the cache and its
+            # ready flag had read the expert again into a second slot, the first one lost
+            with self._lock:
+                if ent.error is None:
+                    self._cache[key] = ent
+                    self.cached_bytes += in_pages(n)
+                    self.stats.bytes_read += n
+                else:
                     self._free.append(ent.slot)
-            finally:
-                with self._lock:
-                    self._inflight.pop(key, None)
+                self._inflight.pop(key, None)
                 ent.ready.set()
         self._pool.submit(work)
 

@@ -280,9 +280,12 @@ class ModelWeights(ExpertProvider):
     def routed(self, layer: int, experts) -> None:
         p = self.pager
         p.note_routed(layer, experts)
+        together = p.holds_together(len(experts))
+        if together:            # no read for the next layer's guess evicts one of these before its use
+            p.pin(layer, experts)
         # more than the cache holds (a prompt window's): only as many ahead as stream keeps ahead, as
         # reads started for all of them would evict the first before their use
-        p.fetch_ahead(layer, experts if p.holds_together(len(experts)) else experts[:p.read_ahead_depth()])
+        p.fetch_ahead(layer, experts if together else experts[:p.read_ahead_depth()])
         if p.watch_reads:
             self._judge_guesses()
 

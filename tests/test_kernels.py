@@ -975,6 +975,29 @@ def test_attend_matches_float64(isa, nh, r, dr, length, context, dtype):
         kernels.set_threads(before)
 
 
+@pytest.mark.parametrize("length", [1, 3, 29, 257, 1000, 3000])
+def test_attend_gives_the_same_bits_on_any_number_of_threads(length, monkeypatch):
+    """The positions' partial sums are split by the cache's length alone, so a decode step's attention
+    is bit for bit the same on 1, 2, 3 or 16 threads (the thread tuner changes the count during a
+    run; the split had followed it, and the result moved by about 1e-6)."""
+    monkeypatch.setattr(kernels, "PARALLEL_MIN_WEIGHTS", 0)
+    rng = np.random.default_rng(length)
+    nh, r, dr = 16, 64, 16
+    q, q_rot = rng.standard_normal((nh, r)).astype(np.float32), rng.standard_normal((nh, dr)).astype(np.float32)
+    latent = rng.standard_normal((length, r)).astype(np.float16)
+    k_rot = rng.standard_normal((length, dr)).astype(np.float16)
+    before = kernels._threads
+    try:
+        outs = []
+        for threads in (1, 2, 3, 16):
+            kernels.set_threads(threads)
+            outs.append(kernels.attend(q, q_rot, latent, k_rot, length, 0.07))
+    finally:
+        kernels.set_threads(before)
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o, outs[0])
+
+
 @pytest.mark.parametrize("R,T,S,start", [(16, 64, 64, 0), (3, 5, 9, 4), (2, 7, 40, 33), (1, 1, 1, 0), (4, 33, 70, 37)])
 def test_causal_softmax_matches_float64(isa, R, T, S, start, monkeypatch):
     """A prompt chunk's scores: row t of each block sees positions 0 .. start + t (scaled, softmax),

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -1135,3 +1136,68 @@ def test_a_long_window_projects_in_blocks_and_matches_chunk_by_chunk(synthetic):
     windowed = m.window(ids, 8, all_logits=True)
     assert m.cache.length == 300
     assert np.abs(windowed - by_chunk).max() <= 1e-4 * np.abs(by_chunk).max()
+
+
+def _file_bytes(wf, name, n):
+    with open(wf.path, "rb") as f:
+        f.seek(wf.tensors[name].offset)
+        return f.read(n)
+
+
+def test_a_read_ahead_never_takes_the_slot_of_an_expert_in_use(synthetic):
+    """A pool whose slots all hold the experts handed out for the computation under way (a layer's,
+    pinned by get_many or held): guesses at the next layer find no slot to take and are dropped,
+    instead of evicting one of them and reading over its bytes while a kernel multiplies them (tokens
+    had changed in 3 runs of 36 under tight budgets); a stream's expert is pinned alone."""
+    from kimistream.runtime.pager import PreadPager
+    wf = WeightFile(synthetic)
+    slot = PreadPager(wf, 0).slot_bytes
+    for policy in ("lru", "lfru"):
+        p = PreadPager(wf, 3 * slot, policy)
+        views = p.get_many(1, [0, 1, 2])
+        p.prefetch(2, [0, 1, 2])
+        p.fetch_ahead(2, [3])
+        p._pool.submit(lambda: None).result()
+        p._pool.shutdown(wait=True)
+        for vs in views:
+            for name, _, _, buf, _ in vs:
+                assert bytes(buf) == _file_bytes(wf, name, buf.nbytes), (policy, name)
+        assert p.held(1, [0, 1, 2]) is not None and p.stats.prefetch_bytes == 0
+        p.close()
+    p = PreadPager(wf, 3 * slot)
+    p.get_many(1, [0, 1, 2])
+    p.get(1, 3)                     # a stream's next expert: the others are no longer pinned
+    assert p.held(1, [3]) is not None
+    p.close()
+    wf.close()
+
+
+def test_a_read_ahead_lands_in_one_step(synthetic, monkeypatch):
+    """A get() between a read ahead entering the cache and its ready flag (the flag was set after
+    the lock was let go) read the expert again into a second slot and lost the first: the pool
+    shrank for good. The read lands, and is marked ready, under one lock."""
+    import threading
+    from kimistream.runtime.pager import PreadPager
+    wf = WeightFile(synthetic)
+    slot = PreadPager(wf, 0).slot_bytes
+    p = PreadPager(wf, 6 * slot)
+    for _ in range(p.threads):       # the pool's threads started before Event.set is slowed down
+        p._pool.submit(time.sleep, 0.05)
+    p._pool.submit(lambda: None).result()
+    real_set, in_pool = threading.Event.set, threading.Event()
+
+    def slow_set(ev):               # widen the gap on the pool's thread
+        if threading.current_thread().name.startswith("kimi-prefetch") and ev is not in_pool:
+            real_set(in_pool)
+            time.sleep(0.2)
+        real_set(ev)
+    monkeypatch.setattr(threading.Event, "set", slow_set)
+    p.fetch_ahead(1, [3])
+    in_pool.wait(5)
+    p.get(1, 3)
+    monkeypatch.setattr(threading.Event, "set", real_set)
+    p._pool.shutdown(wait=True)
+    assert len(p._free) + len(p._cache) + len(p._inflight) == p.slots == 6
+    assert p.cached_bytes == sum(-(-e.nbytes // 4096) * 4096 for e in p._cache.values())
+    p.close()
+    wf.close()
