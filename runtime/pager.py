@@ -784,8 +784,10 @@ def make_pager(mode: str, wf: WeightFile, capacity_bytes: int, policy: str = "lr
         if page_cache == "drop":
             try:
                 return PreadPager(wf, capacity_bytes, policy, direct=True, page_cache=page_cache)
-            except ExpertReadError:     # no O_DIRECT on this filesystem: mapped pages, dropped
-                return MmapPager(wf, capacity_bytes, policy, page_cache=page_cache)
+            except ExpertReadError as e:    # no O_DIRECT on this filesystem: mapped pages, dropped
+                pager = MmapPager(wf, capacity_bytes, policy, page_cache=page_cache)
+                pager.page_cache_policy += f"; O_DIRECT reads unavailable ({str(e).rsplit(': ', 1)[-1]})"
+                return pager
         pager = MmapPager(wf, capacity_bytes, policy, page_cache=page_cache)
         pager.direct_on_drop = True
         return pager

@@ -879,6 +879,7 @@ def test_io_auto_keeps_the_mapping_where_o_direct_cannot_be_had(synthetic, monke
     w.close()
     w = ModelWeights(synthetic, io="auto", page_cache="drop")
     assert isinstance(w.pager, P.MmapPager) and w.pager.drop_evicted
+    assert w.pager.page_cache_policy.endswith("; O_DIRECT reads unavailable (Invalid argument)")
     assert w.io_policy == "auto: mmap"              # no promise of O_DIRECT reads it cannot make
     w.close()
 
