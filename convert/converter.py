@@ -17,7 +17,7 @@ from kimistream.formats.codecs import CodecError, get_codec
 from kimistream.formats.imatrix import ImatrixError
 from kimistream.formats.constants import DEFAULT_ALIGNMENT, TENSOR_CLASSES
 from kimistream.formats.layout import model_shapes, plan_extents, split_kv_b_names
-from kimistream.formats.weightfile import WeightFileWriter
+from kimistream.formats.weightfile import ResumeRefused, WeightFileWriter
 
 from kimistream.formats.presets import PrecisionPlan
 from .encoder import clear_factor_cache, encode
@@ -210,6 +210,9 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
         "tokenizer": {"kind": tok_kind, "files": sorted(tok_files)},
         "plan": plan.to_json(),
     }
+    if imatrix:
+        meta["imatrix"] = {"tensors": len(imatrix), "moments": len(getattr(imatrix, "moment_keys", ())),
+                           "calibration": calibration}
     previous = writer.journaled_meta()
     if previous and all(previous.get(k) == v for k, v in meta.items()) and same_sources(ckpt, previous):
         meta["source"] = previous["source"]        # shards may have been deleted since: trust the journal
@@ -217,13 +220,14 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
         raise ConversionError(_cannot_resume(ckpt, out, previous or {}, meta))
     else:
         meta["source"] = source_record(ckpt)
-    if imatrix:
-        meta["imatrix"] = {"tensors": len(imatrix), "moments": len(getattr(imatrix, "moment_keys", ())),
-                           "calibration": calibration}
     # Source-shard order: each shard is read front to back once.
     order = sorted(expected, key=lambda n: (ckpt.shard_names.index(ckpt.location[n]), ckpt.offset(n)))
     total_bytes = sum(writer.tensors[n].nbytes for n in order)
-    resumed = writer.begin(meta)
+    try:        # with shards already deleted, a journal that cannot be used must not be started over
+        resumed = writer.begin(meta, require_resume=bool(ckpt.missing_shards))
+    except ResumeRefused:
+        raise ConversionError(_cannot_resume(ckpt, out, previous or {}, meta,
+                                             "it laid the file out otherwise (another --alignment)")) from None
     progress("start", total_bytes=total_bytes, tensors=len(order), resumed=resumed)
     left_in_shard = {}
     for n in order:
@@ -285,11 +289,12 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
     return summary
 
 
-def _cannot_resume(ckpt: HFCheckpoint, out, previous: dict, meta: dict) -> str:
+def _cannot_resume(ckpt: HFCheckpoint, out, previous: dict, meta: dict, layout: str | None = None) -> str:
     """Why an interrupted --delete-source conversion cannot go on, and what the user can do."""
     what = {"plan": "another precision plan (--quant/--override)", "tokenizer": "another tokenizer",
-            "config": "another config.json", "hf_config": "another config.json"}
-    why = next((f"it used {what[k]}" for k in meta if previous.get(k) != meta[k]), None)
+            "config": "another config.json", "hf_config": "another config.json",
+            "imatrix": "another importance matrix (--imatrix/--calibration)"}
+    why = next((f"it used {what[k]}" for k in meta if k in what and previous.get(k) != meta[k]), layout)
     if why is None:
         known = _manifest(ckpt)
         changed = next((n for n, rec in previous.get("source", {}).get("files", {}).items()

@@ -36,6 +36,10 @@ class WeightFileError(ValueError):
     """A weight file is malformed, truncated, changed, or of an unknown version."""
 
 
+class ResumeRefused(WeightFileError):
+    """An interrupted write that must go on (its sources are partly gone) cannot: nothing was touched."""
+
+
 def file_version(path) -> int | None:
     """The format version in a weight file's prefix, or None if `path` is not one (or unreadable):
     lets a cache tell a copy written by an older build from a broken file."""
@@ -175,10 +179,12 @@ class WeightFileWriter:
         self._log(rec)
         os.fsync(self._journal.fileno())
 
-    def begin(self, meta: dict, resume: bool = True) -> int:
+    def begin(self, meta: dict, resume: bool = True, require_resume: bool = False) -> int:
         """Lay out the file and open `NAME.partial`. With `resume`, an interrupted write of the same
         layout (same header before checksums) continues: its journal says which tensors and extent
-        checksums are done. Returns the number of tensors already written."""
+        checksums are done. Returns the number of tensors already written. With `require_resume`
+        (its sources are partly gone), a write that cannot go on raises ResumeRefused before the
+        .partial and its journal are touched."""
         self.meta = meta
         # Offsets and checksums are fixed-width in the JSON, so a header written with placeholder
         # values has the same length as the final one: lay out extents after a provisional header.
@@ -203,6 +209,8 @@ class WeightFileWriter:
         self.tmp_path.parent.mkdir(parents=True, exist_ok=True)
         self._take_lock()
         resumed = resume and self._resume(fingerprint)
+        if require_resume and not resumed:
+            raise ResumeRefused(f"{self.tmp_path}: its journal is for another layout of the file")
         if not resumed:
             self._file = open(self.tmp_path, "w+b")
             self._file.truncate(self._file_size)
@@ -271,12 +279,25 @@ class WeightFileWriter:
             if not self._pending[i] and isinstance(c, str):
                 self.extents[i].checksum = c
         self._file = open(self.tmp_path, "r+b")
+        self._zero_gaps()
         self._journal = open(self.journal_path, "a")
         for ext, pending in zip(self.extents, self._pending):
             # Interrupted between an extent's last tensor and its checksum line: hash it now.
             if ext.tensors and not pending and ext.checksum == checksum.PLACEHOLDER:
                 self._hash_extent(ext)
         return True
+
+    def _zero_gaps(self) -> None:
+        """Zeros over the bytes of a resumed .partial that no tensor or blob holds (alignment padding,
+        between extents and inside them): no checksum vouches for them, and the finished file must be
+        the bytes an uninterrupted write gives."""
+        held = sorted([(t.offset, t.offset + t.nbytes) for t in self.tensors.values()] +
+                      [(e.offset, e.offset + e.nbytes) for e in self.extents if e.name in self._blobs])
+        pos = self._data_start
+        for start, end in held + [(self._file_size, self._file_size)]:
+            if start > pos:
+                os.pwrite(self._file.fileno(), bytes(start - pos), pos)
+            pos = max(pos, end)
 
     def _log(self, rec: dict) -> None:
         self._journal.write(json.dumps(rec, separators=(",", ":")) + "\n")

@@ -98,11 +98,13 @@ def test_delete_source_resumes_without_consumed_shards(tiny_ckpt, reference, tmp
         assert set(a.header["source"]["files"]) >= {"model-00001-of-00003.safetensors"}
 
 
-@pytest.mark.parametrize("change", ["plan", "shard"])
+@pytest.mark.parametrize("change", ["plan", "shard", "alignment"])
 def test_delete_source_run_that_cannot_resume_says_why(tiny_ckpt, reference, tmp_path, change):
-    """After an interrupted --delete-source run, a rerun with another plan, or with a source shard
-    that is no longer the file it read (a repaired copy), cannot use the journal and cannot start
-    over: one line names the output, the reason and the deleted shard. Fetching it again recovers."""
+    """After an interrupted --delete-source run, a rerun with another plan, with a source shard that is
+    no longer the file it read (a repaired copy), or with another --alignment (the journal had been
+    emptied by it, and even the original command could no longer resume), cannot use the journal and
+    cannot start over: one line names the output, the reason and the deleted shard, and the journal is
+    left as it was. Fetching the shard again recovers."""
     import shutil
     src = _reshard(tiny_ckpt, tmp_path / "src", lambda i, n: f"model-{i:05d}-of-{n:05d}.safetensors", 3)
     keep = tmp_path / "copy"
@@ -114,24 +116,27 @@ def test_delete_source_run_that_cannot_resume_says_why(tiny_ckpt, reference, tmp
             raise Stop
     with pytest.raises(Stop):
         convert_checkpoint(src, out, PLAN, progress=stop_at_first_shard, delete_source=True)
-    quant = "bf16"
+    quant, extra = "bf16", []
+    journal = (tmp_path / "m.kst.partial.journal").read_bytes()
     if change == "plan":
         quant = "f32"
+    elif change == "alignment":
+        extra = ["--alignment", "8192"]
     else:
         last = src / "model-00003-of-00003.safetensors"
         data = bytearray(last.read_bytes())
         data[-1] ^= 1                                   # same size, other bytes: not the file it read
         last.write_bytes(bytes(data))
     argv = [sys.executable, "-m", "kimistream.convert.cli", str(src), "-o", str(out), "--quant", quant,
-            "--calibration", "none", "--delete-source", "--quiet"]
+            "--calibration", "none", "--delete-source", "--quiet"] + extra
     proc = subprocess.run(argv, capture_output=True, text=True)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     (line,) = proc.stderr.splitlines()
-    why = ("it used another precision plan" if change == "plan"
-           else f"{src / 'model-00003-of-00003.safetensors'} is not the file it read")
+    why = {"plan": "it used another precision plan", "alignment": "it laid the file out otherwise (another --alignment)",
+           "shard": f"{src / 'model-00003-of-00003.safetensors'} is not the file it read"}[change]
     assert line.startswith(f"kimi-convert: error: {out}: cannot resume the interrupted conversion: {why}")
     assert "already deleted model-00001-of-00003.safetensors (--delete-source)" in line
-    assert (tmp_path / "m.kst.partial.journal").exists()          # nothing thrown away
+    assert (tmp_path / "m.kst.partial.journal").read_bytes() == journal       # nothing thrown away
     shutil.copy(keep / "model-00001-of-00003.safetensors", src)     # fetched again: starts over
     proc = subprocess.run(argv, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -185,3 +190,25 @@ def test_throughput_counts_what_this_run_converted(tiny_ckpt, tmp_path):
         convert_checkpoint(tiny_ckpt, tmp_path / "b.kst", PLAN, progress=_stop_after(30))
     resumed = convert_checkpoint(tiny_ckpt, tmp_path / "b.kst", PLAN).to_json()
     assert 0 < resumed["throughput"]["params"] < resumed["total"]["params"]
+
+
+
+def test_a_resumed_file_has_zeros_where_no_tensor_lies(tiny_ckpt, reference, tmp_path):
+    """Bytes of an interrupted .partial that no checksum covers (the padding between extents) are
+    written again as zeros on resume: the finished file is the uninterrupted one, byte for byte (a
+    damaged gap had been kept, and kimi-verify could not tell)."""
+    from kimistream.formats.weightfile import WeightFile
+    out = tmp_path / "m.kst"
+    with pytest.raises(Stop):
+        convert_checkpoint(tiny_ckpt, out, PLAN, progress=_stop_after(30))
+    ref = tmp_path / "ref.kst"
+    ref.write_bytes(reference)
+    wf = WeightFile(ref)
+    ext = sorted(wf.extents, key=lambda e: e.offset)
+    gap = next(a.offset + a.nbytes for a, b in zip(ext, ext[1:]) if b.offset > a.offset + a.nbytes)
+    wf.close()
+    with open(f"{out}.partial", "r+b") as f:
+        f.seek(gap)
+        f.write(b"\xff" * 16)
+    convert_checkpoint(tiny_ckpt, out, PLAN)
+    assert out.read_bytes() == reference
