@@ -185,7 +185,8 @@ def verify_weight_file(path: Path, workers: int = 2, on_bytes=None, sources: dic
 def verify_gguf(path: Path, expected: dict[str, str] | None, on_bytes=None) -> list[Row]:
     """Rows for a llama.cpp GGUF file (each of a split one): readable, a deepseek2 model whose
     tensors lie inside the file with the sizes their types imply, whose config and tokenizer can be
-    rebuilt and whose tensors have the shapes that config implies (as a conversion checks them); then its SHA-256 against `expected` (by file name, e.g. from --manifest)."""
+    rebuilt and whose tensors have the shapes that config implies (as a conversion checks them); then
+    its SHA-256 against `expected` (by file name, e.g. from --manifest)."""
     from kimistream.formats.gguffile import GGUFError, GGUFModel, shard_paths
     path = Path(path)
     try:

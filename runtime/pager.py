@@ -31,6 +31,7 @@ import numpy as np
 
 from kimistream.formats.checksum import extent_digest
 from kimistream.formats.layout import EXPERT_PROJS, expert_extent, expert_tensor
+from kimistream.formats.sizes import align_up
 from kimistream.formats.weightfile import WeightFile
 
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)   # Linux 5.14+; constant missing in 3.11
@@ -80,7 +81,7 @@ _RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
 def in_pages(nbytes: int) -> int:
     """What `nbytes` of an expert take in memory: whole pages (extents start on page boundaries), as a
     mapping or a pool slot holds them; the cache counts these."""
-    return -(-nbytes // PAGE) * PAGE
+    return align_up(nbytes, PAGE)
 
 
 def _thread_mark() -> tuple:
@@ -601,7 +602,7 @@ class MmapPager(ExpertPager):
     def _abandon(self, key) -> None:
         with self._lock:
             ent = self._inflight.pop(key, None)
-            if ent is not None and hasattr(self, "inflight_bytes"):
+            if ent is not None:
                 self.inflight_bytes -= in_pages(ent.nbytes)
         if ent is not None:
             self._evicted_pages(key, ent.offset, ent.nbytes)
@@ -627,7 +628,7 @@ class PreadPager(ExpertPager):
             self.drop_evicted = self._deciding = False
             self.page_cache_policy = "not used (O_DIRECT reads)"
         sizes = [e.nbytes for e in wf.extents if e.kind == "expert"]
-        self.slot_bytes = -(-max(sizes, default=PAGE) // PAGE) * PAGE
+        self.slot_bytes = in_pages(max(sizes, default=PAGE))
         self.slots = max(1, capacity_bytes // self.slot_bytes) if sizes else 0
         self.capacity = self.slots * self.slot_bytes
         # One anonymous mapping: page-aligned slots (O_DIRECT needs aligned buffers).
