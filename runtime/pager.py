@@ -12,7 +12,8 @@ decides from how many evicted experts the page cache still held when they were n
 count hits, misses, bytes read, time spent waiting for I/O, and prefetch recall/waste.
 
 `--io auto` (make_pager) starts with `mmap` and, when evicted pages are to be dropped, asks its
-provider to hand over to an O_DIRECT `pread` pager between model steps (direct_successor)."""
+provider to hand over to an O_DIRECT `pread` pager between model steps (successor); O_DIRECT reads are
+then timed against the mapping with evicted experts dropped, and the faster stays (IoTrial)."""
 
 from __future__ import annotations
 
@@ -74,6 +75,19 @@ RELOAD_DIRECT = 0.6
 TIMED_ORDER = (False, True)    # the timed windows: keeping (as during the share's trial), then dropping
 TIMED_STEPS = 3                # decode steps per window; after a switch its first is not scored
 TIMED_MARGIN = 0.95            # dropping stays if its steps took less than this share of keeping's
+# --io auto drops evicted experts by reading them with O_DIRECT. Reading through the mapping and
+# dropping its pages on eviction costs the computing thread a page-table and page-cache removal per
+# expert, yet on some machines it is still the faster of the two (measured at a quarter of the 0.8 GB
+# bench model's file: O_DIRECT 1.1-1.2x the mapping on a Xeon and on a 3-4.8 GB/s disk, the mapping
+# 1.07-1.14x O_DIRECT on a Zen 3 VM reading 0.9-1.2 GB/s; benchmarks/RESULTS.md). So the pager times
+# both (IoTrial): after IO_TRIAL_SKIP decode steps, windows of IO_TRIAL_STEPS in IO_TRIAL_ORDER
+# (True: O_DIRECT), alternating so that the disk's drift falls on both; the first step after a switch
+# starts with an empty cache and is not scored. The mapping stays only if its steps took less than
+# IO_TRIAL_MARGIN of O_DIRECT's, on average.
+IO_TRIAL_SKIP = 2
+IO_TRIAL_STEPS = 5
+IO_TRIAL_ORDER = (True, False, True, False)
+IO_TRIAL_MARGIN = 0.95
 _libc = ctypes.CDLL(None, use_errno=True)
 _RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
 
@@ -140,6 +154,49 @@ class _Entry:
     ahead: bool = False             # read ahead of its use (fetch_ahead, prefetch): its first use is a miss
 
 
+class IoTrial:
+    """--io auto with evicted experts dropped: O_DIRECT reads timed against reads through the mapping
+    (IO_TRIAL_*). `direct` is the way the next decode step is to read; the expert provider hands over to
+    a pager that reads so between model steps (successor). Shared by the pagers that take over from
+    one another, so whichever of them the caller holds passes the steps on."""
+
+    def __init__(self):
+        self.direct = True
+        self.running = True
+        self.steps = 0
+        self.times: dict[bool, list[float]] = {True: [], False: []}
+        self.note = "a trial of O_DIRECT reads against the mapping under way when the run ended"
+        self.direct_policy = ""     # the O_DIRECT pager's page-cache policy in words, for its successors
+
+    def observe(self, seconds: float, scored: bool = True) -> None:
+        """A decode step, read the way `direct` said, took `seconds` of wall time; not `scored`: something
+        else changed under it (a thread count trial)."""
+        if not self.running:
+            return
+        i = self.steps - IO_TRIAL_SKIP
+        self.steps += 1
+        if i < 0:
+            return
+        window, pos = divmod(i, IO_TRIAL_STEPS)
+        mode = IO_TRIAL_ORDER[window]
+        if scored and (pos > 0 or window == 0 or IO_TRIAL_ORDER[window - 1] == mode):
+            self.times[mode].append(seconds)
+        if pos + 1 < IO_TRIAL_STEPS:
+            return
+        if window + 1 < len(IO_TRIAL_ORDER):
+            self.direct = IO_TRIAL_ORDER[window + 1]
+            return
+        self.running = False
+        direct_s, mapped_s = (sum(v) / len(v) if v else None for v in (self.times[True], self.times[False]))
+        if direct_s is None or mapped_s is None:
+            self.direct = True
+            self.note = "O_DIRECT reads: the trial against the mapping met no step it could time"
+            return
+        self.direct = not mapped_s < IO_TRIAL_MARGIN * direct_s
+        self.note = (f"timed {mapped_s * 1e3:.1f} ms a step through the mapping, {direct_s * 1e3:.1f} with "
+                     f"O_DIRECT reads")
+
+
 class ExpertPager:
     """get(layer, expert) -> (gate, up, down) weight views; prefetch(layer, experts)."""
 
@@ -175,9 +232,10 @@ class ExpertPager:
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kimi-prefetch")
         self.cached_bytes = 0
         # --io auto: a decision to drop evicted experts' pages asks for O_DIRECT reads instead (see
-        # make_pager); the provider carries it out between model steps (direct_successor)
+        # make_pager); the provider carries it out between model steps (successor)
         self.direct_on_drop = False
         self.wants_direct = False
+        self.io_trial: IoTrial | None = None    # --io auto, dropping: O_DIRECT timed against the mapping
         # reads in a row that found all their bytes in the page cache (0 after one that did not);
         # counted only when watch_reads is set (--prefetch auto: see ModelWeights.routed)
         self.watch_reads = False
@@ -370,17 +428,20 @@ class ExpertPager:
             else:
                 self._decide(share < RELOAD_CLEAR[0])
 
-    def observe_step(self, seconds: float) -> None:
-        """A decode step took `seconds` of wall time. While --page-cache auto times dropping evicted
-        experts against keeping them, the steps go to windows of each (TIMED_ORDER, TIMED_STEPS each;
-        the first step after a switch lets it settle and is not scored), and the policy whose scored
-        steps were faster on average stays."""
+    def observe_step(self, seconds: float, scored: bool = True) -> None:
+        """A decode step took `seconds` of wall time (not `scored`: a thread count trial ran it). While
+        --page-cache auto times dropping evicted experts against keeping them, the steps go to windows
+        of each (TIMED_ORDER, TIMED_STEPS each; the first step after a switch lets it settle and is not
+        scored), and the policy whose scored steps were faster on average stays; while --io auto times
+        O_DIRECT reads against the mapping, to its IoTrial."""
+        if self.io_trial is not None:
+            self.io_trial.observe(seconds, scored)
         if not self._deciding or self._timed is None:
             return
         i = len(self._timed)
         window, pos = divmod(i, TIMED_STEPS)
         switched = window > 0 and TIMED_ORDER[window] != TIMED_ORDER[window - 1]
-        self._timed.append((self.drop_evicted, seconds, pos > 0 or not switched))
+        self._timed.append((self.drop_evicted, seconds, scored and (pos > 0 or not switched)))
         if pos + 1 < TIMED_STEPS:
             return
         if window + 1 < len(TIMED_ORDER):
@@ -768,9 +829,19 @@ class PreadPager(ExpertPager):
         self._free.append(ent.slot)
         self._evicted_pages(ent.key, ent.offset, ent.nbytes)
 
+    def retire(self):
+        super().retire()
+        # the pool's pages go back now: whoever still holds this pager (the run's telemetry) keeps
+        # its arena mapped, and a successor's memory is inside the same budget. The arena is shared
+        # anonymous memory, which only MADV_REMOVE frees (MADV_DONTNEED would leave its pages)
+        if hasattr(mmap, "MADV_REMOVE"):
+            self._arena.madvise(mmap.MADV_REMOVE)
+
     def close(self):
         super().close()
-        os.close(self._fd)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 IO_MODES = ("auto", "mmap", "pread")
@@ -779,16 +850,19 @@ IO_MODES = ("auto", "mmap", "pread")
 def make_pager(mode: str, wf: WeightFile, capacity_bytes: int, policy: str = "lru", direct: bool = False,
                page_cache: str = "auto"):
     """The pager for --io `mode`. `auto`: the mmap pager, which asks for O_DIRECT reads instead
-    (wants_direct, carried out by direct_successor) once evicted experts' pages are to be dropped from
-    the page cache; with --page-cache drop, O_DIRECT reads from the start."""
+    (wants_direct, carried out by successor) once evicted experts' pages are to be dropped from the
+    page cache; with --page-cache drop, O_DIRECT reads from the start. Either way, O_DIRECT reads are
+    then timed against reads through the mapping (IoTrial)."""
     if mode == "auto":
         if page_cache == "drop":
             try:
-                return PreadPager(wf, capacity_bytes, policy, direct=True, page_cache=page_cache)
+                pager = PreadPager(wf, capacity_bytes, policy, direct=True, page_cache=page_cache)
             except ExpertReadError as e:    # no O_DIRECT on this filesystem: mapped pages, dropped
                 pager = MmapPager(wf, capacity_bytes, policy, page_cache=page_cache)
                 pager.page_cache_policy += f"; O_DIRECT reads unavailable ({str(e).rsplit(': ', 1)[-1]})"
                 return pager
+            pager.io_trial = IoTrial()
+            return pager
         pager = MmapPager(wf, capacity_bytes, policy, page_cache=page_cache)
         pager.direct_on_drop = True
         return pager
@@ -799,20 +873,39 @@ def make_pager(mode: str, wf: WeightFile, capacity_bytes: int, policy: str = "lr
     raise ValueError(f"unknown --io mode {mode!r} ({', '.join(IO_MODES)})")
 
 
-def direct_successor(old: ExpertPager) -> ExpertPager:
-    """An O_DIRECT pread pager to take over from `old` (an mmap pager whose page-cache policy came to
-    dropping evicted experts): the same budget, cache policy, counters (the same PagerStats object, so
-    whoever holds `old` keeps counting) and verified experts. `old` gives back every expert it holds,
-    mappings and page cache alike, before the new pool fills. Where O_DIRECT cannot be had, `old` stays
-    (its policy says why) and is returned."""
+def wants_successor(p: ExpertPager) -> bool:
+    """Whether `p` asks to be handed over (to O_DIRECT reads, or as its IoTrial says) before the next step."""
+    return p.wants_direct or (p.io_trial is not None and p.io_trial.direct != (p.mode == "pread"))
+
+
+def successor(old: ExpertPager) -> ExpertPager:
+    """The pager to take over from `old` when wants_successor(old): O_DIRECT reads into a pool (for an
+    mmap pager whose page-cache policy came to dropping evicted experts, or an IoTrial's O_DIRECT
+    window), or reads through the mapping with evicted experts' pages dropped (an IoTrial's mapped
+    window or verdict). The same budget, cache policy, counters (the same PagerStats object, so whoever
+    holds `old` keeps counting), verified experts and trial. `old` gives back every expert it holds,
+    mappings, pool and page cache alike, before the new one fills. Where O_DIRECT cannot be had, `old`
+    stays (its policy says why) and is returned."""
+    trial = old.io_trial
+    first = old.wants_direct                # the first hand-over to O_DIRECT reads starts the trial
     old.wants_direct = old.direct_on_drop = False
-    try:
-        new = PreadPager(old.wf, old.capacity, old.policy, direct=True, page_cache="drop")
-    except ExpertReadError as e:
-        old.page_cache_policy += f"; O_DIRECT reads unavailable ({str(e).rsplit(': ', 1)[-1]})"
-        return old
+    if trial is not None and not trial.direct:
+        trial.direct_policy = trial.direct_policy or old.page_cache_policy
+        new = MmapPager(old.wf, old.capacity, old.policy, page_cache="drop")
+        new.page_cache_policy = ("drop evicted experts" if trial.direct_policy.startswith("not used")
+                                 else trial.direct_policy)
+    else:
+        try:
+            new = PreadPager(old.wf, old.capacity, old.policy, direct=True, page_cache="drop")
+        except ExpertReadError as e:
+            old.page_cache_policy += f"; O_DIRECT reads unavailable ({str(e).rsplit(': ', 1)[-1]})"
+            old.io_trial = None
+            return old
+        new.page_cache_policy = (f"{old.page_cache_policy}; then O_DIRECT reads, which leave nothing to drop"
+                                 if first else trial.direct_policy or old.page_cache_policy)
+        if first:
+            trial = IoTrial()
     new.stats, new._verified, new._freq, new.watch_reads = old.stats, old._verified, old._freq, old.watch_reads
-    new._guessed = old._guessed
-    new.page_cache_policy = f"{old.page_cache_policy}; then O_DIRECT reads, which leave nothing to drop"
+    new._guessed, new.io_trial = old._guessed, trial
     old.retire()
     return new

@@ -65,7 +65,9 @@ class Telemetry:
         }
         self.records.append(rec)
         if phase == "decode":
-            self.pager.observe_step(wall)        # --page-cache auto may be timing its two policies
+            # --page-cache auto may be timing its two policies, --io auto O_DIRECT against the mapping:
+            # not on a step a thread count trial ran
+            self.pager.observe_step(wall, scored=self.tuner is None or self.tuner.trial is None)
             if self.tuner is not None:
                 # compute only: the wait on expert reads is no thread count's doing, nor is a step
                 # whose computation faulted mapped experts in from the disk (faults beyond the ones

@@ -17,7 +17,7 @@ from kimistream.formats.layout import EXPERT_PROJS, expert_tensor
 from kimistream.formats.memplan import DECODED_SUFFIXES
 from kimistream.formats.weightfile import WeightFile, WeightFileError, check_model
 
-from .pager import ExpertPager, direct_successor, make_pager
+from .pager import ExpertPager, make_pager, successor, wants_successor
 
 PAGE = mmap.PAGESIZE
 UNBOUNDED = 1 << 62
@@ -262,17 +262,19 @@ class ModelWeights(ExpertProvider):
         how = "O_DIRECT pread" if getattr(p, "direct", False) else p.mode
         if self.io != "auto":
             return how
+        if p.io_trial is not None:
+            return f"auto: {how}{'' if p.mode == 'pread' else ', evicted experts dropped'} ({p.io_trial.note})"
         if p.direct_on_drop:
             return f"auto: {how} (O_DIRECT reads if evicted experts' pages are to be dropped)"
         return f"auto: {how}" + ("" if how == "mmap" else " (evicted experts' pages are not kept)")
 
     # ---- the expert provider, over the pager
     def step_begins(self) -> None:
-        """--io auto: when the pager has asked for O_DIRECT reads, hand over to a pread pager here,
-        between model steps, where no expert's views are in use (the new pool replaces the mapping as
-        the experts' buffer)."""
-        if self.pager.wants_direct:
-            self.pager = direct_successor(self.pager)
+        """--io auto: when the pager has asked for O_DIRECT reads, or its trial of O_DIRECT against the
+        mapping for the other way, hand over to a pager that reads so here, between model steps, where
+        no expert's views are in use (the new pool or the mapping becomes the experts' buffer)."""
+        if wants_successor(self.pager):
+            self.pager = successor(self.pager)
             self.buffer = self.pager.base
             self.offsets_stay = self._offsets_stay()
             self._expert_weights.clear()

@@ -618,11 +618,13 @@ def test_auto_page_cache_decides_from_what_the_page_cache_kept(synthetic, monkey
     proc = kimi_run("--weights", synthetic, "--prompt", "hello", "--max-tokens", 2, "--json", "--page-cache", "drop",
                     "--io", "mmap")
     assert json.loads(proc.stdout)["stats"]["page_cache_policy"] == "drop evicted experts", proc.stderr
-    # --io auto (the default) drops by not letting the pages in: O_DIRECT reads from the start
+    # --io auto (the default) drops by not letting the pages in: O_DIRECT reads from the start, timed
+    # against the mapping's (IoTrial) from the third decode step
     stats = json.loads(kimi_run("--weights", synthetic, "--prompt", "hello", "--max-tokens", 2, "--json",
                                 "--page-cache", "drop").stdout)["stats"]
     assert stats["page_cache_policy"] == "not used (O_DIRECT reads)"
-    assert stats["io"] == "auto: O_DIRECT pread (evicted experts' pages are not kept)"
+    assert stats["io"] == "auto: O_DIRECT pread (a trial of O_DIRECT reads against the mapping under way when " \
+                          "the run ended)"
 
 
 @pytest.mark.parametrize("faster", ["drop", "keep"])
@@ -641,7 +643,7 @@ def test_auto_page_cache_times_both_policies_when_the_share_does_not_tell(synthe
     steps = []
     observe = p.observe_step
 
-    def timed(seconds):                 # the step's time as the policy in force makes it (slow after a switch)
+    def timed(seconds, scored=True):    # the step's time as the policy in force makes it (slow after a switch)
         steps.append(p.drop_evicted)
         slow = p.drop_evicted != (faster == "drop")
         observe((0.03 if slow else 0.02) + (0.5 if len(steps) > 1 and steps[-1] != steps[-2] else 0.0))
@@ -832,7 +834,8 @@ def test_io_auto_moves_to_o_direct_reads_when_evicted_pages_are_to_be_dropped(sy
     assert not first._cache and first.cached_bytes == 0
     assert pager.page_cache_policy.startswith("drop evicted experts (auto: 0% of 4") and \
         pager.page_cache_policy.endswith("; then O_DIRECT reads, which leave nothing to drop")
-    assert policy == "auto: O_DIRECT pread (evicted experts' pages are not kept)"
+    # and from there on O_DIRECT reads are timed against the mapping (IoTrial: no steps timed here)
+    assert policy == "auto: O_DIRECT pread (a trial of O_DIRECT reads against the mapping under way when the run ended)"
     mmap_pager = runs["mmap"][2]
     assert isinstance(mmap_pager, P.MmapPager) and mmap_pager.drop_evicted   # --io mmap: drops, stays
     assert P.MmapPager in steps and P.PreadPager in steps      # one-call steps before and after
@@ -909,6 +912,86 @@ def test_io_auto_reads_with_o_direct_below_a_share_kept_worth_keeping(synthetic,
         decision = "drop" if direct else "keep"
         assert w.pager.page_cache_policy.startswith(f"{decision} evicted experts (auto: {share:.0%} of 4 evicted")
     w.close()
+
+
+def test_io_trial_times_o_direct_against_the_mapping_in_alternating_windows(monkeypatch):
+    """IoTrial: after IO_TRIAL_SKIP steps, windows of O_DIRECT and mapped reads alternate; a window
+    after a switch does not score its first step, nor is a step a thread trial ran scored; the mapping
+    stays only when its steps took less than the margin of O_DIRECT's, on average; a trial that met
+    no step of one kind keeps O_DIRECT."""
+    from kimistream.runtime import pager as P
+    monkeypatch.setattr(P, "IO_TRIAL_SKIP", 1)
+    monkeypatch.setattr(P, "IO_TRIAL_STEPS", 3)
+    monkeypatch.setattr(P, "IO_TRIAL_ORDER", (True, False, True, False))
+
+    def run(direct_s, mapped_s, unscored=()):
+        t, modes = P.IoTrial(), []
+        for i in range(1 + 3 * 4 + 3):
+            modes.append(t.direct)
+            # a step after a switch, or one a thread trial ran: far off, so that scoring it would show
+            odd = i in unscored or (i > 1 and modes[-1] != modes[-2])
+            t.observe(9.0 if odd else (direct_s if t.direct else mapped_s), scored=i not in unscored)
+        return t, modes
+
+    t, modes = run(0.020, 0.018)
+    assert modes[:13] == [True] * 4 + [False] * 3 + [True] * 3 + [False] * 3
+    assert not t.running and not t.direct and modes[13:] == [False] * 3
+    assert t.times[True] == [0.020] * 5 and t.times[False] == [0.018] * 4
+    assert t.note == "timed 18.0 ms a step through the mapping, 20.0 with O_DIRECT reads"
+    t, modes = run(0.020, 0.0195, unscored={2, 8})        # within the margin: O_DIRECT stays
+    assert t.direct and modes[13:] == [True] * 3 and len(t.times[True]) == 3
+    t, _ = run(0.020, 0.010, unscored=set(range(16)))
+    assert t.direct and not t.running and "met no step" in t.note
+
+
+def test_io_auto_hands_over_between_o_direct_and_the_mapping_as_its_trial_says(synthetic_q2, monkeypatch):
+    """--io auto --page-cache drop reads with O_DIRECT from the start and times that against reads
+    through the mapping with evicted experts dropped: the provider hands over at step boundaries as the
+    trial's windows say (Telemetry passing each decode step on, whichever pager it holds), the pagers
+    share their counters, a pool given up returns its pages, and the faster way stays, said in the run
+    summary's io policy. The logits stay those of a pool read up to float rounding (the shared expert
+    runs apart from the routed ones there)."""
+    from kimistream.runtime import pager as P
+    from kimistream.runtime.telemetry import Telemetry
+    monkeypatch.setattr(P, "IO_TRIAL_SKIP", 1)
+    monkeypatch.setattr(P, "IO_TRIAL_STEPS", 2)
+    expert = max(e.nbytes for e in WeightFile(synthetic_q2).extents if e.kind == "expert")
+    ref = ModelWeights(synthetic_q2, io="pread", direct=True, cache_bytes=6 * expert)
+    ref.load_resident()
+    ref_tokens = list(generate(Model(ref, 64), PROMPT, 14, Sampler(0.0), 8))
+    ref.close()
+    for faster in ("mapped", "direct"):
+        monkeypatch.undo()
+        monkeypatch.setattr(P, "IO_TRIAL_SKIP", 1)
+        monkeypatch.setattr(P, "IO_TRIAL_STEPS", 2)
+        observe = P.IoTrial.observe
+        ways, retired = [], []
+        def timed(trial, seconds, scored=True):
+            ways.append(trial.direct)
+            observe(trial, 0.02 if trial.direct == (faster == "direct") else 0.03, scored)
+        monkeypatch.setattr(P.IoTrial, "observe", timed)
+        monkeypatch.setattr(P.PreadPager, "retire",
+                            lambda self, _r=P.PreadPager.retire, _seen=retired: _seen.append(self) or _r(self))
+        w = ModelWeights(synthetic_q2, io="auto", page_cache="drop", cache_bytes=6 * expert)
+        first = w.pager
+        assert isinstance(first, P.PreadPager) and first.direct and first.io_trial is not None
+        w.load_resident()
+        tokens = list(generate(Model(w, 64), PROMPT, 14, Sampler(0.0), 8, telemetry=Telemetry(first)))
+        assert tokens == ref_tokens
+        assert ways[:9] == [True] * 3 + [False] * 2 + [True] * 2 + [False] * 2
+        assert set(ways[9:]) == {faster == "direct"} and len(ways) == 13
+        p = w.pager
+        assert p.stats is first.stats and p.io_trial is first.io_trial and not p.io_trial.running
+        assert isinstance(p, P.PreadPager if faster == "direct" else P.MmapPager) and p.drop_evicted != (faster == "direct")
+        assert first in retired and not first._cache
+        # the retired pool's pages are given back: its bytes read as zeros again
+        assert not np.frombuffer(first._arena, np.uint8).any()
+        assert p.stats.misses > 0 and p.stats.evictions > 0
+        assert p.page_cache_policy == ("not used (O_DIRECT reads)" if faster == "direct" else "drop evicted experts")
+        how = "O_DIRECT pread" if faster == "direct" else "mmap, evicted experts dropped"
+        assert w.io_policy == f"auto: {how} (timed {30 if faster == 'direct' else 20}.0 ms a step through the " \
+                              f"mapping, {20 if faster == 'direct' else 30}.0 with O_DIRECT reads)"
+        w.close()
 
 
 def test_cgroup_memory_limit_read_from_v1_and_v2(tmp_path):

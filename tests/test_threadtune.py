@@ -93,7 +93,7 @@ def through_telemetry(monkeypatch, steps):
         def __init__(self):
             self.stats = PagerStats()
 
-        def observe_step(self, seconds):
+        def observe_step(self, seconds, scored=True):
             pass
 
     clock, faults, walls = [0.0], [0], []
