@@ -44,6 +44,17 @@ def process_memory(limit: int | None = None) -> int | None:
     return min(memory, limit) if limit is not None else memory
 
 
+def limit_leaves_no_room(plan: MemoryPlan, limit: int | None) -> str | None:
+    """no_page_cache_room's first case (a cgroup `limit` that leaves the page cache no room and a cache
+    shorter than a token's experts), in words; None where it does not hold."""
+    token = plan.token_experts or plan.min_cache_experts + 1       # (a plan that does not say: one layer's)
+    if limit is None or plan.cache_experts >= token or limit - plan.budget >= plan.min_cache_experts * plan.expert_bytes:
+        return None
+    return (f"the memory limit of {fmt(limit)} leaves {fmt(max(limit - plan.budget, 0))} beside the budget for the "
+            "page cache, " + (f"and the cache holds {plan.cache_experts} experts, fewer than the {token} a token routes to"
+                              if plan.token_experts else f"and the cache holds only one layer's {plan.cache_experts} experts"))
+
+
 def no_page_cache_room(plan: MemoryPlan, limit: int | None = None, memory: int | None = None,
                        experts: int | None = None) -> str | None:
     """Why evicted experts' pages cannot stay in the page cache to any use, known before the run; None
@@ -62,12 +73,9 @@ def no_page_cache_room(plan: MemoryPlan, limit: int | None = None, memory: int |
     `limit`: the cgroup's, read here when not given; `memory`: process_memory(limit) when not given;
     `experts`: the routed experts' bytes in the file (when not given, the plan's count of the largest)."""
     limit = procfs.cgroup_memory_limit() if limit is None else limit
-    token = plan.token_experts or plan.min_cache_experts + 1       # (a plan that does not say: one layer's)
-    if limit is not None and plan.cache_experts < token and limit - plan.budget < plan.min_cache_experts * plan.expert_bytes:
-        room = limit - plan.budget
-        return (f"the memory limit of {fmt(limit)} leaves {fmt(max(room, 0))} beside the budget for the page cache, "
-                + (f"and the cache holds {plan.cache_experts} experts, fewer than the {token} a token routes to"
-                   if plan.token_experts else f"and the cache holds only one layer's {plan.cache_experts} experts"))
+    why = limit_leaves_no_room(plan, limit)
+    if why:
+        return why
     memory = process_memory(limit) if memory is None else memory
     experts = plan.total_experts * plan.expert_bytes if experts is None else experts
     if memory is not None and experts and memory < PAGE_CACHE_MIN_SHARE * experts:
