@@ -317,7 +317,7 @@ def _interactive(args, log) -> int:
     if untrained:
         log(f"warning: this model looks untrained on its chat template's markers ({', '.join(untrained)}): "
             f"a base model continues the text rather than answering")
-    stop_ids = {i for i in (s.tok.eos_id, *s.cfg.eos_token_ids) if i is not None}
+    stop_ids = s.tok.stop_ids | set(s.cfg.eos_token_ids)
     engine = Engine(s.model, s.tok, stop_ids, args.prefill_batch_size, s.weights.pager,
                     prefix_cache=not args.no_prompt_cache, tuner=_thread_tuner(args), prompt_window=args.prompt_window)
     try:
@@ -375,7 +375,7 @@ def _generate(args, log) -> int:
             finally:
                 tmp.unlink(missing_ok=True)
 
-    stop_ids = {i for i in (tok.eos_id, *cfg.eos_token_ids) if i is not None}
+    stop_ids = tok.stop_ids | set(cfg.eos_token_ids)
     if args.warm_up:            # greedy, its own sampler: the measured run's draws stay as without it
         for _ in generate(model, prompt_ids, 1, Sampler(0.0, 1.0, None), args.prefill_batch_size, stop_ids,
                           window=args.prompt_window):
@@ -579,7 +579,7 @@ def _quality(args, log) -> int:
                 raise RunError("--calibration self: the tokenizer has no BOS token to start sampling from")
             if args.self_tokens < 2 or args.max_ctx < 8:
                 raise RunError("--calibration self needs --self-tokens of at least 2 and --max-context of at least 8")
-            stop = {i for i in (s.tok.eos_id, *s.cfg.eos_token_ids) if i is not None}
+            stop = s.tok.stop_ids | set(s.cfg.eos_token_ids)
             # several sequences side by side, as many as the budget holds the KV cache of (up to 8):
             # each forward step then serves them all
             per_seq = B.kv_bytes(s.cfg, args.max_ctx, 2 if args.kv_dtype == "f16" else 4)

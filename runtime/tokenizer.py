@@ -38,9 +38,23 @@ def _json_file(files, name):
     if name not in files:
         return {}
     try:
-        return json.loads(files[name])
+        doc = json.loads(files[name])
     except ValueError as e:
         raise TokenizerError(f"{name}: not valid JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise TokenizerError(f"{name}: not a JSON object")
+    return doc
+
+
+def _generation_stop_ids(files) -> set[int]:
+    """generation_config.json's eos_token_id: what transformers' generate() stops at. A chat model's
+    end of turn may be named only there (Kimi K2 Instruct ends a turn with <|im_end|>, while its
+    config.json's eos_token_id is [EOS])."""
+    eos = _json_file(files, "generation_config.json").get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise TokenizerError("generation_config.json: eos_token_id must be a token id or a list of token ids")
+    return set(ids)
 
 
 def _token_content(tok):
@@ -74,6 +88,7 @@ class Tokenizer:
         self.bos_token = self.named_tokens.get("bos_token")
         self.eos_token = self.named_tokens.get("eos_token")
         self.chat_template = _default_template(self.config.get("chat_template"))
+        self._generation_stops = _generation_stop_ids(files)
         if "chat_template.jinja" in files:
             self.chat_template = files["chat_template.jinja"].decode()
 
@@ -120,6 +135,11 @@ class Tokenizer:
     @property
     def eos_id(self):
         return self.token_id(self.eos_token)
+
+    @property
+    def stop_ids(self) -> set[int]:
+        """The ids that end generation: the eos token's and generation_config.json's."""
+        return {i for i in (self.eos_id, *self._generation_stops) if i is not None}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids as the reference tokenizer gives them; special tokens in the text are recognised."""

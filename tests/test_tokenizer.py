@@ -1,6 +1,7 @@
 """runtime.tokenizer against reference tokenizers we did not write: transformers' AutoTokenizer for
 `tokenizer.json`, and transformers' TikTokenConverter (with Kimi's split pattern) for `tiktoken.model`."""
 
+import json
 import random
 
 import pytest
@@ -194,3 +195,40 @@ def test_chat_markers(pair):
         assert ours.chat_markers()["<|not_a_token|>"] is None
     finally:
         ours.chat_template = ours.config.get("chat_template") or fx.CHAT_TEMPLATE
+
+
+def test_generation_config_names_more_ids_that_end_generation(tmp_path):
+    """generation_config.json's eos_token_id (one id or several) ends generation beside the eos token,
+    as transformers' generate() does: Kimi K2 Instruct ends a turn with <|im_end|>, which only that
+    file names. A malformed one, or a tokenizer_config.json that is not an object, is one error."""
+    n_base = fx.write_tiktoken_dir(tmp_path)
+    files = {n: (tmp_path / n).read_bytes() for n in ("tiktoken.model", "tokenizer_config.json")}
+    plain = Tokenizer("tiktoken", files)
+    assert plain.stop_ids == {n_base + 1}                                   # [EOS]
+    im_end = plain.token_id("<|im_end|>")
+    for eos, want in ((im_end, {n_base + 1, im_end}), ([im_end, 7], {n_base + 1, im_end, 7}), (None, {n_base + 1})):
+        gen = json.dumps({"eos_token_id": eos, "max_length": 128}).encode()
+        assert Tokenizer("tiktoken", {**files, "generation_config.json": gen}).stop_ids == want
+    for bad in (b'{"eos_token_id": "2"}', b'{"eos_token_id": [1, -3]}', b'{"eos_token_id": true}', b"[1]"):
+        with pytest.raises(TokenizerError, match="generation_config.json: "):
+            Tokenizer("tiktoken", {**files, "generation_config.json": bad})
+    with pytest.raises(TokenizerError, match="tokenizer_config.json: not a JSON object"):
+        Tokenizer("tiktoken", {**files, "tokenizer_config.json": b"[]"})
+
+
+def test_kimi_run_stops_at_generation_config_eos(monkeypatch, capsys):
+    """kimi-run stops where generation_config.json says generation ends (the bundled model, greedy:
+    its third token made an end-of-generation id)."""
+    from kimistream.runtime import cli
+    from kimistream.runtime import tokenizer as T
+
+    def run():
+        assert cli.main(["--prompt", "def ", "--max-tokens", "6", "--json", "--temperature", "0"]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    free = run()
+    assert len(free["tokens"]) == 6 and free["stats"]["stop_reason"] == "max tokens"
+    third = free["tokens"][2]
+    assert third not in free["tokens"][:2]
+    monkeypatch.setattr(T, "_generation_stop_ids", lambda files: {third})
+    stopped = run()
+    assert stopped["tokens"] == free["tokens"][:3] and stopped["stats"]["stop_reason"] == "eos"
