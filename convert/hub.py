@@ -5,10 +5,12 @@ conversion needs, and the `checksums/ORG--NAME@COMMIT.sha256` manifest for a rep
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx2
 from huggingface_hub import HfApi, hf_hub_url
@@ -62,8 +64,21 @@ def find_checksums(repo_id: str, commit: str, checksums_dir: Path | None = None)
 
 
 def resolve_endpoint(endpoint: str | None) -> str:
-    """--endpoint, else HF_ENDPOINT (read by huggingface_hub), else the public hub."""
-    return (endpoint or hf_constants.ENDPOINT).rstrip("/")
+    """--endpoint, else HF_ENDPOINT (read by huggingface_hub), else the public hub; HubError (one line
+    naming it) unless it is an http(s) URL the HTTP client accepts."""
+    given = endpoint
+    endpoint = (endpoint or hf_constants.ENDPOINT).rstrip("/")
+    origin = "--endpoint" if given else "HF_ENDPOINT" if os.environ.get("HF_ENDPOINT") else "hub endpoint"
+    try:
+        u = urlsplit(endpoint)
+        u.port                                       # ValueError for a port that is not a number in range
+        httpx2.URL(endpoint)
+        problem = None if u.scheme in ("http", "https") and u.hostname else "not an http(s) URL"
+    except (ValueError, httpx2.InvalidURL) as e:
+        problem = f"not a valid URL ({e})"
+    if problem:
+        raise HubError(f"{origin} {endpoint}: {problem}")
+    return endpoint
 
 
 @dataclass
@@ -130,7 +145,19 @@ def _describe(e: Exception, repo_id: str, revision: str, endpoint: str) -> str:
         return f"{repo_id}@{revision}: hub API error at {endpoint}: {str(e).splitlines()[0]}"
     if isinstance(e, HFValidationError):
         return f"{repo_id}: {e}"
+    if isinstance(e, httpx2.TooManyRedirects):
+        return f"{repo_id}@{revision}: redirect loop at {endpoint} ({url_of(e) or e})"
+    if isinstance(e, (httpx2.InvalidURL, httpx2.UnsupportedProtocol)):
+        return f"{repo_id}@{revision}: cannot request {url_of(e) or endpoint}: {e}"
     return f"{repo_id}@{revision}: cannot reach {endpoint}: {e}"
+
+
+def url_of(e: Exception) -> str:
+    """The URL of the request an httpx error is about, or ''."""
+    try:
+        return str(e.request.url)        # RuntimeError when the error carries no request
+    except (AttributeError, RuntimeError):
+        return ""
 
 
 def list_snapshot(repo_id: str, revision: str = "main", endpoint: str | None = None,
@@ -153,8 +180,12 @@ def list_snapshot(repo_id: str, revision: str = "main", endpoint: str | None = N
                 last = e
                 continue
             raise HubError(_describe(e, repo_id, revision, endpoint)) from None
+        except (httpx2.UnsupportedProtocol, httpx2.InvalidURL, httpx2.TooManyRedirects) as e:
+            raise HubError(_describe(e, repo_id, revision, endpoint)) from None   # no use asking again
         except (httpx2.TransportError, OSError) as e:
             last = e
+        except httpx2.HTTPError as e:
+            raise HubError(_describe(e, repo_id, revision, endpoint)) from None
     else:
         raise HubError(_describe(last, repo_id, revision, endpoint))
     commit = (info.sha or "").lower()
@@ -174,7 +205,7 @@ def list_snapshot(repo_id: str, revision: str = "main", endpoint: str | None = N
             for f in api.get_paths_info(repo_id, incomplete, revision=commit):
                 if hasattr(f, "blob_id"):
                     snap.files[f.path] = HubFile(f.path, f.size, f.blob_id, f.lfs.sha256 if f.lfs else None)
-        except (HfHubHTTPError, httpx2.TransportError, OSError) as e:
+        except (HfHubHTTPError, httpx2.HTTPError, httpx2.InvalidURL, OSError) as e:
             raise HubError(_describe(e, repo_id, commit, endpoint)) from None
     for f in snap.files.values():
         if f.sha256 is not None:

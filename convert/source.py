@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import unicodedata
 from pathlib import Path
 
 import numpy as np
@@ -37,18 +38,28 @@ def read_index(path: Path) -> dict[str, str]:
     if not isinstance(wmap, dict):
         raise SourceError(f"{path}: malformed index (no weight_map object)")
     for tensor, shard in wmap.items():
+        shown = repr(tensor) if has_control_chars(tensor) else tensor      # the message stays one line
         if not isinstance(shard, str):
-            raise SourceError(f"{path}: malformed index (shard of {tensor} is not a file name)")
+            raise SourceError(f"{path}: malformed index (shard of {shown} is not a file name)")
         problem = shard_name_problem(shard)
         if problem:
-            raise SourceError(f"{path}: shard {shard!r} of {tensor} {problem}")
+            raise SourceError(f"{path}: shard {shard!r} of {shown} {problem}")
     return wmap
+
+
+def has_control_chars(text: str) -> bool:
+    """`text` holds a control character (newline, tab, DEL, C1) or a Unicode line or paragraph
+    separator: anything that would break a name out of its line (str.splitlines splits on all of
+    them) in a manifest, a journal or a message."""
+    return any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in text)
 
 
 def shard_name_problem(name: str) -> str | None:
     """Why `name` cannot be a shard path relative to its checkpoint directory, or None."""
     if not name or "\0" in name:
         return "is empty or not text"
+    if has_control_chars(name):
+        return "contains a control character (a newline, tab or the like)"
     if name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":"):
         return "is an absolute path (shards must lie inside the checkpoint directory)"
     if "\\" in name or any(p in ("", ".", "..") for p in name.split("/")):

@@ -118,7 +118,7 @@ def test_download_pinned_revision_manifest_and_verify(hub, tmp_path):
     assert rep["source"] == f"{REPO}@{hub.commit}"
     assert_complete(d, hub.files)
     # Only what a conversion needs: no README, .gitattributes, unindexed or nested safetensors.
-    assert sorted(p.name for p in d.iterdir()) == sorted([*hub.files, "kimi-stream.sha256"])
+    assert sorted(p.name for p in d.iterdir()) == sorted([*hub.files, "kimi-stream.sha256", ".kimi-stream.sha256.stat"])
     fetched = {e.name for e in hub.log if "/resolve/" in e.path}
     assert fetched == set(hub.files)
     # Pinned: listed once at "main", every file then resolved at the commit the listing returned.
@@ -311,7 +311,7 @@ def test_server_paths_cannot_escape(ckpt, tmp_path):
     d.mkdir()
     (d / "link").symlink_to(tmp_path)
     for bad in ("../x", "a/../../x", "/etc/passwd", "C:\\x", "a\\..\\x", "", ".", "a//b", "link/x",
-                "kimi-stream.sha256", "x.safetensors.partial"):
+                "kimi-stream.sha256", "x.safetensors.partial", ".kimi-stream.sha256.stat"):
         with pytest.raises(ValueError):
             safe_relpath(bad, d)
     assert safe_relpath("sub/model-1-of-2.safetensors", d) == "sub/model-1-of-2.safetensors"
@@ -514,3 +514,270 @@ def test_server_is_a_hub_to_huggingface_hub(hub, tmp_path, monkeypatch):
     path = hf_hub_download(REPO, SHARDS[0], revision=hub.commit, cache_dir=tmp_path, endpoint=hub.url,
                            token=False)
     assert Path(path).read_bytes() == data
+
+
+# ------------------------------------------------------------------- reruns, names, odd servers, Ctrl-C
+
+def files_by_name(rep) -> dict:
+    return {f["name"]: f for f in rep["files"]}
+
+
+def test_rerun_hashes_again_a_file_changed_since_it_was_verified(hub, tmp_path):
+    """A rerun of a finished download trusts a file without hashing it only while its size, mtime,
+    ctime and inode are those recorded when it was verified: one flipped byte (same size), even with
+    the old mtime put back, is found, fetched again, and nothing claims it was checked when it was not."""
+    d = tmp_path / "dl"
+    assert fetch(hub, d)[0].returncode == 0
+    shard = d / SHARDS[0]
+    b = bytearray(shard.read_bytes())
+    b[1000] ^= 1
+    shard.write_bytes(bytes(b))
+    proc, rep = fetch(hub, d)
+    assert proc.returncode == 0, proc.stderr
+    files = files_by_name(rep)
+    assert files[SHARDS[0]]["status"] == "downloaded" and files[SHARDS[0]]["checked"] == "hashed"
+    assert f"{shard}: SHA-256 mismatch" in proc.stderr and "downloading it again" in proc.stderr
+    assert {f["checked"] for n, f in files.items() if n != SHARDS[0]} == {"unchanged"}
+    assert shard.read_bytes() == hub.files[SHARDS[0]]
+
+    st = shard.stat()                               # changed in place, its mtime set back
+    b = bytearray(shard.read_bytes())
+    b[-5] ^= 0x40
+    shard.write_bytes(bytes(b))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    n = len(hub.log)
+    proc, rep = fetch(hub, d)
+    assert proc.returncode == 0, proc.stderr
+    assert files_by_name(rep)[SHARDS[0]]["status"] == "downloaded"
+    assert [e.name for e in hub.log[n:] if e.method == "GET" and e.name and e.status in (200, 206)] == [SHARDS[0]]
+    assert verify(d)[0] == 0
+
+    # Unchanged files: not hashed again, and the summary says so rather than "every file ... checked".
+    proc = run("cli", "--download-only", REPO, "--dir", d, "--endpoint", hub.url, *FAST)
+    assert proc.returncode == 0, proc.stderr
+    assert "every file's size and hash checked" not in proc.stderr
+    assert "0 files' size and hash checked against" in proc.stderr
+    assert f"{len(hub.files)} present files not hashed again: unchanged" in proc.stderr
+
+    # A download without the record of what was hashed (an older kimi-stream's): everything is hashed
+    # once, then recorded.
+    (d / ".kimi-stream.sha256.stat").unlink()
+    proc, rep = fetch(hub, d)
+    assert proc.returncode == 0 and rep["transferred_bytes"] == 0
+    assert {(f["status"], f["checked"]) for f in rep["files"]} == {("present", "hashed")}
+    proc, rep = fetch(hub, d)
+    assert {(f["status"], f["checked"]) for f in rep["files"]} == {("present", "unchanged")}
+
+
+def test_control_characters_in_names_are_refused(ckpt, tmp_path):
+    """A shard name with a newline (from the repo's index, or a URL) would forge lines in the
+    download's kimi-stream.sha256: refused, in one line naming the index or the URL list's line."""
+    from kimistream.convert.fetch import safe_relpath
+    from kimistream.convert.source import SourceError, read_index, shard_name_problem
+    for bad in ("a.safetensors\n" + "0" * 64 + "  config.json", "a\rb", "a\tb", "a\x7fb", "a\x85b", "a\u2028b"):
+        with pytest.raises(ValueError, match="control character"):
+            safe_relpath(bad, tmp_path)
+        assert "control character" in shard_name_problem(bad)
+    idx = tmp_path / "model.safetensors.index.json"
+    idx.write_text(json.dumps({"weight_map": {"t\n0": "a\nb.safetensors"}}))
+    with pytest.raises(SourceError) as e:
+        read_index(idx)
+    assert str(e.value).startswith(f"{idx}: shard 'a\\nb.safetensors' of 't\\n0' contains a control character")
+    assert "\n" not in str(e.value)
+
+    _, files = ckpt
+    evil_name = "x.safetensors\n" + "0" * 64 + "  config.json"
+    index = json.loads(files["model.safetensors.index.json"])
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = evil_name
+    evil = {**files, "model.safetensors.index.json": json.dumps(index).encode(), evil_name: files[SHARDS[0]]}
+    d = tmp_path / "dl"
+    with HubServer() as server:
+        server.add_repo("evil/newline", evil)
+        proc, _ = fetch(server, d, spec="evil/newline")
+        assert proc.returncode == 1
+        assert "control character" in the_error(proc, d / "model.safetensors.index.json")
+        assert not (d / "kimi-stream.sha256").exists()
+        assert "0" * 64 not in (d / "kimi-stream.sha256.partial").read_text()
+
+        lst = tmp_path / "urls.txt"
+        url = server.add_plain("a\nb.bin", b"x")
+        lst.write_text(f"{url} {sha256(b'x')}\n")
+        proc = run("cli", "--download-only", "--urls", lst, "--dir", tmp_path / "dl2", *FAST)
+        assert proc.returncode == 1 and "control character" in the_error(proc, f"{lst}:1")
+
+
+class _OddServer:
+    """A plain HTTP server on 127.0.0.1 whose handler answers by path (see `do_GET`)."""
+
+    def __init__(self, data: bytes):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        self.data, self.gets = data, []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def do_HEAD(self):
+                if self.path.startswith("/head0/"):          # a presigned URL's HEAD: "0 bytes"
+                    return self._answer(200, {"Content-Length": "0"})
+                if self.path.startswith("/stale/"):          # a HEAD from before the file changed
+                    return self._answer(200, {"Content-Length": str(len(outer.data) // 3)})
+                self.do_GET(head=True)
+
+            def do_GET(self, head=False):
+                if self.path.startswith("/loop/"):
+                    return self._answer(302, {"Location": self.path, "Content-Length": "0"})
+                if self.path.startswith("/ftp/"):
+                    return self._answer(302, {"Location": "ftp://127.0.0.1/x.bin", "Content-Length": "0"})
+                if not head:
+                    outer.gets.append(self.path)
+                self._answer(200, {"Content-Length": str(len(outer.data))}, b"" if head else outer.data)
+
+            def _answer(self, status, headers, body=b""):
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_http_client_errors_are_one_line_per_file(tmp_path):
+    """A redirect loop, a redirect to another scheme and malformed URLs (in the list or --endpoint):
+    one line naming the URL, never a traceback; the other files still download."""
+    data = os.urandom(50_000)
+    srv = _OddServer(data)
+    try:
+        lst = tmp_path / "urls.txt"
+        lst.write_text(f"{srv.url}/loop/a.bin {sha256(data)}\n{srv.url}/ftp/b.bin {sha256(data)}\n"
+                       f"{srv.url}/ok/c.bin {sha256(data)}\nhttp://127.0.0.1:abc/d.bin {sha256(data)}\n"
+                       f"http://[::1/e.bin {sha256(data)}\nhttp://127.0.0.1:99999/f.bin\n")
+        d = tmp_path / "dl"
+        proc = run("cli", "--download-only", "--urls", lst, "--dir", d, *FAST)
+        assert proc.returncode == 1
+        assert len(error_lines(proc)) == 5, proc.stderr
+        e = the_error(proc, d / "a.bin")
+        assert "redirect loop" in e and f"{srv.url}/loop/a.bin" in e
+        assert "ftp://127.0.0.1/x.bin" in the_error(proc, d / "b.bin")
+        assert "invalid URL http://127.0.0.1:abc/d.bin" in the_error(proc, f"{lst}:4")
+        assert "invalid URL http://[::1/e.bin" in the_error(proc, f"{lst}:5")
+        assert "invalid URL http://127.0.0.1:99999/f.bin" in the_error(proc, f"{lst}:6")
+        assert (d / "c.bin").read_bytes() == data
+        assert "downloading: done" not in proc.stderr and "kimi-convert: downloading: stopped at " in proc.stderr
+    finally:
+        srv.close()
+
+    for ep in ("http://127.0.0.1:abc", "localhost:8080", "ftp://127.0.0.1"):
+        t0 = time.monotonic()
+        proc = run("cli", "--download-only", REPO, "--dir", tmp_path / "d2", "--endpoint", ep, "--quiet")
+        (line,) = error_lines(proc)
+        assert proc.returncode == 1 and f"--endpoint {ep}: not" in line
+        proc = run("verify_cli", tmp_path, "--hub", f"{REPO}@main", "--endpoint", ep)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        assert proc.stderr.strip() == line.replace("kimi-convert", "kimi-verify")
+        assert time.monotonic() - t0 < 30                # no retries with back-off for a malformed URL
+
+
+def test_head_size_is_only_an_estimate(tmp_path):
+    """A HEAD answer saying 0 bytes (presigned URLs) or a stale length: the file is fetched all the
+    same and checked against its GET and its hash; HEAD never stands in for either."""
+    data = os.urandom(300_000)
+    srv = _OddServer(data)
+    try:
+        lst = tmp_path / "urls.txt"
+        lst.write_text(f"{srv.url}/head0/a.bin {sha256(data)}\n{srv.url}/stale/b.bin {sha256(data)}\n")
+        d = tmp_path / "dl"
+        proc = run("cli", "--download-only", "--urls", lst, "--dir", d, *FAST)
+        assert proc.returncode == 0, proc.stderr
+        assert sorted(srv.gets) == ["/head0/a.bin", "/stale/b.bin"]
+        assert (d / "a.bin").read_bytes() == data and (d / "b.bin").read_bytes() == data
+        assert proc.stderr.splitlines()[-2].startswith("kimi-convert: downloading: done, 585.94 KiB")
+    finally:
+        srv.close()
+
+
+def test_failed_download_of_unknown_size_says_it_stopped(tmp_path):
+    import socket
+    with socket.socket() as s:                       # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    lst = tmp_path / "urls.txt"
+    lst.write_text(f"http://127.0.0.1:{port}/a.bin {'a' * 64}\n")
+    proc = run("cli", "--download-only", "--urls", lst, "--dir", tmp_path / "dl", *FAST, "--retries", "1")
+    assert proc.returncode == 1 and "connection lost" in the_error(proc, tmp_path / "dl" / "a.bin")
+    assert "downloading: done" not in proc.stderr
+    assert "kimi-convert: downloading: stopped at 0 B, with 1 error" in proc.stderr
+
+
+def test_ctrl_c_during_a_stalled_transfer_ends_at_once_and_resumes(hub, tmp_path):
+    d = tmp_path / "dl"
+    name, K = SHARDS[1], 100_000
+    size = len(hub.files[name])
+    hub.fault(name, "stall", times=1, at=K)
+    proc = subprocess.Popen([sys.executable, "-m", "kimistream.convert.cli", "--download-only", REPO, "--dir", str(d),
+                             "--endpoint", hub.url, "--jobs", "2", *FAST], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **HF_ENV})
+    part = d / (name + ".partial")
+    deadline = time.monotonic() + 30
+    while not (part.is_file() and part.stat().st_size == K):
+        assert time.monotonic() < deadline and proc.poll() is None, "download did not reach the stall"
+        time.sleep(0.02)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=60)[1]
+    assert time.monotonic() - t0 < 5, "Ctrl-C waited for the read timeout"
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == (f"kimi-convert: error: {d}: interrupted; partial downloads kept as "
+                                            f"*.partial, run the same command to resume")
+    assert part.stat().st_size == K and not (d / name).exists()
+    hub.release()
+    n = len(hub.log)
+    proc, rep = fetch(hub, d)
+    assert proc.returncode == 0, proc.stderr
+    assert [(g.range, g.sent) for g in hub.log[n:] if g in hub.gets(name)] == [(f"bytes={K}-", size - K)]
+    assert files_by_name(rep)[name]["resumed_from"] == K
+    assert_complete(d, hub.files)
+
+
+def test_manifest_entry_that_matches_no_file_is_an_error(hub, tmp_path):
+    """A --manifest entry that names no file of the download would check nothing: the download stops
+    before it starts, naming the manifest and the entry."""
+    man = tmp_path / "SHA256SUMS"
+    good = {n: sha256(b) for n, b in hub.files.items()}
+    man.write_text("".join(f"{h}  {n}\n" for n, h in good.items()) + f"{'0' * 64}  model-typo.safetensors\n")
+    d = tmp_path / "dl"
+    proc, _ = fetch(hub, d, "--manifest", man)
+    assert proc.returncode == 1
+    (line,) = error_lines(proc)
+    assert line.startswith(f"kimi-convert: error: {man}: entry 'model-typo.safetensors' matches no file of "
+                           f"{REPO}@{hub.commit}")
+    assert not [e for e in hub.log if "/resolve/" in e.path]
+    # A file the repo has but a conversion does not need is an entry of the same release: allowed.
+    readme = sha256(b"# tiny\n")
+    man.write_text("".join(f"{h}  {n}\n" for n, h in good.items()) + f"{readme}  README.md\n")
+    proc, rep = fetch(hub, d, "--manifest", man)
+    assert proc.returncode == 0, proc.stderr
+    assert str(man) in rep["checked_against"]
+
+    with HubServer() as server:
+        lst = tmp_path / "urls.txt"
+        lst.write_text(f"{server.add_plain('c.bin', b'c')}\n")
+        man.write_text(f"{sha256(b'c')}  c.bin\n{sha256(b'd')}  d.bin\n")
+        proc = run("cli", "--download-only", "--urls", lst, "--dir", tmp_path / "dl2", "--manifest", man, *FAST)
+        assert proc.returncode == 1
+        assert "entry 'd.bin' matches no file of the URL list" in the_error(proc, man)
+        assert not server.gets("c.bin")
