@@ -93,8 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     v.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080; 0 picks a free one)")
-    v.add_argument("--api-key", default=os.environ.get("KIMI_STREAM_API_KEY"), metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' (default: $KIMI_STREAM_API_KEY, else none)")
+    # an empty key is no key (an exported but empty KIMI_STREAM_API_KEY, a script's --api-key "$UNSET"):
+    # requiring an empty bearer token would protect nothing, and the warning for a public host must show
+    v.add_argument("--api-key", default=os.environ.get("KIMI_STREAM_API_KEY") or None, type=lambda v: v or None,
+                   metavar="KEY", help="require 'Authorization: Bearer KEY' (default: $KIMI_STREAM_API_KEY, else "
+                                       "none; an empty KEY is none)")
     v.add_argument("--max-queue", type=int, default=16, metavar="N",
                    help="requests that may wait while one generates; more get 503 (default 16)")
     v.add_argument("--max-body", default="4M", metavar="SIZE", help="largest request body (default 4M)")

@@ -66,7 +66,10 @@ class Counters:
 class TextStream:
     """Generated ids → text: only complete characters, and never a tail that might begin a stop
     string. `push` returns the new text that is safe to show; `stopped` is set once a stop string
-    appears (the text is cut before it)."""
+    appears (the text is cut before it). Each push searches for the stop strings only where the new
+    text could hold one (the new characters, and as far back before them as a stop string reaches),
+    and for the held-back tail compares only the candidate lengths ending in the text's last
+    character: a long stop string costs about its length per token, not its square."""
 
     def __init__(self, tok: Tokenizer, stop: tuple[str, ...] = (), skip: set[int] = frozenset()):
         self.tok, self.stop, self.skip = tok, tuple(s for s in stop if s), skip
@@ -74,31 +77,70 @@ class TextStream:
         self.text = ""           # the text so far (up to a stop string)
         self.shown = 0           # how much of it has been handed out
         self.stopped = False
+        self._searched = ""      # the text last searched for stop strings (none was found in it)
 
     def push(self, tid: int) -> str:
         if tid not in self.skip:
             self.ids.append(tid)
         text = self.tok.decode(self.ids)
         if text.endswith("\ufffd"):
-            return ""                  # an incomplete UTF-8 sequence: wait for the next token
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            self.text, self.stopped = text[:cut], True
+            # an incomplete UTF-8 sequence: the characters before it are final, so a stop string
+            # completed there ends the text now; the rest waits for the next token
+            if self._cut(text.rstrip("\ufffd")):
+                return self._flush(len(self.text))
+            return ""
+        if self._cut(text):
             return self._flush(len(self.text))
         self.text = text
-        hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-        return self._flush(len(text) - hold)
+        return self._flush(len(text) - max((_held(text, s) for s in self.stop), default=0))
 
     def finish(self) -> str:
-        """The rest, even an incomplete character, once generation has ended."""
+        """The rest, even an incomplete character, once generation has ended (cut at a stop string
+        if one is there: `stopped` is then set)."""
         if not self.stopped:
-            self.text = self.tok.decode(self.ids)
+            text = self.tok.decode(self.ids)
+            if not self._cut(text):
+                self.text = text
         return self._flush(len(self.text))
+
+    def _cut(self, text: str) -> bool:
+        """Whether a stop string occurs in `text`; if so the text is cut before the first one and
+        `stopped` set. Only the part that is new since the last search is looked at (with the
+        characters before it that a stop string reaching into the new part may start on)."""
+        if not self.stop:
+            return False
+        old = self._searched
+        grown = text.startswith(old)        # else (a decoder that rewrote its tail) search it all
+        cut = -1
+        for s in self.stop:
+            i = text.find(s, max(0, len(old) - len(s) + 1) if grown else 0)
+            if i >= 0 and (cut < 0 or i < cut):
+                cut = i
+        if cut < 0:
+            self._searched = text
+            return False
+        self.text, self.stopped = text[:cut], True
+        return True
 
     def _flush(self, upto: int) -> str:
         out = self.text[self.shown:upto] if upto > self.shown else ""
         self.shown = max(self.shown, upto)
         return out
+
+
+def _held(text: str, s: str) -> int:
+    """The length of the longest end of `text` that begins the stop string `s` (less than len(s)):
+    only lengths whose last character is text's last one are compared."""
+    if not text:
+        return 0
+    last = text[-1]
+    k = min(len(s) - 1, len(text))
+    while k > 0:
+        k = s.rfind(last, 0, k) + 1         # the longest candidate <= k ending in `last`
+        if k and text.endswith(s[:k]):
+            return k
+        k -= 1
+    return 0
 
 
 class Engine:
@@ -156,10 +198,12 @@ class Engine:
                 if text.stopped:
                     res.finish_reason = "stop"
                     break
+            tail = text.finish()            # a stop string may end there (one before an incomplete character)
             if not res.finish_reason:
                 res.finish_reason = {"eos": "stop", "cancelled": "cancelled"}.get(res.stats.stop_reason, "length")
+                if text.stopped and res.finish_reason != "cancelled":
+                    res.finish_reason = "stop"
                 c.cancelled += res.finish_reason == "cancelled"
-            tail = text.finish()
             if tail:
                 yield tail
         finally:

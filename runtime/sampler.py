@@ -18,8 +18,11 @@ class Sampler:
         logits = np.asarray(logits, dtype=np.float64).reshape(-1)
         if self.temperature == 0:
             return int(np.argmax(logits))
-        z = logits / self.temperature
-        p = np.exp(z - z.max())
+        # the largest logit is taken off before dividing: a tiny temperature (1e-308) then sends the
+        # others to -inf (probability 0) rather than every logit to +-inf (inf - inf = NaN)
+        with np.errstate(over="ignore", under="ignore"):
+            z = (logits - logits.max()) / self.temperature
+            p = np.exp(z)
         p /= p.sum()
         if self.top_p < 1:
             order = np.argsort(-p, kind="stable")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, PlainTextResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from .engine import Engine, Request, Result
@@ -26,6 +26,7 @@ from .tokenizer import TokenizerError
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 1024          # the longest stop string: each token's search for them costs about this much
 ROLES = ("system", "developer", "user", "assistant", "tool")    # the chat roles OpenAI's API takes
 MIN_BODY = 1024                # --max-body below this would refuse every request
 MAX_JSON_DEPTH = 64
@@ -35,12 +36,28 @@ DRAIN_LIMIT = 16        # an oversized body is read (and dropped) up to this man
 class ApiError(Exception):
     def __init__(self, status: int, message: str, code: str | None = None, type_: str = "invalid_request_error",
                  param: str | None = None):
+        message, param = _printable(message), None if param is None else _printable(param)
         super().__init__(message)
         self.status, self.message, self.code, self.type, self.param = status, message, code, type_, param
 
     def response(self) -> JSONResponse:
         return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
                                        "code": self.code}}, status_code=self.status)
+
+
+def _printable(text: str) -> str:
+    """`text` as UTF-8 can carry it: a lone surrogate (valid in JSON, "\\ud800") becomes its escape."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _shown(text: str, limit: int = 80) -> str:
+    """A client's string quoted in a message: cut to `limit` characters, lone surrogates escaped."""
+    return _printable(text if len(text) <= limit else text[:limit] + "...")
+
+
+def _shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down; the request was not completed", "server_shutting_down",
+                    "server_error")
 
 
 # ------------------------------------------------------------------------------------ the queue
@@ -59,7 +76,10 @@ class _Job:
         self._cancelled.set()
 
     def emit(self, kind: str, value=None) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:       # the event loop is closed: the server has stopped and no one listens
+            pass
 
 
 class Scheduler:
@@ -74,26 +94,41 @@ class Scheduler:
         self.rejected = 0
         self.generations = 0                # generations the worker has finished
         self._current: _Job | None = None
+        self._live: list[_Job] = []         # submitted and not yet answered: the one running, those waiting
         self._stopping = False
         self._thread = threading.Thread(target=self._work, name="kimi-generate", daemon=True)
         self._thread.start()
+
+    def shutdown(self) -> None:
+        """On the event loop, as the HTTP server begins to stop: every request that runs or waits is
+        cancelled and answered at once with a 503 error (a stream: an error event and [DONE]), so that
+        no handler is still waiting when the server's grace period ends."""
+        with self._lock:
+            self._stopping = True
+            jobs = list(self._live)
+        for job in jobs:
+            job.cancel()
+            job.events.put_nowait(("error", _shutting_down()))
 
     def stop(self) -> None:
         """Cancel what runs and waits (each stops at its next step) and wait for the worker to end,
         so the weights can be closed under no one."""
         with self._lock:
             self._stopping = True
-            if self._current is not None:
-                self._current.cancel()
+            for job in self._live:
+                job.cancel()
         self._jobs.put(None)
         self._thread.join()
 
     def submit(self, job: _Job) -> bool:
         with self._lock:
+            if self._stopping:
+                raise _shutting_down()
             if self.waiting + self.running > self.max_queue:     # one runs, max_queue wait
                 self.rejected += 1
                 return False
             self.waiting += 1
+            self._live.append(job)
         self._jobs.put(job)
         return True
 
@@ -108,26 +143,35 @@ class Scheduler:
                 self._current = job
                 if self._stopping:
                     job.cancel()
-            try:
-                if job.req.cancelled():          # its client left while it waited, or the server stops
-                    self.engine.counters.cancelled += 1
-                    job.emit("done", None)
-                    continue
-                res = Result()
-                for piece in self.engine.run(job.req, res):
-                    job.emit("text", piece)
-                self.generations += 1
-                job.finished = self.generations
-                job.emit("done", res)
-            except ContextFull as e:
-                job.emit("error", ApiError(400, str(e), "context_length_exceeded"))
-            except Exception as e:               # an unreadable expert, a kernel error: the request fails, the server stays
-                self.log(f"error: generation failed: {type(e).__name__}: {e}")
-                job.emit("error", ApiError(500, f"generation failed: {e}", "generation_failed", "server_error"))
-            finally:
-                with self._lock:
-                    self.running = 0
-                    self._current = None
+            final = self._run(job)
+            # the slot is free before the client hears the end: a client that sends its next request
+            # as soon as it has this answer must not find the queue full
+            with self._lock:
+                self.running = 0
+                self._current = None
+                self._live.remove(job)
+            job.emit(*final)
+
+    def _run(self, job: _Job) -> tuple[str, object]:
+        """Run one job, its text going out as it comes; the final event: ("done", Result, or None
+        when its client left while it waited) or ("error", ApiError)."""
+        try:
+            if job.req.cancelled():          # its client left while it waited, or the server stops
+                self.engine.counters.cancelled += 1
+                return ("error", _shutting_down()) if self._stopping else ("done", None)
+            res = Result()
+            for piece in self.engine.run(job.req, res):
+                job.emit("text", piece)
+            self.generations += 1
+            job.finished = self.generations
+            if res.finish_reason == "cancelled" and self._stopping:
+                return "error", _shutting_down()
+            return "done", res
+        except ContextFull as e:
+            return "error", ApiError(400, str(e), "context_length_exceeded")
+        except Exception as e:               # an unreadable expert, a kernel error: the request fails, the server stays
+            self.log(f"error: generation failed: {type(e).__name__}: {e}")
+            return "error", ApiError(500, f"generation failed: {e}", "generation_failed", "server_error")
 
 
 # ------------------------------------------------------------------------------------ requests
@@ -164,7 +208,43 @@ async def _json_body(request: HttpRequest, limit: int) -> dict:
         raise ApiError(400, f"request body is not valid JSON ({e})", "invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object", "invalid_json")
+    for key, value in body.items():
+        where = key if _unencodable(key) else _lone_surrogate(value, key)
+        if where is not None:
+            raise ApiError(400, f"'{_shown(where)}' holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape "
+                                f"without its pair): not text", "invalid_value", param=_shown(key))
     return body
+
+
+def _unencodable(text: str) -> bool:
+    """Whether `text` holds a lone surrogate, which JSON's \\u escapes allow but UTF-8 cannot carry
+    (the tokenizer and the response would fail on it)."""
+    if text.isascii():
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _lone_surrogate(value, where: str) -> str | None:
+    """Where in a parsed JSON value a string or a key holds a lone surrogate; None if nowhere."""
+    if isinstance(value, str):
+        return where if _unencodable(value) else None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            path = f"{where}.{k}"
+            found = path if _unencodable(k) else _lone_surrogate(v, path)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            if isinstance(v, (str, dict, list)):          # not a path for each of a prompt's token ids
+                found = _lone_surrogate(v, f"{where}[{i}]")
+                if found is not None:
+                    return found
+    return None
 
 
 def _nesting(raw: bytes) -> int:
@@ -232,6 +312,10 @@ def _sampling(body: dict, n_prompt: int, max_context: int, prompt_param: str) ->
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP_STRINGS:
         raise ApiError(400, f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings",
                        "invalid_type", param="stop")
+    for s in stop:
+        if len(s) > MAX_STOP_CHARS:
+            raise ApiError(400, f"a stop string may be at most {MAX_STOP_CHARS} characters long; one has {len(s)}",
+                           "invalid_value", param="stop")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be true or false", "invalid_type", param="stream")
@@ -326,6 +410,19 @@ class _EventStream:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:
             pass                                   # the client went away
+        except asyncio.CancelledError:
+            # the server stops and its grace period is over (Scheduler.shutdown normally ended the
+            # stream before): an error event and [DONE] if they can still go out at once (uvicorn's
+            # send writes without waiting unless the client's window is full; the loop's own
+            # cleanup cancels this task again if it is)
+            err = _shutting_down()
+            end = _sse({"error": {"message": err.message, "type": err.type, "param": None, "code": err.code}}) \
+                + _sse(b"[DONE]")
+            try:
+                await send({"type": "http.response.body", "body": end, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except (OSError, asyncio.CancelledError):
+                pass
         finally:
             self.job.cancel()
             watcher.cancel()
@@ -341,7 +438,7 @@ def build_app(engine: Engine, cfg: ServerConfig, log) -> Starlette:
     sched = Scheduler(engine, cfg.max_queue, log)
 
     def authorise(request: HttpRequest) -> None:
-        if cfg.api_key is None:
+        if not cfg.api_key:                        # no key (an empty one is none: see cli's --api-key)
             return
         given = request.headers.get("authorization", "")
         scheme, _, key = given.partition(" ")
@@ -353,7 +450,7 @@ def build_app(engine: Engine, cfg: ServerConfig, log) -> Starlette:
         if not isinstance(name, str):
             raise ApiError(400, "'model' must be a string", "invalid_type", param="model")
         if name != cfg.model_id:
-            raise ApiError(404, f"the model '{name}' does not exist; this server has '{cfg.model_id}'",
+            raise ApiError(404, f"the model '{_shown(name)}' does not exist; this server has '{cfg.model_id}'",
                            "model_not_found", param="model")
 
     async def answer(request: HttpRequest, req: Request, stream: bool, include_usage: bool, chat: bool):
@@ -379,9 +476,15 @@ def build_app(engine: Engine, cfg: ServerConfig, log) -> Starlette:
                 else:
                     res = value
                     break
+        except asyncio.CancelledError:
+            # the server stops and its grace period is over (Scheduler.shutdown normally answered first)
+            return _shutting_down().response()
         finally:
             watcher.cancel()
             job.cancel()
+        if res is None or res.finish_reason == "cancelled":
+            # its client left, while the request waited or ran: no one reads an answer
+            return Response(status_code=499)
         text = "".join(pieces)
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                    "finish_reason": res.finish_reason} if chat else
@@ -421,7 +524,7 @@ def build_app(engine: Engine, cfg: ServerConfig, log) -> Starlette:
     async def model(request: HttpRequest):
         authorise(request)
         if request.path_params["name"] != cfg.model_id:
-            raise ApiError(404, f"the model '{request.path_params['name']}' does not exist", "model_not_found")
+            raise ApiError(404, f"the model '{_shown(request.path_params['name'])}' does not exist", "model_not_found")
         return JSONResponse(_model_card(cfg))
 
     async def health(request: HttpRequest):
@@ -463,6 +566,20 @@ def build_app(engine: Engine, cfg: ServerConfig, log) -> Starlette:
     app = Starlette(routes=routes, exception_handlers={ApiError: on_error, 404: on_error, 405: on_error})
     app.state.scheduler = sched
     return app
+
+
+class _Quiet:
+    """The app, with a cancellation (the server stopping after its grace period, or Python's own
+    cleanup of the tasks left) ending a request quietly rather than as a traceback in the log."""
+
+    def __init__(self, app: Starlette):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await self.app(scope, receive, send)
+        except asyncio.CancelledError:
+            pass
 
 
 async def _watch_disconnect(request: HttpRequest, job: _Job) -> None:
@@ -563,12 +680,19 @@ def listen(host: str, port: int):
 def serve(engine: Engine, cfg: ServerConfig, sock, host: str, log) -> int:
     """Say where, and serve on `sock` (listen's) until interrupted."""
     import uvicorn
-    if host not in LOOPBACK and cfg.api_key is None:
+    if host not in LOOPBACK and not cfg.api_key:
         log(f"warning: serving on {host} without --api-key: anyone who can reach this port can use the model")
     app = build_app(engine, cfg, log)
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
-    server = uvicorn.Server(_config(app))
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            # the requests in flight are answered (503, or an error event and [DONE]) before uvicorn
+            # waits for its connections to end: none is left to be cut off when its grace period ends
+            app.state.scheduler.shutdown()
+            await super().shutdown(sockets=sockets)
+    server = Server(_config(_Quiet(app)))
     # Ctrl-C from here on stops the server through uvicorn's own exit flag. Left to Python's default
     # handler, an interrupt arriving before uvicorn takes the signal over can be raised inside a
     # garbage collector's callback, where Python drops it, and the server would keep running.

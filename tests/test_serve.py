@@ -3,11 +3,13 @@ kimi-run --prompt at temperature 0, usage counts, prefix caching seen in the ser
 queue (order, 503 when full), a client that leaves mid-stream, OpenAI-shaped errors; and the
 interactive --chat on a pseudo-terminal."""
 
+import http.client
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -16,6 +18,9 @@ import urllib.request
 
 import openai
 import pytest
+
+from kimistream.runtime.engine import Engine, Request, TextStream
+from kimistream.runtime.sampler import Sampler
 
 KEY = "test-key-123"
 CONTEXT = 1024
@@ -240,6 +245,119 @@ def test_stop_strings(env, server):
     assert "".join(pieces) == text[:text.find(stop)]
 
 
+def test_stop_strings_at_the_limit_cost_little(server):
+    """Four stop strings of the longest length taken: a request is not much slower than without
+    (the hold-back was O(len(stop)^2) per token: 4 stop strings of 300k characters took 68 s for
+    3 tokens, and every other request waited behind it)."""
+    body = {"model": server.model, "prompt": "import os", "temperature": 0, "max_tokens": 200}
+    t = time.perf_counter()
+    plain = server.raw("POST", "/v1/completions", body)[1]["choices"][0]["text"]
+    alone = time.perf_counter() - t
+    t = time.perf_counter()
+    status, r = server.raw("POST", "/v1/completions", {**body, "stop": ["x" * 1024, "import os\n" * 102, " " * 1024,
+                                                                      "ab" * 512]})
+    assert status == 200 and r["choices"][0]["text"] == plain
+    assert time.perf_counter() - t < 2 * alone + 2
+
+
+def test_text_stream_work_does_not_grow_with_stop_strings():
+    """TextStream alone (no limit of its own): stop strings of 100k characters, compared only where
+    they can matter (the old hold-back tried every prefix of each: hours for this)."""
+    class Chars:
+        def decode(self, ids):
+            return "".join(ids)
+    ts = TextStream(Chars(), ("a" * 100_000 + "b", "x" * 100_000, "ab" * 50_000, "zz"))
+    t = time.perf_counter()
+    out = [ts.push(c) for c in "ab" * 150 + "a" * 300 + "zz" + "tail"]
+    assert time.perf_counter() - t < 2
+    assert ts.stopped and "".join(out) + ts.finish() == "ab" * 150 + "a" * 300
+
+
+class _ByteTok:
+    """A byte-level tokenizer: id -> bytes, decoded with errors="replace" (a token such as b" \xe4\xb8"
+    both completes a stop string and begins a character)."""
+    vocab = {0: b"Answer", 1: b":", 2: b" \xe4\xb8", 3: b"\xad", 9: b""}
+    eos_id = 9
+
+    def decode(self, ids):
+        return b"".join(self.vocab[i] for i in ids).decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("tokens", [[0, 1, 2, 3], [0, 1, 2], [0, 1, 2, 9]], ids=["more", "max_tokens", "eos"])
+def test_a_stop_string_before_an_incomplete_character_is_cut(tokens):
+    ts = TextStream(_ByteTok(), (": ",), {9})
+    out = []
+    for t in tokens:
+        out.append(ts.push(t))
+        if ts.stopped:
+            break
+    out.append(ts.finish())
+    assert ("".join(out), ts.stopped) == ("Answer", True)      # was 'Answer: \ufffd', not stopped
+
+
+@pytest.mark.parametrize("stop_reason,tokens", [("max tokens", [0, 1]), ("eos", [0, 1, 9])])
+def test_a_stop_string_found_at_the_end_makes_finish_reason_stop(monkeypatch, stop_reason, tokens):
+    """The engine's finish reason when generation ends (max_tokens, end of sequence) just as the
+    stop string's last character is still incomplete: finish() finds it, the reason is "stop"."""
+    from types import SimpleNamespace
+
+    import kimistream.runtime.engine as engine_mod
+    tok = _ByteTok()
+    tok.vocab = {0: b"Answer", 1: b": \xe4\xb8", 9: b""}
+
+    def fake_generate(model, prompt, max_tokens, sampler, prefill_batch, stop_ids, stats, *rest):
+        for t in tokens:
+            model.cache.length += 1
+            yield t
+        stats.stop_reason = stop_reason
+    monkeypatch.setattr(engine_mod, "generate", fake_generate)
+    monkeypatch.setattr(engine_mod, "Telemetry", lambda pager, tuner=None: SimpleNamespace(close=lambda: None))
+    model = SimpleNamespace(cache=SimpleNamespace(length=0, max_context=64))
+    e = Engine(model, tok, {9}, 16, pager=None)
+    res = e.complete(Request([5], len(tokens), stop=(": ",)))
+    assert (res.text, res.finish_reason) == ("Answer", "stop")
+    res = e.complete(Request([5], len(tokens)))                       # no stop string: the reason is kept
+    assert res.finish_reason == ("stop" if stop_reason == "eos" else "length")
+
+
+def test_a_tiny_temperature_is_greedy(server):
+    """Temperatures inside the accepted range but so small that logits / T overflow (1e-308 gave 500
+    "Probabilities contain NaN") sample the most likely token."""
+    import numpy as np
+    logits = np.random.default_rng(0).normal(size=512)
+    for t in (1e-308, 5e-324, 1e-300, 1e-12):
+        assert Sampler(t, 1.0, 1)(logits) == Sampler(t, 0.5, 1)(logits) == int(np.argmax(logits))
+    body = {"model": server.model, "prompt": "import os", "max_tokens": 6}
+    want = server.raw("POST", "/v1/completions", {**body, "temperature": 0})[1]["choices"][0]["text"]
+    for t in (1e-308, 5e-324):
+        status, r = server.raw("POST", "/v1/completions", {**body, "temperature": t})
+        assert status == 200 and r["choices"][0]["text"] == want, r
+
+
+def test_a_waiting_request_whose_client_leaves_is_dropped_quietly(server):
+    """A non-stream request whose client leaves while it waits: skipped, counted as cancelled, and no
+    error in the log (answer() read the finish reason of no result)."""
+    before = server.wait_for(lambda m: m["kimi_queue_running"] == 0 and m["kimi_queue_waiting"] == 0)
+    seen = len(server.log)
+    c = server.client()
+    a = threading.Thread(target=lambda: c.completions.create(model=server.model, prompt=_long_prompt("left"),
+                                                             temperature=0, max_tokens=480))
+    a.start()
+    server.wait_for(lambda m: m["kimi_queue_running"] == 1)
+    host, port = server.url[len("http://"):].rsplit(":", 1)
+    body = json.dumps({"model": server.model, "prompt": "import sys", "max_tokens": 5}).encode()
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (KEY.encode(), len(body), body))
+        server.wait_for(lambda m: m["kimi_queue_waiting"] == 1)
+    a.join(120)
+    after = server.wait_for(lambda m: m["kimi_queue_running"] == 0 and m["kimi_queue_waiting"] == 0
+                            and m["kimi_requests_cancelled_total"] > before["kimi_requests_cancelled_total"])
+    assert after["kimi_generated_tokens_total"] - before["kimi_generated_tokens_total"] == 480   # A's only
+    time.sleep(0.2)
+    assert not [line for line in server.log[seen:] if "error" in line or "Traceback" in line], server.log[seen:]
+
+
 def test_errors_have_openai_shape(server):
     def shape(body):
         assert set(body) == {"error"} and isinstance(body["error"]["message"], str)
@@ -268,11 +386,30 @@ def test_errors_have_openai_shape(server):
         (("POST", "/v1/chat/completions", b'{"model": "x", "pad": "' + b"a" * (300 << 10) + b'"}'), 413,
          "request_too_large"),
         (("GET", "/v1/nothing-here", None), 404, "not_found"),
+        # lone surrogates: valid JSON escapes, not text (they were a 500 with a traceback)
+        (("POST", "/v1/completions", b'{"model": "%s", "prompt": "hi \\ud800", "max_tokens": 2}' % server.model.encode()),
+         400, "invalid_value"),
+        (("POST", "/v1/chat/completions", b'{"model": "%s", "messages": [{"role": "user", "content": "\\udc00"}]}'
+          % server.model.encode()), 400, "invalid_value"),
+        (("POST", "/v1/completions", b'{"model": "x\\ud800", "prompt": "hi"}'), 400, "invalid_value"),
+        (("POST", "/v1/completions", b'{"model": "x", "\\ud800": 1}'), 400, "invalid_value"),
+        # a stop string longer than the server takes
+        (("POST", "/v1/completions", {"model": server.model, "prompt": "hi", "stop": ["x" * 1025]}), 400,
+         "invalid_value"),
         (("GET", "/v1/chat/completions", None), 405, "method_not_allowed"),
     ]
     for (method, path, body), status, code in cases:
         got_status, got = server.raw(method, path, body)
         assert (got_status, shape(got)) == (status, code), (path, body if not isinstance(body, bytes) else body[:40], got)
+    status, body = server.raw("POST", "/v1/chat/completions", b'{"model": "%s", "messages": [{"role": "user", '
+                              b'"content": "\\ud800"}]}' % server.model.encode())
+    assert body["error"]["param"] == "messages" and "messages[0].content" in body["error"]["message"]
+    assert "\\ud800" in body["error"]["message"]                  # named by its escape
+    assert "1024" in server.raw("POST", "/v1/completions", {"model": server.model, "prompt": "hi",
+                                                           "stop": "y" * 5000})[1]["error"]["message"]
+    # a surrogate pair is one character: taken
+    assert server.raw("POST", "/v1/completions", b'{"model": "%s", "prompt": "hi \\ud83d\\ude00", "max_tokens": 1}'
+                      % server.model.encode())[0] == 200
     # the field a too-long prompt is blamed on is the one that holds it
     for path, body, param in [("/v1/completions", {"model": server.model, "prompt": "x " * (2 * CONTEXT)}, "prompt"),
                               ("/v1/chat/completions", {"model": server.model, "messages": [
@@ -300,6 +437,85 @@ def test_listening_elsewhere_without_key_warns(env):
     finally:
         s.stop()
     assert "Traceback" not in "".join(s.log)
+
+
+@pytest.mark.parametrize("how", ["environment", "flag"])
+def test_an_empty_api_key_is_no_key(env, how):
+    """KIMI_STREAM_API_KEY="" (exported but empty) or --api-key "": no key, so the warning for a
+    public host shows and clients need none (an empty key had required an empty bearer token)."""
+    e = dict(env, KIMI_STREAM_API_KEY="") if how == "environment" else {k: v for k, v in env.items()
+                                                                         if k != "KIMI_STREAM_API_KEY"}
+    s = Server(e, "--host", "0.0.0.0", *(["--api-key", ""] if how == "flag" else []))
+    try:
+        assert any("warning: serving on 0.0.0.0 without --api-key" in line for line in s.log), s.log
+        assert s.raw("GET", "/v1/models", key="unused")[0] == 200            # the README's client example
+        req = urllib.request.Request(s.url + "/v1/models")                    # no Authorization header at all
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert r.status == 200
+    finally:
+        s.stop()
+
+
+def test_one_request_after_another_never_finds_the_queue_full(env):
+    """--max-queue 0 and a client that sends its next request once it has the answer: never 503 (the
+    worker used to hand out the answer before it freed the slot: 71 of 300 were refused)."""
+    s = Server(env, "--max-queue", "0")
+    try:
+        statuses = [s.raw("POST", "/v1/completions", {"model": s.model, "prompt": "x", "max_tokens": 1})[0]
+                    for _ in range(100)]
+        assert statuses == [200] * 100, statuses
+        c = s.client()
+        for _ in range(30):                                   # streams: the next one as soon as [DONE] is read
+            assert len(list(c.completions.create(model=s.model, prompt="x", max_tokens=1, stream=True))) >= 1
+        assert s.metrics()["kimi_requests_rejected_total"] == 0
+    finally:
+        s.stop()
+
+
+def test_ctrl_c_answers_the_requests_in_flight(env):
+    """Ctrl-C while a stream generates and two requests wait: the stream ends with an error event and
+    [DONE], the others get a 503 in OpenAI's shape, and the log holds no traceback (there were
+    CancelledError tracebacks, and "Event loop is closed" in the generating thread)."""
+    s = Server(env, "--max-queue", "4")
+    host, port = s.url[len("http://"):].rsplit(":", 1)
+    got = {}
+
+    def ask(name, body):
+        c = http.client.HTTPConnection(host, int(port), timeout=120)
+        c.request("POST", "/v1/completions", json.dumps({"model": s.model, **body}),
+                  {"Content-Type": "application/json"})
+        r = c.getresponse()
+        got[name] = (r.status, r.read().decode())
+
+    threads = [threading.Thread(target=ask, args=("stream", {"prompt": "import os", "max_tokens": 900,
+                                                               "temperature": 0, "stream": True}))]
+    try:
+        threads[0].start()
+        s.wait_for(lambda m: m["kimi_queue_running"] == 1)
+        for name, body in [("plain", {"prompt": "import sys", "max_tokens": 5}),
+                           ("waiting stream", {"prompt": "import re", "max_tokens": 5, "stream": True})]:
+            threads.append(threading.Thread(target=ask, args=(name, body)))
+            threads[-1].start()
+            s.wait_for(lambda m, n=len(threads) - 1: m["kimi_queue_waiting"] == n)
+        assert s.metrics()["kimi_queue_running"] == 1               # the stream still generates
+        s.proc.send_signal(signal.SIGINT)
+        assert s.proc.wait(timeout=60) == 130
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+    for t in threads:
+        t.join(60)
+    for name in ("stream", "waiting stream"):
+        status, text = got[name]
+        events = [e[len("data: "):] for e in text.split("\n\n") if e.startswith("data: ")]
+        assert status == 200 and events[-1] == "[DONE]", (name, text[-300:])
+        assert json.loads(events[-2])["error"]["code"] == "server_shutting_down", (name, text[-300:])
+    status, body = got["plain"]
+    assert status == 503 and json.loads(body)["error"]["code"] == "server_shutting_down", body
+    time.sleep(0.2)
+    log = "".join(s.log)
+    assert "Traceback" not in log and "ERROR" not in log and "error" not in log, log
+    assert log.endswith("kimi-run: interrupted\n"), log[-500:]
 
 
 def test_default_host_is_loopback(env):
