@@ -10,7 +10,9 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from kimistream.formats.constants import ROUTED_EXPERTS
 from kimistream.formats.gguffile import is_gguf
@@ -35,7 +37,7 @@ def run(args) -> int:
 
 def print_summary(console: Console, summary) -> None:
     data = summary.to_json()
-    t = Table(title=f"kimi-convert → {data['output']}")
+    t = Table(title=Text(f"kimi-convert → {data['output']}"))
     for col in ("class", "tensors", "params", "bytes", "bits/weight"):
         t.add_column(col, justify="left" if col == "class" else "right")
     for cls, s in data["classes"].items():
@@ -55,7 +57,13 @@ def print_summary(console: Console, summary) -> None:
                   f"{mem['largest_tensor_f32_bytes'] / 2**20:.1f} MiB)")
     if data["skipped_source_tensors"]:
         console.print(f"[yellow]skipped {len(data['skipped_source_tensors'])} source tensor(s) the runtime does not "
-                      f"use, e.g. {data['skipped_source_tensors'][0]}[/]")
+                      f"use, e.g. {escape(data['skipped_source_tensors'][0])}[/]", highlight=False, soft_wrap=True)
+
+
+def _note(console: Console, text: str) -> None:
+    """A message as it is: file names may hold '[...]' (rich markup) and are not wrapped at 80
+    columns when the output is not a terminal."""
+    console.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
 def _error(msg, code: int = 1) -> int:
@@ -128,15 +136,71 @@ def _converting(args, err: Console, out: Path, plan, imatrix=None, delete_source
         calibration=calibration, ray=args.ray), out)
 
 
-def _publish(args, err: Console, path: Path) -> dict:
+def _publish(args, err: Console, path: Path, extents=None) -> dict:
+    """Publish the weight file `path` into --publish DIR, every extent's checksum checked on the way
+    (a damaged file is not published: the old release in DIR, if any, stays as it was)."""
     from kimistream.formats.sizes import parse_size
+    from kimistream.formats.weightfile import WeightFile
 
     from .publish import publish
+    from .verify import ExtentChecker
+    if extents is None:
+        with WeightFile(path) as wf:
+            extents = list(wf.extents)
+    checker = ExtentChecker(path, extents)
     with Phase("publishing", path.stat().st_size, "bytes", quiet=args.quiet) as phase:
-        m = publish(path, args.publish, parse_size(args.chunk_size), progress=phase.advance)
-    err.print(f"published {path} as {len(m['chunks'])} chunk(s) in {args.publish}, "
-              f"compression ratio {m['compression_ratio']:.3f}")
+        m = publish(path, args.publish, parse_size(args.chunk_size), progress=phase.advance, check=checker)
+    _note(err, f"published {path} as {len(m['chunks'])} chunk(s) in {args.publish}, compression ratio "
+               f"{m['compression_ratio']:.3f} (all {checker.checked} extent checksums checked)")
     return m
+
+
+def _assemble(args, err: Console, release_dir: Path, out: Path, what: str, report=None) -> int:
+    """Rebuild a release's weight file into `out`; with --json the result on stdout."""
+    from .publish import assemble, find_manifest
+    path = assemble(release_dir, out)
+    _note(err, f"assembled {path} from {what} (every chunk's SHA-256 checked)")
+    if args.json:
+        _, m = find_manifest(release_dir)
+        data = {"output": str(path), "file_bytes": path.stat().st_size, "sha256": m["sha256"],
+                "assembled_from": str(release_dir), "release": m}
+        if report is not None:
+            data["download"] = report.to_json()
+        sys.stdout.write(json.dumps(data) + "\n")
+    return 0
+
+
+def _conversion_flags(args, quant_given: bool) -> list[str]:
+    """Flags given that only a conversion uses (not the assembly of a published release)."""
+    return [f for f, v in (("--publish", args.publish), ("--quant", quant_given), ("--override", args.override),
+                           ("--calibration", args.calibration), ("--imatrix", args.imatrix),
+                           ("--memory-budget", args.memory_budget), ("--kv-dtype", args.kv_dtype),
+                           ("--max-context", args.max_context is not None), ("--delete-source", args.delete_source),
+                           ("--dry-run", args.dry_run), ("--synthetic", args.synthetic)) if v]
+
+
+def _lists_release(url_file) -> str | None:
+    """The *.release.json a URL list names (it downloads a published release), if any."""
+    from urllib.parse import unquote, urlsplit
+    try:
+        lines = Path(url_file).read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None                       # the download says what is wrong with the list
+    for line in lines:
+        parts = line.split()
+        if parts and not parts[0].startswith("#"):
+            try:
+                name = unquote(urlsplit(parts[0]).path.rsplit("/", 1)[-1])
+            except ValueError:
+                continue
+            if name.endswith(".release.json"):
+                return name
+    return None
+
+
+def _release_refusal(source, manifest_name: str, given: list[str]) -> str:
+    return (f"{source}: is a published release ({manifest_name}): it is assembled into -o as it is; "
+            f"{', '.join(given)} apply to a conversion")
 
 
 def _fit(args, err: Console, cfg, plan, tokenizer_bytes: int | None = None) -> dict | int | None:
@@ -200,6 +264,11 @@ def _misplaced(args, quant_given: bool) -> str | None:
             return f"--chunk-size: {e}"
         if chunk < READ_BLOCK:
             return f"--chunk-size must be at least {fmt(READ_BLOCK)} ({READ_BLOCK} bytes), got {args.chunk_size}"
+        from .publish import other_release
+        kst = args.source and Path(args.source).is_file() and not is_gguf(args.source)
+        name = Path(args.source).name if kst else Path(args.output).name if args.output else None
+        if name and (problem := other_release(args.publish, name)):
+            return f"--publish {problem}"
     if args.publish and args.source and Path(args.source).is_file() and not is_gguf(args.source):
         given = [f for f, v in (("-o", args.output), ("--quant", quant_given), ("--override", args.override),
                                 ("--calibration", args.calibration), ("--imatrix", args.imatrix),
@@ -230,19 +299,23 @@ def _main(args, err: Console) -> int:
         return _error("--ray encodes a checkpoint's tensors: it does not apply to --assemble, --synthetic or "
                       "--download-only", 2)
     if args.assemble:
-        from .publish import assemble
+        given = [f for f, v in (("a source", args.source), ("--urls", args.urls),
+                                ("--download-only", args.download_only), ("--dir", args.dir),
+                                ("--manifest", args.manifest)) if v]
+        given += _conversion_flags(args, quant_given)
+        if given:
+            return _error(f"--assemble rebuilds a published release as it is: {', '.join(given)} do not apply", 2)
         if out is None:
             return _error("--assemble needs -o OUT", 2)
-        path = assemble(args.assemble, out)
-        err.print(f"assembled {path} from {args.assemble} (every chunk's SHA-256 checked)")
-        return 0
+        return _assemble(args, err, args.assemble, out, str(args.assemble))
     if args.publish and args.source and Path(args.source).is_file() and not is_gguf(args.source):
         from kimistream.formats.weightfile import WeightFile, WeightFileError
         try:
-            WeightFile(args.source).close()      # a release is of a weight file: its header checked first
+            with WeightFile(args.source) as wf:  # a release is of a weight file: its header checked first
+                extents = list(wf.extents)
         except WeightFileError as e:
             return _error(e, 2)
-        m = _publish(args, err, Path(args.source))
+        m = _publish(args, err, Path(args.source), extents)
         if args.json:
             sys.stdout.write(json.dumps({"release": m}) + "\n")
         return 0
@@ -263,7 +336,7 @@ def _main(args, err: Console) -> int:
                 return fit
         path = _run_with_progress(err, "writing synthetic", args.quiet, lambda cb: write_synthetic(
             args.synthetic, out, plan, sparse=args.sparse, seed=args.seed, progress=cb))
-        err.print(f"wrote {path} ({path.stat().st_size:,} bytes{', experts sparse' if args.sparse else ''})")
+        _note(err, f"wrote {path} ({path.stat().st_size:,} bytes{', experts sparse' if args.sparse else ''})")
         if args.json:
             sys.stdout.write(json.dumps({"output": str(path), "file_bytes": path.stat().st_size, "sparse": args.sparse,
                                          "classes": plan.classes, "memory_fit": fit}) + "\n")
@@ -297,16 +370,18 @@ def _main(args, err: Console) -> int:
     if problem:
         return _error(*problem)
     report = None
+    given = _conversion_flags(args, quant_given)
+    if args.urls is not None and not args.download_only and given and (name := _lists_release(args.urls)):
+        return _error(_release_refusal(args.urls, name, given), 2)       # before downloading it
     if remote:
         report = _download(args, err, out)
         if isinstance(report, int):
             return report
-        releases = list(Path(report.directory).glob("*.release.json"))
+        releases = sorted(Path(report.directory).glob("*.release.json"))
         if releases and not args.download_only:
-            from .publish import assemble
-            path = assemble(report.directory, out)
-            err.print(f"assembled {path} from the downloaded release (every chunk's SHA-256 checked)")
-            return 0
+            if given:
+                return _error(_release_refusal(args.source or args.urls, releases[0].name, given), 2)
+            return _assemble(args, err, Path(report.directory), out, "the downloaded release", report)
         if args.download_only:
             if args.json:
                 sys.stdout.write(json.dumps({"download": report.to_json()}) + "\n")
@@ -329,7 +404,8 @@ def _main(args, err: Console) -> int:
                 fit = _fit(args, err, ckpt.config, plan, sum(map(len, ckpt.tokenizer_files().values())))
             stacked = getattr(ckpt, "quantized_types", lambda: [])()
             if stacked and args.quant != "keep" and not args.quiet:
-                err.print(f"[yellow]warning:[/] {args.source} holds {', '.join(stacked)} blocks: --quant {args.quant} "
+                err.print(f"[yellow]warning:[/] {escape(str(args.source))} holds {', '.join(stacked)} blocks: "
+                          f"--quant {args.quant} "
                           f"quantizes their dequantized values again (two quantizations stacked)", highlight=False,
                           soft_wrap=True)
         finally:
@@ -345,7 +421,8 @@ def _main(args, err: Console) -> int:
         imatrix = C.load(args.imatrix, args.source)
     elif plan.classes[ROUTED_EXPERTS] in C.LOW_BIT and not args.quiet:
         err.print("[yellow]note:[/] data-free fit: 1-2-bit experts lose 1.3-2x more KL than calibrated ones "
-                  "(benchmarks/RESULTS.md); the default, self-calibration, needs no data")
+                  "(benchmarks/RESULTS.md); the default, self-calibration, needs no data", highlight=False,
+                  soft_wrap=True)
     summary = _converting(args, err, out, plan, imatrix, calibration=described)
     data = summary.to_json()
     data["calibration"] = described
@@ -359,6 +436,6 @@ def _main(args, err: Console) -> int:
         sys.stdout.write(json.dumps(data) + "\n")
     else:
         print_summary(Console(), summary)
-        Console().print(f"calibration: {described}", highlight=False)
+        _note(Console(), f"calibration: {described}")
     return 0
 

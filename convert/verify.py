@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kimistream.formats.checksum import extent_digest, sha256_file
+from kimistream.formats.checksum import extent_digest, new_extent_hasher, sha256_file
 from kimistream.formats.constants import TOKENIZER_FILES
 from kimistream.formats.safetensors import SafetensorsError, SafetensorsFile
 from kimistream.formats.weightfile import WeightFile, WeightFileError, check_model
@@ -40,16 +40,36 @@ def exit_code(rows) -> int:
     return 0
 
 
+HEX64_RE = re.compile(r"^[0-9a-fA-F]{64}$")
+
+
+def manifest_name(name: str) -> str:
+    """A manifest's file name as a checkpoint directory's: `sha256sum ./*` writes './NAME'."""
+    while name.startswith("./"):
+        name = name[2:].lstrip("/")
+    return name
+
+
 def read_manifest(path: Path) -> dict[str, str]:
-    """sha256sum format: 'HEX  NAME' (or 'HEX *NAME'); '#' lines are comments."""
+    """sha256sum format: 'HEX  NAME' (or 'HEX *NAME', './NAME' as `sha256sum ./*` writes it, and
+    sha256sum's '\\HEX  NAME' lines whose NAME escapes a backslash or newline); '#' lines are
+    comments. A name listed twice with different hashes is an error."""
     out = {}
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip() or line.startswith("#"):
             continue
-        parts = line.split(None, 1)
-        if len(parts) != 2 or len(parts[0]) != 64:
+        escaped = line.startswith("\\")
+        parts = line[escaped:].split(None, 1)
+        if len(parts) != 2 or not HEX64_RE.match(parts[0]):
             raise ValueError(f"{path}:{n}: not a sha256sum line")
-        out[parts[1].strip().lstrip("*")] = parts[0].lower()
+        name = parts[1].strip()
+        name = name[1:] if name.startswith("*") else name
+        if escaped:
+            name = re.sub(r"\\(.)", lambda m: {"n": "\n", "r": "\r"}.get(m.group(1), m.group(1)), name)
+        name, sha = manifest_name(name), parts[0].lower()
+        if out.get(name, sha) != sha:
+            raise ValueError(f"{path}:{n}: {name} is listed twice with different SHA-256")
+        out[name] = sha
     return out
 
 
@@ -68,9 +88,15 @@ def read_manifest_meta(path: Path) -> dict[str, str]:
 
 def write_manifest(path: Path, hashes: dict[str, str], comments=()) -> None:
     tmp = Path(str(path) + ".partial")
-    lines = [f"# {c}" for c in comments] + [f"{h}  {n}" for n, h in sorted(hashes.items())]
+    lines = [f"# {c}" for c in comments] + [_manifest_line(h, n) for n, h in sorted(hashes.items())]
     tmp.write_text("\n".join(lines) + "\n")
     tmp.replace(path)
+
+
+def _manifest_line(sha: str, name: str) -> str:
+    if "\\" in name or "\n" in name:            # as sha256sum writes such a name
+        return "\\" + f"{sha}  " + name.replace("\\", "\\\\").replace("\n", "\\n")
+    return f"{sha}  {name}"
 
 
 def expected_files(directory: Path) -> list[str]:
@@ -89,11 +115,14 @@ def expected_files(directory: Path) -> list[str]:
 
 
 def verify_directory(directory: Path, manifest: dict[str, str] | None, workers: int = 2, on_bytes=None,
-                     sizes: dict[str, int] | None = None, git_blobs: dict[str, str] | None = None):
+                     sizes: dict[str, int] | None = None, git_blobs: dict[str, str] | None = None,
+                     more_sha256: dict[str, str] | None = None, more_from: str = ""):
     """Rows for every expected file (and every extra one); hashes computed in parallel. `manifest`:
-    expected SHA-256 by name; `sizes` and `git_blobs` (git blob ids): what a hub listing says."""
+    expected SHA-256 by name; `sizes` and `git_blobs` (git blob ids): what a hub listing says;
+    `more_sha256`: SHA-256 from a second source (`more_from`, e.g. a --manifest given with --hub) that
+    a file must match as well."""
     directory = Path(directory)
-    sizes, git_blobs = sizes or {}, git_blobs or {}
+    sizes, git_blobs, more = sizes or {}, git_blobs or {}, more_sha256 or {}
     names = expected_files(directory)
     idx_problem = None
     if (directory / INDEX_FILE).is_file():
@@ -102,11 +131,11 @@ def verify_directory(directory: Path, manifest: dict[str, str] | None, workers: 
         except SourceError as e:
             idx_problem = str(e).removeprefix(f"{directory / INDEX_FILE}: ")
     manifest = manifest or {}
-    for extra in (manifest, sizes, git_blobs):
+    for extra in (manifest, sizes, git_blobs, more):
         names += [n for n in extra if n not in names]
 
     def check(name: str) -> Row:
-        exp = manifest.get(name, "")
+        exp = manifest.get(name, "") or more.get(name, "")
         problem = shard_name_problem(name)
         if problem:                    # a name from a manifest or listing: never read outside the directory
             return Row(name, None, exp, "", CORRUPT, f"file name {problem}")
@@ -130,6 +159,9 @@ def verify_directory(directory: Path, manifest: dict[str, str] | None, workers: 
             return Row(name, size, "", actual, UNVERIFIABLE, "no expected hash", actual)
         if exp and actual != exp:
             return Row(name, size, exp, actual, CORRUPT, "SHA-256 mismatch", actual)
+        if more.get(name, actual) != actual:
+            return Row(name, size, more[name], actual, CORRUPT,
+                       f"SHA-256 mismatch ({more_from or 'second manifest'})", actual)
         if blob and git != blob:
             return Row(name, size, blob, git, CORRUPT, "git blob id mismatch (hub listing)", actual)
         if exp:
@@ -146,10 +178,11 @@ def verify_directory(directory: Path, manifest: dict[str, str] | None, workers: 
 
 
 def verify_weight_file(path: Path, workers: int = 2, on_bytes=None, sources: dict[str, str] | None = None,
-                       sources_from: str = ""):
+                       sources_from: str = "", more_sources=()):
     """Rows: the header, then one per extent whose checksum does not match (or one 'ok' summary), then
     the recorded source files: well-formed, and (given `sources`, expected SHA-256 by name, e.g. from a
-    manifest or a hub listing) the very files expected."""
+    manifest or a hub listing) the very files expected; `more_sources`: further (expected, from)
+    pairs the recorded sources are checked against as well (a --manifest given with --hub)."""
     try:
         wf = WeightFile(path)
     except WeightFileError as e:
@@ -178,8 +211,47 @@ def verify_weight_file(path: Path, workers: int = 2, on_bytes=None, sources: dic
         rows.append(Row(f"{Path(path).name} [{len(results)} extents]", sum(e.nbytes for e in wf.extents),
                         "xxh3_64", "match", OK))
     rows += _source_rows(Path(path).name, wf.header.get("source"), sources, sources_from)
+    for more, more_from in more_sources:
+        rows += _source_rows(Path(path).name, wf.header.get("source"), more, more_from)
     wf.close()
     return rows
+
+
+class ExtentChecker:
+    """A weight file's extent checksums checked from its bytes as they are read, in order from the
+    start (as publishing reads them: one pass over the file): `feed(block)` raises WeightFileError at
+    the end of the first extent whose bytes do not match, `finish()` once the whole file was fed."""
+
+    def __init__(self, path: Path, extents):
+        self.path = Path(path)
+        self.todo = sorted(extents, key=lambda e: e.offset)
+        self.i, self.pos = 0, 0
+        self.h = new_extent_hasher()
+        self.checked = 0
+
+    def feed(self, block) -> None:
+        start, end = self.pos, self.pos + len(block)
+        self.pos = end
+        view = memoryview(block)
+        while self.i < len(self.todo):
+            e = self.todo[self.i]
+            a, b = max(start, e.offset), min(end, e.offset + e.nbytes)
+            if a < b:
+                self.h.update(view[a - start:b - start])
+            if e.offset + e.nbytes > end:
+                break
+            if self.h.hexdigest() != e.checksum:
+                raise WeightFileError(f"{self.path}: extent {e.name} ({e.kind}) checksum mismatch: the weight "
+                                      f"file is damaged (kimi-verify {self.path} lists every damaged extent)")
+            self.h.reset()
+            self.i += 1
+            self.checked += 1
+
+    def finish(self) -> None:
+        if self.i < len(self.todo):
+            e = self.todo[self.i]
+            raise WeightFileError(f"{self.path}: extent {e.name} was not read to its end ({self.pos:,} bytes "
+                                  f"read): the file changed while it was read")
 
 
 def verify_gguf(path: Path, expected: dict[str, str] | None, on_bytes=None) -> list[Row]:

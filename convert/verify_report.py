@@ -4,11 +4,13 @@ come from (a manifest, the project's checksums/, the hub's listing), the checks,
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
+from rich.text import Text
 
 from kimistream.formats.gguffile import is_gguf
 from kimistream.formats.interrupts import say
@@ -36,7 +38,8 @@ def _checksums_for(meta: dict, checksums_dir) -> Path | None:
 
 def _from_manifests(directory: Path | None, args) -> Expect | None:
     """--manifest FILE, else DIR/kimi-stream.sha256 (its '# repo:' / '# revision:' also select
-    checksums/ORG--NAME@COMMIT.sha256, which wins where both list a file), else checksums/DIRNAME.sha256."""
+    checksums/ORG--NAME@COMMIT.sha256, which wins where both list a file), else checksums/DIRNAME.sha256
+    (DIRNAME: the directory's own name, also when it is given as '.' or 'sub/..')."""
     if args.manifest:
         m = Path(args.manifest)
         return Expect(V.read_manifest(m), sources=[str(m)], meta=V.read_manifest_meta(m))
@@ -50,7 +53,8 @@ def _from_manifests(directory: Path | None, args) -> Expect | None:
             hashes.update(V.read_manifest(named))
             sources.append(str(named))
         return Expect(hashes, sources=sources, meta=meta)
-    named = Path(args.checksums or H.CHECKSUMS_DIR) / f"{directory.name}.sha256"
+    # the directory's own name also for '.' or 'a/..' (Path('.').name is ''); a symlink keeps its name
+    named = Path(args.checksums or H.CHECKSUMS_DIR) / f"{Path(os.path.abspath(directory)).name}.sha256"
     if named.is_file():
         return Expect(V.read_manifest(named), sources=[str(named)], meta=V.read_manifest_meta(named))
     return None
@@ -98,6 +102,12 @@ def run(args) -> int:
     if args.write_manifest and not any(Path(p).is_dir() for p in args.paths):
         say("kimi-verify: error: --write-manifest records a checkpoint directory's files: none of the paths is a directory")
         return 2
+    dirs = [p for p in args.paths if Path(p).is_dir()]
+    if args.write_manifest and len(dirs) > 1:
+        say(f"kimi-verify: error: --write-manifest records one checkpoint directory's files (names relative to it): "
+            f"{len(dirs)} directories given ({', '.join(dirs[:3])}{', ...' if len(dirs) > 3 else ''}); "
+            f"write one manifest per directory")
+        return 2
     progress = Progress(TextColumn("[bold]hashing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                         console=err, transient=True)
     try:
@@ -105,6 +115,8 @@ def run(args) -> int:
         if args.hub:
             repo_id, rev = H.parse_spec(args.hub)
             snap = H.list_snapshot(repo_id, rev, args.endpoint)
+        # --manifest with --hub: a file must match both (a mismatch against either is corrupt)
+        also = _from_manifests(None, args) if snap and args.manifest else None
         with progress:
             for raw in args.paths:
                 path = Path(raw)
@@ -113,7 +125,8 @@ def run(args) -> int:
                 if path.is_dir():
                     exp = _from_hub(snap, path, args.checksums) if snap else _from_manifests(path, args)
                     rows = V.verify_directory(path, exp and exp.sha256, args.jobs, adv,
-                                              exp and exp.sizes, exp and exp.git_blobs)
+                                              exp and exp.sizes, exp and exp.git_blobs,
+                                              also and also.sha256, also and also.sources[0])
                     if args.write_manifest:
                         meta = {k: exp.meta[k] for k in ("repo", "revision") if exp and k in exp.meta}
                         V.write_manifest(Path(args.write_manifest),
@@ -129,9 +142,11 @@ def run(args) -> int:
                 else:
                     exp = _from_hub(snap, None, args.checksums) if snap else _from_manifests(None, args)
                     rows = V.verify_weight_file(path, args.jobs, adv, exp and exp.sha256,
-                                                " and ".join(exp.sources) if exp else "")
-                if exp:
-                    sources += [s for s in exp.sources if s not in sources]
+                                                " and ".join(exp.sources) if exp else "",
+                                                [(also.sha256, also.sources[0])] if also else ())
+                for e in (exp, also):
+                    if e:
+                        sources += [s for s in e.sources if s not in sources]
                 all_rows += rows
     except (ValueError, OSError) as e:
         say(f"kimi-verify: error: {e}")
@@ -141,14 +156,15 @@ def run(args) -> int:
         print(json.dumps({"ok": code == 0, "exit_code": code, "expected_from": sources,
                           "rows": V.rows_json(all_rows)}))
         return code
-    t = Table(title="kimi-verify", caption=("expected hashes from " + ", ".join(sources)) if sources else None)
+    # Text, not markup: file names and details may hold '[...]'
+    t = Table(title="kimi-verify", caption=Text("expected hashes from " + ", ".join(sources)) if sources else None)
     for c in ("file", "size", "expected", "actual", "status"):
         t.add_column(c, overflow="fold")
     colors = {V.OK: "green", V.MISSING: "red", V.CORRUPT: "red", V.UNVERIFIABLE: "yellow", V.EXTRA: "yellow"}
     for r in all_rows:
         status = r.status + (f": {r.detail}" if r.detail else "")
-        t.add_row(r.file, "" if r.size is None else f"{r.size:,}", r.expected[:16], r.actual[:16],
-                  f"[{colors[r.status]}]{status}[/]")
+        t.add_row(Text(r.file), "" if r.size is None else f"{r.size:,}", Text(r.expected[:16]), Text(r.actual[:16]),
+                  Text(status, style=colors[r.status]))
     Console().print(t)
     return code
 

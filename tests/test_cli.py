@@ -353,3 +353,227 @@ def test_chat_on_a_base_model_warns():
     assert len(warning) == 1 and "<|im_start|>" in warning[0], proc.stderr
     proc = kimi_run("--prompt", "hi", "--max-tokens", "1")
     assert "warning: --chat" not in proc.stderr
+
+
+# ---- kimi-verify and kimi-convert --publish/--assemble: manifests, releases, file names ----
+
+def _hub_env(tmp_path):
+    import os
+    return {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_DISABLE_TELEMETRY": "1"}
+
+
+def _verify_json(*args, cwd=None, env=None):
+    proc = subprocess.run([sys.executable, "-m", "kimistream.convert.verify_cli", *map(str, args), "--json"],
+                          capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
+    return proc.returncode, json.loads(proc.stdout) if proc.stdout.strip() else None, proc.stderr
+
+
+def _sha(path) -> str:
+    import hashlib
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_sha256sum_manifests_of_dot_slash_names_apply(tiny_ckpt, tmp_path):
+    """`sha256sum ./*` writes './NAME' (and '*./NAME' in binary mode): the names are the directory's files,
+    so a correct manifest verifies every one and a wrong one fails them (they were ignored, and each
+    './NAME' was a corrupt row of its own)."""
+    d = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt, d)
+    files = sorted(p for p in d.iterdir() if p.is_file())
+    good = tmp_path / "good.sha256"
+    good.write_text("".join(f"{_sha(p)}  ./{p.name}\n" if i % 2 else f"{_sha(p)} *./{p.name}\n"
+                            for i, p in enumerate(files)))
+    code, rep, _ = _verify_json(d, "--manifest", good)
+    assert code == 0, rep
+    assert sorted(r["file"] for r in rep["rows"]) == sorted(f"{d}/{p.name}" for p in files)
+    wrong = tmp_path / "wrong.sha256"
+    wrong.write_text("".join(f"{'0' * 64}  ./{p.name}\n" for p in files))
+    code, rep, _ = _verify_json(d, "--manifest", wrong)
+    assert code == 4 and {r["status"] for r in rep["rows"]} == {"corrupt"}
+    assert all(r["detail"] == "SHA-256 mismatch" for r in rep["rows"])
+
+
+def test_a_dot_slash_manifest_applies_to_a_download(tiny_ckpt, tmp_path):
+    from hubserver import HubServer
+    files = {p.name: p.read_bytes() for p in tiny_ckpt.iterdir() if p.is_file()}
+    wrong = tmp_path / "wrong.sha256"
+    wrong.write_text("".join(f"{'0' * 64}  ./{n}\n" for n in files))
+    good = tmp_path / "good.sha256"
+    good.write_text("".join(f"{_sha(tiny_ckpt / n)}  ./{n}\n" for n in files))
+    with HubServer() as hub:
+        hub.add_repo("o/r", files)
+        cmd = [sys.executable, "-m", "kimistream.convert.cli", "--download-only", "o/r", "--endpoint", hub.url,
+               "--retry-wait", "0", "--retries", "1", "--quiet"]
+        p = subprocess.run([*cmd, "--dir", str(tmp_path / "bad"), "--manifest", str(wrong)], capture_output=True,
+                           text=True, timeout=300, env=_hub_env(tmp_path))
+        assert p.returncode != 0 and "wrong.sha256" in p.stderr and "Traceback" not in p.stderr, p.stderr
+        assert not (tmp_path / "bad" / "model.safetensors").exists()
+        p = subprocess.run([*cmd, "--dir", str(tmp_path / "ok"), "--manifest", str(good), "--json"],
+                           capture_output=True, text=True, timeout=300, env=_hub_env(tmp_path))
+        assert p.returncode == 0, p.stderr
+        assert str(good) in json.loads(p.stdout)["download"]["checked_against"]
+
+
+def test_verify_with_hub_and_manifest_checks_both(tiny_ckpt, tmp_path):
+    """--hub REPO --manifest M: a file must match the hub's listing and M (M was ignored: a manifest
+    contradicting every file gave exit 0)."""
+    from hubserver import HubServer
+    d = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt, d)
+    files = {p.name: p.read_bytes() for p in d.iterdir() if p.is_file()}
+    wrong = tmp_path / "wrong.sha256"
+    wrong.write_text("".join(f"{'0' * 64}  {n}\n" for n in files))
+    one_wrong = tmp_path / "one_wrong.sha256"
+    one_wrong.write_text("".join(f"{'0' * 64 if n == 'config.json' else _sha(d / n)}  {n}\n" for n in files))
+    good = tmp_path / "good.sha256"
+    good.write_text("".join(f"{_sha(d / n)}  {n}\n" for n in files))
+    env = _hub_env(tmp_path)
+    with HubServer() as hub:
+        commit = hub.add_repo("o/r", files)
+        hub_args = ("--hub", f"o/r@{commit}", "--endpoint", hub.url)
+        code, rep, err = _verify_json(d, *hub_args, env=env)
+        assert code == 0, (rep, err)
+        code, rep, _ = _verify_json(d, *hub_args, "--manifest", good, env=env)
+        assert code == 0 and str(good) in rep["expected_from"] and len(rep["expected_from"]) >= 2
+        code, rep, _ = _verify_json(d, *hub_args, "--manifest", wrong, env=env)
+        assert code == 4 and str(wrong) in rep["expected_from"]
+        assert {r["status"] for r in rep["rows"]} == {"corrupt"}
+        code, rep, _ = _verify_json(d, *hub_args, "--manifest", one_wrong, env=env)
+        bad = [r for r in rep["rows"] if r["status"] != "ok"]
+        assert code == 4 and [r["file"] for r in bad] == [f"{d}/config.json"], bad
+        assert "SHA-256 mismatch" in bad[0]["detail"]
+
+
+def test_verify_dot_finds_the_checksums_of_the_directory_it_is(tiny_ckpt, tmp_path):
+    """`kimi-verify .` inside DIR looks for checksums/DIR.sha256 as `kimi-verify DIR` does (it looked for
+    checksums/.sha256: exit 5, nothing to compare against)."""
+    d = tmp_path / "tiny-moe"
+    shutil.copytree(tiny_ckpt, d)
+    sums = tmp_path / "sums"
+    sums.mkdir()
+    (sums / "tiny-moe.sha256").write_text("".join(f"{_sha(p)}  {p.name}\n" for p in sorted(d.iterdir())))
+    for path, cwd in ((".", d), ("tiny-moe", tmp_path), ("tiny-moe/", tmp_path), (f"{d}/../tiny-moe", None)):
+        code, rep, _ = _verify_json(path, "--checksums", sums, cwd=cwd)
+        assert code == 0 and rep["expected_from"] == [str(sums / "tiny-moe.sha256")], (path, rep)
+
+
+def test_write_manifest_records_one_directory(tiny_ckpt, tmp_path):
+    man = tmp_path / "m.sha256"
+    r = run("convert.verify_cli", tiny_ckpt, tiny_ckpt.parent, "--write-manifest", man, check=False)
+    _one_line_error(r, "--write-manifest records one checkpoint directory's files", "2 directories given")
+    assert r.returncode == 2 and not man.exists() and r.stdout == ""
+
+
+def _damaged_copy(tiny_kst, path, extent="expert.2.5"):
+    from kimistream.formats.weightfile import WeightFile
+    shutil.copy(tiny_kst, path)
+    with WeightFile(path) as wf:
+        pos = wf.extent_by_name[extent].offset + 123
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0xFF]))
+    return path
+
+
+def test_a_damaged_weight_file_is_not_published(tiny_kst, tmp_path):
+    """--publish checks every extent's checksum on the way (it checked the header only: a file kimi-verify
+    calls corrupt was published and assembled 'OK'); the release already in DIR stays as it was."""
+    rel = tmp_path / "rel"
+    convert(tiny_kst, "--publish", rel, "--chunk-size", "16MiB", "--quiet")
+    before = {p.name: p.read_bytes() for p in rel.iterdir()}
+    bad = _damaged_copy(tiny_kst, tmp_path / "tiny.kst")
+    r = convert(bad, "--publish", rel, "--chunk-size", "16MiB", "--quiet", check=False)
+    _one_line_error(r, str(bad), "extent expert.2.5", "checksum mismatch")
+    assert {p.name: p.read_bytes() for p in rel.iterdir()} == before
+    r = convert(bad, "--publish", tmp_path / "new", "--chunk-size", "16MiB", "--quiet", check=False)
+    _one_line_error(r, "checksum mismatch")
+    assert not any((tmp_path / "new").iterdir())
+
+
+def test_file_names_with_brackets_are_printed_as_they_are(tiny_kst, tiny_ckpt, tmp_path):
+    """Paths are not rich markup: '[v2]' was swallowed from messages and '[/b]' raised MarkupError after
+    the work was done (exit 1); messages are not wrapped at 80 columns when piped."""
+    for name in ("rel[v2]", "a[/b]"):
+        rel = tmp_path / name
+        r = convert(tiny_kst, "--publish", rel, "--chunk-size", "16MiB", "--quiet")
+        line = next(line for line in r.stderr.splitlines() if line.startswith("published "))
+        assert f"published {tiny_kst} as " in line and f" in {rel}, compression ratio " in line, r.stderr
+        assert (rel / "tiny.kst.release.json").is_file()
+        out = tmp_path / f"out[{name}].kst"
+        r = convert("--assemble", rel, "-o", out, "--quiet")
+        assert f"assembled {out} from {rel} (" in r.stderr, r.stderr
+    import os
+    wide = {**os.environ, "COLUMNS": "400"}
+    odd = tmp_path / "w[red]x.kst"
+    shutil.copy(tiny_kst, odd)
+    r = subprocess.run([sys.executable, "-m", "kimistream.convert.verify_cli", str(odd)], capture_output=True,
+                       text=True, timeout=300, env=wide)
+    assert r.returncode == 0 and "w[red]x.kst [header]" in r.stdout and "Traceback" not in r.stderr, r.stdout
+    d = tmp_path / "x[" / "b]"                   # the directory x[/b]
+    shutil.copytree(tiny_ckpt, d)
+    r = subprocess.run([sys.executable, "-m", "kimistream.convert.verify_cli", str(d)], capture_output=True,
+                       text=True, timeout=300, env=wide)
+    assert r.returncode == 5 and f"{d}/config.json" in r.stdout and "Traceback" not in r.stderr, r.stderr
+
+
+def test_assemble_gives_json_and_refuses_flags_it_would_ignore(tiny_kst, tmp_path):
+    rel = tmp_path / "rel"
+    convert(tiny_kst, "--publish", rel, "--chunk-size", "16MiB", "--quiet")
+    out = tmp_path / "out.kst"
+    r = convert("--assemble", rel, "-o", out, "--json", "--quiet")
+    data = json.loads(r.stdout)
+    assert data["output"] == str(out) and data["file_bytes"] == tiny_kst.stat().st_size
+    assert data["sha256"] == _sha(tiny_kst) and data["assembled_from"] == str(rel)
+    assert data["release"]["file"] == "tiny.kst"
+    for flags, message in [(("--quant", "q4"), "--quant do not apply"),
+                           (("--publish", tmp_path / "rel2"), "--publish do not apply"),
+                           (("--dry-run",), "--dry-run do not apply"),
+                           ((tiny_kst,), "a source do not apply")]:
+        r = convert("--assemble", rel, "-o", tmp_path / "x.kst", *flags, "--quiet", check=False)
+        _one_line_error(r, "--assemble rebuilds a published release as it is", message)
+        assert r.returncode == 2 and not (tmp_path / "x.kst").exists() and not (tmp_path / "rel2").exists()
+
+
+def test_a_release_from_urls_gives_json_and_refuses_conversion_flags(tiny_kst, tmp_path):
+    """A URL list of a published release is assembled into -o: --json prints the result (stdout was
+    empty), and --publish/--quant/--override, which only a conversion uses, are refused before the
+    download (they were ignored)."""
+    from hubserver import HubServer
+    rel = tmp_path / "rel"
+    convert(tiny_kst, "--publish", rel, "--chunk-size", "16MiB", "--quiet")
+    env = _hub_env(tmp_path)
+    with HubServer() as hub:
+        lst = tmp_path / "urls.txt"
+        lst.write_text("".join(f"{hub.add_plain(f.name, f.read_bytes())} {_sha(f)}\n"
+                               for f in sorted(rel.iterdir()) if f.name != "SHA256SUMS"))
+        base = [sys.executable, "-m", "kimistream.convert.cli", "--urls", str(lst), "--dir", str(tmp_path / "d"),
+                "-o", str(tmp_path / "out.kst"), "--quiet", "--retry-wait", "0"]
+        for flags, message in [(("--publish", tmp_path / "rel2"), "--publish apply to a conversion"),
+                               (("--quant", "q4", "--override", "x=f32"), "--quant, --override apply to a conversion")]:
+            r = subprocess.run([*base, *map(str, flags)], capture_output=True, text=True, timeout=300, env=env)
+            _one_line_error(r, str(lst), "is a published release (tiny.kst.release.json)", message)
+            assert r.returncode == 2 and not (tmp_path / "d").exists() and not (tmp_path / "rel2").exists()
+        r = subprocess.run([*base, "--json"], capture_output=True, text=True, timeout=300, env=env)
+        assert r.returncode == 0, r.stderr
+        data = json.loads(r.stdout)
+        assert data["output"] == str(tmp_path / "out.kst") and data["sha256"] == _sha(tiny_kst)
+        assert data["assembled_from"] == str(tmp_path / "d")
+        assert len(data["download"]["files"]) == len(lst.read_text().splitlines())
+    assert (tmp_path / "out.kst").read_bytes() == tiny_kst.read_bytes()
+
+
+def test_publishing_into_another_files_release_is_refused_before_any_work(tiny_ckpt, tiny_kst, tmp_path):
+    """A release directory holds one file's release (assembly takes its one *.release.json): publishing
+    another file into it is refused with one line before anything is converted or written."""
+    rel = tmp_path / "rel"
+    convert(tiny_kst, "--publish", rel, "--chunk-size", "16MiB", "--quiet")
+    before = {p.name: p.read_bytes() for p in rel.iterdir()}
+    other = tmp_path / "other.kst"
+    shutil.copy(tiny_kst, other)
+    for flags in ((other,), (tiny_ckpt, "-o", tmp_path / "conv.kst", "--quant", "f32")):
+        r = convert(*flags, "--publish", rel, "--quiet", check=False)
+        _one_line_error(r, f"--publish {rel}: holds the release of another file (tiny.kst.release.json)")
+        assert r.returncode == 2
+    assert {p.name: p.read_bytes() for p in rel.iterdir()} == before and not (tmp_path / "conv.kst").exists()
