@@ -12,7 +12,10 @@ from __future__ import annotations
 import contextlib
 
 import json
+import mmap
+import os
 import re
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +25,7 @@ from .layout import split_kv_b_names
 ARCH = "deepseek2"
 SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 GATING = {1: "softmax", 2: "sigmoid"}       # llama.cpp's expert_gating_func values
+GATING_NONE, GATING_SOFTMAX, GATING_SIGMOID = 0, 1, 2
 
 # per-layer GGUF tensor -> Hugging Face suffix under model.layers.N. (routed experts and MLA's kv_b apart)
 LAYER_TENSORS = {
@@ -137,6 +141,233 @@ def shard_paths(path: Path) -> list[Path]:
     return paths
 
 
+# ---------------------------------------------------------------------- the header, bounded
+# GGUF's value types (gguf.GGUFValueType): the bytes of each scalar one; 8 is a string, 9 an array
+VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+VALUE_NAMES = {0: "UINT8", 1: "INT8", 2: "UINT16", 3: "INT16", 4: "UINT32", 5: "INT32", 6: "FLOAT32", 7: "BOOL",
+               8: "STRING", 9: "ARRAY", 10: "UINT64", 11: "INT64", 12: "FLOAT64"}
+V_UINT32, V_STRING, V_ARRAY = 4, 8, 9
+GGUF_VERSIONS = (2, 3)              # those gguf.GGUFReader reads (1 had 32-bit counts)
+GGML_MAX_DIMS = 4
+DEFAULT_ALIGNMENT = 32
+MIN_KV_BYTES = 8 + 1 + 4 + 1        # key length, a non-empty key, value type, the smallest value
+MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8       # name length, n_dims, type, offset
+
+
+def _align_up(n: int, alignment: int) -> int:
+    return -(-n // alignment) * alignment
+
+
+class _Header:
+    """A GGUF file's header walked the way llama.cpp's gguf_init_from_file reads it: every string
+    length, array count and tensor size checked against the bytes the file has left before anything
+    is read or looped over, and the tensors laid out as llama.cpp requires. gguf.GGUFReader checks
+    none of it: it loops once per element an array claims (reading past the end gives it empty
+    arrays, not an error), so a count of 2**40 in a 49-byte file, or one byte of a real file's
+    tokenizer.ggml.token_type count damaged, ran for ever with memory growing; and it reads a tensor
+    wherever its offset points, another tensor's bytes included."""
+
+    def __init__(self, path: Path, buf, size: int):
+        self.path, self.buf, self.size, self.pos = path, buf, size, 0
+        self.order = "<"
+        self.alignment = DEFAULT_ALIGNMENT
+        self.after = ""                     # " (after metadata key K)": where a bad name or type was met
+
+    def fail(self, what: str):
+        raise GGUFError(f"{self.path}: not a readable GGUF file: {what}")
+
+    def need(self, n: int, what: str) -> None:
+        left = self.size - self.pos
+        if n > left:
+            self.fail(f"{what} needs {n} bytes at offset {self.pos}, but the file has {left} left")
+
+    def unpack(self, fmt: str, what: str) -> tuple:
+        st = struct.Struct(self.order + fmt)
+        self.need(st.size, what)
+        values = st.unpack_from(self.buf, self.pos)
+        self.pos += st.size
+        return values
+
+    def one(self, fmt: str, what: str) -> int:
+        return self.unpack(fmt, what)[0]
+
+    def string(self, what: str) -> str:
+        n = self.one("Q", f"{what}'s length")
+        self.need(n, f"{what}: a string of {n} bytes")
+        raw = bytes(self.buf[self.pos:self.pos + n])
+        self.pos += n
+        return raw.decode("utf-8", "replace")
+
+    def walk(self) -> None:
+        self.need(24, "the header (magic, version, tensor and key counts)")
+        if bytes(self.buf[:4]) != b"GGUF":
+            self.fail("no GGUF magic")
+        version = struct.unpack_from("<I", self.buf, 4)[0]
+        if version & 0xFFFF == 0:           # written on a machine of the other byte order (as gguf reads it)
+            self.order, version = ">", struct.unpack_from(">I", self.buf, 4)[0]
+        if version not in GGUF_VERSIONS:
+            self.fail(f"GGUF version {version} (readable: {', '.join(map(str, GGUF_VERSIONS))})")
+        self.pos = 8
+        n_tensors, n_kv = self.unpack("QQ", "the tensor and key counts")
+        left = self.size - self.pos
+        if n_kv * MIN_KV_BYTES > left:
+            self.fail(f"{n_kv} metadata keys claimed, more than the {left} bytes left can hold")
+        if n_tensors * MIN_TENSOR_INFO_BYTES > left:
+            self.fail(f"{n_tensors} tensors claimed, more than the {left} bytes left can hold")
+        keys = set()
+        for i in range(n_kv):
+            key = self.string(f"metadata key #{i}'s name{self.after}")
+            if not key:
+                self.fail(f"metadata key #{i} has an empty name{self.after}")
+            if key in keys:
+                self.fail(f"metadata key {key} appears twice")
+            keys.add(key)
+            self.value(key)
+            # a length or count damaged but inside the file sends the walk on into other bytes: what
+            # it meets there is named with the key it came from
+            self.after = f" (after metadata key {key})"
+        self.tensors(n_tensors)
+
+    def value(self, key: str) -> None:
+        """Steps over one key's value; general.alignment's is kept."""
+        what = f"metadata key {key}"
+        vtype = self.one("I", f"{what}'s type")
+        if vtype == V_ARRAY:
+            itype, count = self.unpack("IQ", f"{what}'s array type and count")
+            if itype == V_ARRAY:            # llama.cpp reads no nested arrays
+                self.fail(f"{what}: an array of arrays{self.after}")
+            if itype not in VALUE_NAMES:
+                self.fail(f"{what}: an array of unknown type {itype}{self.after}")
+            size = VALUE_SIZES.get(itype, 8)    # a string is at least its 8-byte length
+            self.need(count * size, f"{what}: an array of {count} {VALUE_NAMES[itype]} values"
+                                    + (" (each at least its 8-byte length)" if itype == V_STRING else ""))
+            if itype != V_STRING:
+                self.pos += count * size
+                return
+            self.strings(what, count)
+            return
+        if vtype == V_STRING:
+            self.string(what)
+            return
+        if vtype not in VALUE_SIZES:
+            self.fail(f"{what} has unknown type {vtype}{self.after}")
+        if key == "general.alignment":
+            if vtype != V_UINT32:
+                self.fail(f"{what} is a {VALUE_NAMES[vtype]}, not a UINT32")
+            self.alignment = self.one("I", what)
+            if self.alignment == 0 or self.alignment & (self.alignment - 1):
+                self.fail(f"{what} is {self.alignment}, not a power of two")
+            return
+        self.need(VALUE_SIZES[vtype], what)
+        self.pos += VALUE_SIZES[vtype]
+
+    def strings(self, what: str, count: int) -> None:
+        """Steps over an array of `count` strings, each length checked before it is stepped over. A
+        damaged count sends the walk on into the bytes after the array, where a run of zeros (padding,
+        a sparse or zeroed region) reads as empty strings: those are stepped over by numpy, a run at a
+        time, not one Python step per 8 bytes (minutes for the gigabytes a huge count spans)."""
+        buf, pos, end, j = self.buf, self.pos, self.size, 0
+        length = struct.Struct(self.order + "Q")
+        while j < count:
+            if end - pos < 8:
+                self.pos = pos
+                self.need(8, f"{what}: the length of string {j} of {count}")
+            n = length.unpack_from(buf, pos)[0]
+            pos += 8
+            j += 1
+            if n > end - pos:
+                self.pos = pos
+                self.need(n, f"{what}: string {j - 1} of {count} ({n} bytes)")
+            pos += n
+            if n == 0:
+                run = self.zero_words(pos, min(count - j, (end - pos) // 8))
+                j, pos = j + run, pos + 8 * run
+        self.pos = pos
+
+    def zero_words(self, pos: int, most: int) -> int:
+        """How many zero 8-byte words (empty strings) start at `pos`, up to `most`: counted by numpy in
+        chunks growing from 64 words, not one Python step per word."""
+        run, chunk = 0, 64
+        while run < most:
+            k = min(most - run, chunk)
+            words = np.frombuffer(self.buf, np.uint64, k, pos + 8 * run)
+            zeros = int(np.argmax(words != 0)) if words.any() else k
+            del words                        # no view of the mapping left behind (it could not be closed)
+            run += zeros
+            if zeros < k:
+                break
+            chunk = min(chunk * 4, 1 << 20)
+        return run
+
+    def tensors(self, count: int) -> None:
+        """The tensor infos, then llama.cpp's layout rule: the data section starts at the first
+        multiple of general.alignment after them, and each tensor exactly where the one before it
+        (in file order) ends, padded to the alignment; every tensor inside the file."""
+        import gguf
+        sizes = {int(t): s for t, s in gguf.GGML_QUANT_SIZES.items()}
+        names, infos = set(), []
+        for i in range(count):
+            name = self.string(f"tensor #{i}'s name")
+            what = f"tensor {name}"
+            if name in names:
+                self.fail(f"{what} appears twice")
+            names.add(name)
+            n_dims = self.one("I", f"{what}'s dimension count")
+            if n_dims > GGML_MAX_DIMS:
+                self.fail(f"{what} has {n_dims} dimensions (at most {GGML_MAX_DIMS})")
+            dims = self.unpack(f"{n_dims}Q", f"{what}'s dimensions")
+            if any(d >= 1 << 63 for d in dims):
+                self.fail(f"{what} has a negative dimension ({list(dims)})")
+            ttype = self.one("I", f"{what}'s type")
+            if ttype not in sizes:
+                self.fail(f"{what} has unknown type {ttype}")
+            block, type_size = sizes[ttype]
+            row = dims[0] if dims else 1
+            if row % block:
+                self.fail(f"{what} has rows of {row} values, not a multiple of its type's block ({block})")
+            n = 1
+            for d in dims:
+                n *= d
+            offset = self.one("Q", f"{what}'s offset")
+            infos.append((what, n // block * type_size, offset))
+        if not infos:
+            return
+        start = _align_up(self.pos, self.alignment)
+        expected = 0
+        for what, nbytes, offset in infos:
+            if start + offset + nbytes > self.size:
+                self.fail(f"{what} ({nbytes} bytes at data offset {offset}) ends past the end of the file "
+                          f"({self.size} bytes, data from byte {start})")
+            if offset != expected:
+                how = ("overlaps the tensor before it" if offset < expected else
+                       f"is not aligned to {self.alignment}" if offset % self.alignment else
+                       "leaves a gap after the tensor before it")
+                self.fail(f"{what} at data offset {offset} {how} (llama.cpp requires offset {expected}: where "
+                          f"the one before it ends, padded to the alignment {self.alignment})")
+            expected += _align_up(nbytes, self.alignment)
+
+
+def check_header(path) -> None:
+    """GGUFError (one line naming the file and the key or tensor) unless the file's header can be
+    read without running past its end and its tensors are laid out as llama.cpp requires. Reads the
+    header only, through a mapping: fast on files of hundreds of GB."""
+    from . import mapguard
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 24:
+                _Header(path, b"", size).walk()
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                mapguard.watch(path)         # a file truncated under the walk: one line, not a silent SIGBUS
+                try:
+                    _Header(path, buf, size).walk()
+                finally:
+                    mapguard.unwatch(path)
+    except OSError as e:
+        raise GGUFError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
 class GGUFModel:
     """One GGUF model (all its split files): `config` (a Hugging Face-style config dict), `names()`
     (Hugging Face tensor names), `shape(name)`, `read(name)` (float32), `quant_type(name)`."""
@@ -147,6 +378,7 @@ class GGUFModel:
         self.paths = shard_paths(self.path)
         self._readers, self.fields, self._tensors, self._shard = [], {}, {}, {}
         for p in self.paths:
+            check_header(p)                  # before GGUFReader, which trusts every count and offset
             try:
                 r = gguf.GGUFReader(p)
             except Exception as e:           # the reader's own checks: magic, version, bounds, types
@@ -210,6 +442,15 @@ class GGUFModel:
     def _arch(self, key: str, default=None, required: bool = False):
         return self._get(f"{ARCH}.{key}", default, required)
 
+    def _default_gating(self, tokens) -> int:
+        """llama.cpp's deepseek2 loader (src/models/deepseek2.cpp) when expert_gating_func is missing
+        or 0, as in DeepSeek V2 / V2.5 files, which predate the key: softmax, but sigmoid for GLM 4.7
+        Lite (47 or 48 layers besides the MTP ones, a vocabulary of 154880)."""
+        a = self._arch
+        layers = int(a("block_count", required=True)) - int(a("nextn_predict_layers", 0))
+        vocab = int(a("vocab_size", len(tokens) if tokens else 0))
+        return GATING_SIGMOID if layers in (47, 48) and vocab == 154880 else GATING_SOFTMAX
+
     def _config(self) -> dict:
         a = self._arch
         n_head = int(a("attention.head_count", required=True))
@@ -217,10 +458,12 @@ class GGUFModel:
         key_mla, value_mla = a("attention.key_length_mla"), a("attention.value_length_mla")
         if key_mla is None or value_mla is None:     # the older layout: per-head sizes in key/value_length
             key_mla, value_mla = a("attention.key_length", required=True), a("attention.value_length", required=True)
-        gating = int(a("expert_gating_func", 2))
+        tokens = self._get("tokenizer.ggml.tokens")
+        gating = int(a("expert_gating_func", GATING_NONE))
+        if gating == GATING_NONE:
+            gating = self._default_gating(tokens)
         if gating not in GATING:
             raise GGUFError(f"{self.path}: expert_gating_func {gating} is not softmax (1) or sigmoid (2)")
-        tokens = self._get("tokenizer.ggml.tokens")
         cfg = {
             "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
             "vocab_size": int(a("vocab_size", len(tokens) if tokens else 0)),

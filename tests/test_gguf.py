@@ -3,6 +3,7 @@ models in llama.cpp's deepseek2 layout (tests/ggufmodels.py): the config and eve
 as the safetensors checkpoint has them, and bad files get one clear error."""
 
 import json
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -381,3 +382,171 @@ def test_a_dry_run_of_quant_keep_plans_each_tensors_own_type(tmp_path):
     assert abs(dry["file_bytes"] - out.stat().st_size) <= 4 * 4096, (dry["file_bytes"], out.stat().st_size)
     run = json.loads(_run("kimistream.runtime.cli", "--weights", out, "--dry-run", "--json").stdout)
     assert dry["resident_bytes"] == run["memory_plan"]["resident"]
+
+
+# ---------------------------------------------------------------------- headers walked with bounds
+def _header(n_tensors: int, n_kv: int) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", 3, n_tensors, n_kv)
+
+
+def _key(name: str) -> bytes:
+    return struct.pack("<Q", len(name)) + name.encode()
+
+
+def _count_offset(path: Path, key: str) -> int:
+    """Where an array key's element count lies in the file (after its name, type and item type)."""
+    f = gguf.GGUFReader(path).fields[key]
+    return f.offset + 8 + len(bytes(f.parts[1])) + 4 + 4
+
+
+def _written(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+def _damaged(path: Path, out: Path, offset: int, value: int) -> Path:
+    data = bytearray(path.read_bytes())
+    data[offset:offset + 8] = struct.pack("<Q", value)
+    out.write_bytes(bytes(data))
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_an_array_count_or_string_length_past_the_end_of_the_file_is_refused_at_once(tmp_path):
+    """gguf.GGUFReader loops once per element an array claims, and past the end of the file reads
+    empty arrays, not an error: a uint8 array of 2**40 in a 49-byte file, or one byte of a real file's
+    tokenizer.ggml.token_type count damaged, ran for ever with memory growing (kimi-convert,
+    kimi-verify). Every length and count is now checked against the bytes left first: one line naming
+    the file and the key, in well under a second."""
+    import resource
+    import time
+    src, _ = _source("stdlib-moe")
+    good = write_gguf(src, tmp_path / "m.gguf")
+    n_tokens = len(gguf.GGUFReader(good).fields["tokenizer.ggml.tokens"].data)
+    top = 1 << 56                        # the count's top byte 0x00 -> 0x01
+    cases = [                            # value types: 0 UINT8, 5 INT32, 8 STRING, 9 ARRAY
+        (_written(tmp_path / "u8.gguf", _header(0, 1) + _key("a") + struct.pack("<IIQ", 9, 0, 1 << 40)), "a",
+         "an array of 1099511627776 UINT8 values needs 1099511627776 bytes at offset 49, but the file has 0 left"),
+        (_written(tmp_path / "i32.gguf", _header(0, 1) + _key("general.architecture") +
+                  struct.pack("<IIQ", 9, 5, 1 << 62)),
+         "general.architecture", "an array of 4611686018427387904 INT32 values needs"),
+        (_written(tmp_path / "str.gguf", _header(0, 1) + _key("general.name") + struct.pack("<IQ", 8, 1 << 40) + b"x"),
+         "general.name", "a string of 1099511627776 bytes needs 1099511627776 bytes at offset 56"),
+        (_damaged(good, tmp_path / "types.gguf", _count_offset(good, "tokenizer.ggml.token_type"), top + n_tokens),
+         "tokenizer.ggml.token_type", f"an array of {top + n_tokens} INT32 values needs"),
+        (_damaged(good, tmp_path / "tokens.gguf", _count_offset(good, "tokenizer.ggml.tokens"), top + n_tokens),
+         "tokenizer.ggml.tokens", f"an array of {top + n_tokens} STRING values (each at least its 8-byte length) needs"),
+    ]
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for path, key, what in cases:
+        t = time.monotonic()
+        with pytest.raises(GGUFError) as e:
+            GGUFModel(path)
+        assert time.monotonic() - t < 5
+        msg = str(e.value)
+        assert msg.startswith(f"{path}: not a readable GGUF file: metadata key {key}: ") and what in msg, msg
+        assert "\n" not in msg
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 200_000          # KiB
+    # a count damaged but inside the file sends the walk into other bytes: what it meets there is
+    # refused, named with the key it came from
+    near = _damaged(good, tmp_path / "near.gguf", _count_offset(good, "tokenizer.ggml.token_type"), n_tokens + 4096)
+    with pytest.raises(GGUFError, match=r"\(after metadata key tokenizer\.ggml\.token_type\)"):
+        GGUFModel(near)
+    # kimi-verify: a CORRUPT row naming the key; kimi-convert: one line, exit 1
+    from kimistream.convert.verify import CORRUPT, verify_gguf
+    (row,) = verify_gguf(tmp_path / "types.gguf", None)
+    assert row.status == CORRUPT and "metadata key tokenizer.ggml.token_type: an array of" in row.detail, row
+    proc = _run("kimistream.convert.cli", tmp_path / "types.gguf", "-o", tmp_path / "x.kst", "--quiet")
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "tokenizer.ggml.token_type" in proc.stderr and not (tmp_path / "x.kst").exists()
+
+
+def _patched(good: Path, out: Path, tensor: str, part: int, index: int, value: int) -> Path:
+    """A copy of `good` with one tensor-info field changed (parts: name length, name, n_dims, dims,
+    type, offset)."""
+    out.write_bytes(good.read_bytes())
+    r = gguf.GGUFReader(out, "r+")
+    next(t for t in r.tensors if t.name == tensor).field.parts[part][index] = value
+    r.data.flush()
+    del r
+    return out
+
+
+def test_tensors_must_lie_where_llama_cpp_requires(tmp_path):
+    """llama.cpp's gguf_init_from_file requires each tensor to start where the one before it (in file
+    order) ends, padded to general.alignment, and inside the file; kimi-stream had read a tensor
+    wherever its offset pointed (offset 0: token_embd's bytes as attn_q_a's values; +4: accepted).
+    Each such file is now refused, naming the file and the tensor, before any tensor is read."""
+    from kimistream.convert.verify import CORRUPT, verify_gguf
+    src, _ = _source("stdlib-moe")
+    good = write_gguf(src, tmp_path / "m.gguf")
+    r = gguf.GGUFReader(good)
+    names = [t.name for t in r.tensors]
+    name = "blk.0.attn_q_a.weight"
+    assert names.index(name) > names.index("token_embd.weight")
+    offset = int(next(t for t in r.tensors if t.name == name).field.parts[5][0])
+    del r
+    OFFSET, TYPE, DIMS = 5, 4, 3
+    cases = [
+        (OFFSET, 0, 0, f"at data offset 0 overlaps the tensor before it (llama.cpp requires offset {offset}"),
+        (OFFSET, 0, offset + 4,
+         f"at data offset {offset + 4} is not aligned to 32 (llama.cpp requires offset {offset}"),
+        (OFFSET, 0, offset + 32, f"at data offset {offset + 32} leaves a gap after the tensor before it"),
+        (OFFSET, 0, 1 << 40, "ends past the end of the file"),
+        (TYPE, 0, 99, "has unknown type 99"),
+        (DIMS, 1, 1 << 40, "(1125899906842624 bytes at data offset"),
+        (DIMS, 0, 1 << 63, "has a negative dimension"),
+    ]
+    for i, (part, index, value, what) in enumerate(cases):
+        bad = _patched(good, tmp_path / f"bad{i}.gguf", name, part, index, value)
+        with pytest.raises(GGUFError) as e:
+            GGUFModel(bad)
+        msg = str(e.value)
+        assert msg.startswith(f"{bad}: not a readable GGUF file: tensor {name} ") and what in msg, msg
+        assert "\n" not in msg
+    (row,) = verify_gguf(tmp_path / "bad0.gguf", None)
+    assert row.status == CORRUPT and row.detail.startswith(f"not a readable GGUF file: tensor {name} at data offset 0")
+
+
+@pytest.mark.parametrize("alignment", [8, 64])
+def test_gguf_writer_files_of_any_alignment_read_back_alike(alignment, tmp_path, monkeypatch):
+    """The layout rule holds for what gguf.GGUFWriter writes, at general.alignment other than 32 too:
+    the same tensors as the default-aligned file's, bit for bit."""
+    src, _ = _source("stdlib-moe")
+    base = GGUFModel(write_gguf(src, tmp_path / "m.gguf", gguf.GGMLQuantizationType.Q4_0))
+    real = gguf.GGUFWriter.__init__
+
+    def init(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        self.add_custom_alignment(alignment)
+    monkeypatch.setattr(gguf.GGUFWriter, "__init__", init)
+    path = write_gguf(src, tmp_path / "a.gguf", gguf.GGMLQuantizationType.Q4_0)
+    assert gguf.GGUFReader(path).alignment == alignment
+    m = GGUFModel(path)
+    assert m.names() == base.names()
+    for name in m.names():
+        assert np.array_equal(m.read(name), base.read(name)), name
+
+
+def test_a_missing_expert_gating_func_is_softmax_as_in_llama_cpp(tmp_path, monkeypatch):
+    """DeepSeek V2 / V2.5 GGUFs predate deepseek2.expert_gating_func: llama.cpp's deepseek2 loader
+    takes softmax when it is missing (or 0), sigmoid only for GLM 4.7 Lite (47 or 48 layers besides
+    the MTP ones, a vocabulary of 154880); kimi-stream had taken sigmoid."""
+    src, _ = _source("stdlib-moe")
+    written = GGUFModel(write_gguf(src, tmp_path / "m.gguf"))
+    assert written.config["scoring_func"] == "sigmoid"           # the key written: as written
+    monkeypatch.setattr(gguf.GGUFWriter, "add_expert_gating_func", lambda self, value: None)
+    path = write_gguf(src, tmp_path / "nokey.gguf")
+    assert "deepseek2.expert_gating_func" not in gguf.GGUFReader(path).fields
+    m = GGUFModel(path)
+    assert m.config["scoring_func"] == "softmax"
+    values = {"deepseek2.expert_gating_func": 0}
+    real = GGUFModel._get
+    monkeypatch.setattr(GGUFModel, "_get", lambda self, k, default=None, required=False:
+                        values[k] if k in values else real(self, k, default, required))
+    assert GGUFModel(path).config["scoring_func"] == "softmax"    # 0 (none) as missing
+    for layers, nextn, vocab, want in ((48, 0, 154880, 2), (48, 1, 154880, 2), (49, 1, 154880, 2),
+                                       (49, 0, 154880, 1), (48, 0, 154881, 1)):
+        values.update({"deepseek2.block_count": layers, "deepseek2.nextn_predict_layers": nextn,
+                       "deepseek2.vocab_size": vocab})
+        assert m._default_gating(None) == want, (layers, nextn, vocab)
