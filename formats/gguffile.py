@@ -675,9 +675,10 @@ class GGUFModel:
         special = [i for i, t in enumerate(types) if t in (TOKEN_CONTROL, TOKEN_USER_DEFINED)]
         config["added_tokens_decoder"] = {str(i): {"content": tokens[i], "special": types[i] == TOKEN_CONTROL}
                                           for i in special}
+        extra = self._generation_config(tokens, eos)
         if pre == "kimi-k2":
             return "tiktoken", {"tiktoken.model": _tiktoken_model(tokens, types),
-                                "tokenizer_config.json": json.dumps(config).encode()}
+                                "tokenizer_config.json": json.dumps(config).encode(), **extra}
         if pre not in PRE_SPLITS:
             raise GGUFError(f"{self.path}: pre-tokenizer {pre!r} is not one kimi-stream rebuilds "
                             f"({', '.join(sorted(PRE_SPLITS))}, kimi-k2)")
@@ -698,7 +699,24 @@ class GGUFModel:
                         "ignore_merges": pre in IGNORE_MERGES, "vocab": {t: i for i, t in enumerate(tokens)},
                         "merges": merges}}
         return "hf", {"tokenizer.json": json.dumps(tj, ensure_ascii=False).encode(),
-                      "tokenizer_config.json": json.dumps(config, ensure_ascii=False).encode()}
+                      "tokenizer_config.json": json.dumps(config, ensure_ascii=False).encode(), **extra}
+
+    def _generation_config(self, tokens, eos) -> dict[str, bytes]:
+        """generation_config.json naming every id that ends generation when the metadata names more than
+        the eos token: llama.cpp also stops at tokenizer.ggml.eot_token_id and eom_token_id (a chat
+        model's end of turn, e.g. <|im_end|>)."""
+        ids = []
+        for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+            i = self._get(key)
+            if i is None:
+                continue
+            if not isinstance(i, int) or not 0 <= i < len(tokens):
+                raise GGUFError(f"{self.path}: metadata key {key}: {i!r} is not a token id (0..{len(tokens) - 1})")
+            if i not in ids:
+                ids.append(i)
+        if ids == ([eos] if eos is not None else []):
+            return {}
+        return {"generation_config.json": json.dumps({"eos_token_id": ids}).encode()}
 
     def close(self) -> None:
         self._readers.clear()

@@ -51,7 +51,8 @@ def _typed(w: gguf.GGUFWriter, name: str, a: np.ndarray, qtype) -> None:
 
 
 def write_gguf(model_dir: Path, out: Path, qtype=gguf.GGMLQuantizationType.F32, arch: str = "deepseek2",
-               pre: str = "gpt2") -> Path:
+               pre: str = "gpt2", end_ids: dict | None = None) -> Path:
+    """end_ids: more tokenizer metadata, e.g. {"eot": 5} for tokenizer.ggml.eot_token_id."""
     cfg = json.loads((model_dir / "config.json").read_text())
     st = {k: v.float().numpy() for k, v in load_file(str(model_dir / "model.safetensors")).items()}
     w = gguf.GGUFWriter(str(out), arch)
@@ -86,6 +87,8 @@ def write_gguf(model_dir: Path, out: Path, qtype=gguf.GGMLQuantizationType.F32, 
         w.add_expert_weights_norm(True)
     w.add_rope_dimension_count(rope)
     _tokenizer(w, model_dir, pre)
+    for kind, i in (end_ids or {}).items():
+        getattr(w, f"add_{kind}_token_id")(i)
 
     _typed(w, "token_embd.weight", st["model.embed_tokens.weight"], qtype)
     for i in range(L):

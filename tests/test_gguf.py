@@ -242,6 +242,23 @@ def test_gguf_block_sizes_are_llama_cpps():
         assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[t]] == sizes, t
 
 
+def test_end_of_turn_ids_of_a_gguf_end_generation(tmp_path):
+    """llama.cpp stops at tokenizer.ggml.eot_token_id and eom_token_id as well as at eos: the rebuilt
+    tokenizer carries them in generation_config.json (so kimi-run stops there too); without them none
+    is written; an id outside the vocabulary is one error naming the key."""
+    from kimistream.runtime.tokenizer import Tokenizer
+    src, _ = _source("stdlib-moe")
+    kind, files = GGUFModel(write_gguf(src, tmp_path / "plain.gguf")).tokenizer_files()
+    assert "generation_config.json" not in files
+    eos = Tokenizer(kind, files).eos_id
+    kind, files = GGUFModel(write_gguf(src, tmp_path / "chat.gguf", end_ids={"eot": 7, "eom": 9})).tokenizer_files()
+    assert json.loads(files["generation_config.json"]) == {"eos_token_id": [eos, 7, 9]}
+    assert Tokenizer(kind, files).stop_ids == {eos, 7, 9}
+    bad = write_gguf(src, tmp_path / "bad.gguf", end_ids={"eot": 10 ** 6})
+    with pytest.raises(GGUFError, match="metadata key tokenizer.ggml.eot_token_id: 1000000 is not a token id"):
+        GGUFModel(bad).tokenizer_files()
+
+
 @pytest.mark.parametrize("key,value,message", [
     ("deepseek2.block_count", 100_000_000_000,
      "metadata key deepseek2.block_count is 100000000000, but the file holds tensors of 5 layers"),
