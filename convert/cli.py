@@ -45,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="precision preset (default bf16); keep: a GGUF source's own types, unchanged")
     p.add_argument("--override", action="append", default=[], metavar="REGEX=CODEC",
                    help="codec for tensors whose name matches REGEX (repeatable, first match wins)")
-    p.add_argument("--alignment", type=int, default=DEFAULT_ALIGNMENT,
-                   help=f"extent alignment in bytes, power of two 4096..{MAX_ALIGNMENT} (default 4096)")
+    p.add_argument("--alignment", type=int, default=None,
+                   help=f"extent alignment in bytes, power of two 4096..{MAX_ALIGNMENT} (default {DEFAULT_ALIGNMENT})")
     c = p.add_argument_group("conversion")
     c.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
                    help="encode on a Ray cluster: its address (e.g. 10.0.0.5:6379), or none for a local one on "
@@ -61,19 +61,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "data-free conversion in the same preset (deleted afterwards); the importance matrix is "
                         "kept as OUT.imatrix.npz for --imatrix")
     c.add_argument("--imatrix", type=Path, metavar="PATH", help="reuse a saved importance matrix")
-    c.add_argument("--self-tokens", type=int, default=16384, metavar="N",
+    c.add_argument("--self-tokens", type=int, default=None, metavar="N",
                    help="with self-calibration: tokens the model samples for its own calibration (default 16384)")
     c.add_argument("--max-context", type=int, metavar="N",
                    help="with calibration: tokens per window of text measured or sampled; with --memory-budget: the "
                         "context the plan must hold (default as kimi-run: min(4096, the model's "
                         "max_position_embeddings))")
-    c.add_argument("--moment-budget", default="2G", metavar="SIZE",
+    c.add_argument("--moment-budget", default=None, metavar="SIZE",
                    help="with calibration: memory for full input second moments, which let the quantizer "
                         "round with error feedback (GPTQ-style); routed experts first; 0 = off (default 2G)")
     c.add_argument("--synthetic", type=Path, metavar="CONFIG_JSON",
                    help="write a random-weight file of this config's geometry instead of converting")
     c.add_argument("--sparse", action="store_true", help="with --synthetic: leave routed experts as holes")
-    c.add_argument("--seed", type=int, default=0,
+    c.add_argument("--seed", type=int, default=None,
                    help="with --synthetic: random seed; with self-calibration: sampling seed (default 0)")
     m = p.add_argument_group("memory")
     m.add_argument("--memory-budget", metavar="SIZE",

@@ -14,8 +14,9 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from kimistream.formats.constants import ROUTED_EXPERTS
+from kimistream.formats.constants import DEFAULT_ALIGNMENT, MAGIC, MAX_ALIGNMENT, ROUTED_EXPERTS
 from kimistream.formats.gguffile import is_gguf
+from kimistream.formats.imatrix import SELF_CALIBRATION
 from kimistream.formats.interrupts import say
 from kimistream.formats.progress import Phase
 
@@ -108,7 +109,13 @@ def _run_with_progress(err: Console, label: str, quiet: bool, work, out: Path | 
 
     def on_progress(kind, **info):
         nonlocal phase
-        if kind == "start":
+        if kind == "hashing":
+            phase = Phase("hashing sources", info["total_bytes"], "bytes", quiet=quiet).__enter__()
+        elif kind == "hashed" and phase is not None:
+            phase.advance(info["nbytes"], info["name"])
+        elif kind == "start":
+            if phase is not None:
+                phase.__exit__(None, None, None)
             phase = Phase(label, info["total_bytes"], "bytes", quiet=quiet).__enter__()
             if info.get("resumed"):
                 phase.note(f"resuming {out}: {info['resumed']} of {info['tensors']} tensors already written")
@@ -170,13 +177,14 @@ def _assemble(args, err: Console, release_dir: Path, out: Path, what: str, repor
     return 0
 
 
-def _conversion_flags(args, quant_given: bool) -> list[str]:
+def _conversion_flags(args, quant_given: bool, given_flags: set = frozenset()) -> list[str]:
     """Flags given that only a conversion uses (not the assembly of a published release)."""
     return [f for f, v in (("--publish", args.publish), ("--quant", quant_given), ("--override", args.override),
                            ("--calibration", args.calibration), ("--imatrix", args.imatrix),
                            ("--memory-budget", args.memory_budget), ("--kv-dtype", args.kv_dtype),
                            ("--max-context", args.max_context is not None), ("--delete-source", args.delete_source),
-                           ("--dry-run", args.dry_run), ("--synthetic", args.synthetic)) if v]
+                           ("--dry-run", args.dry_run), ("--synthetic", args.synthetic)) if v] + \
+        [f for f in ("--alignment", "--self-tokens", "--moment-budget", "--seed") if f in given_flags]
 
 
 def _lists_release(url_file) -> str | None:
@@ -248,12 +256,19 @@ def _fit(args, err: Console, cfg, plan, tokenizer_bytes: int | None = None) -> d
     return 0
 
 
-def _misplaced(args, quant_given: bool) -> str | None:
+def _misplaced(args, quant_given: bool, given_flags: set = frozenset()) -> str | None:
     """A flag the chosen job would not use, or an output that cannot be one (one line, before any work)."""
     if args.output and (args.output.endswith(("/", os.sep)) or Path(args.output).is_dir()):
         return f"{args.output}: is a directory (-o names the weight file to write)"
+    if (wrong := _bad_number(args)) is not None:
+        return wrong
     if args.sparse and not args.synthetic:
         return "--sparse applies to --synthetic"
+    if args.kv_dtype and not args.memory_budget:
+        return "--kv-dtype applies to --memory-budget (the KV cache the memory plan holds)"
+    if "--alignment" in given_flags and (args.assemble or args.download_only or (args.publish and args.source and Path(
+            args.source).is_file() and not is_gguf(args.source))):
+        return "--alignment applies to a conversion (a published or assembled file keeps its own)"
     if args.publish:
         from kimistream.formats.sizes import fmt, parse_size
 
@@ -280,19 +295,80 @@ def _misplaced(args, quant_given: bool) -> str | None:
         return ("--quant keep keeps the GGUF file's own values: --calibration and --imatrix would change "
                 "none of them (give an --override to re-encode tensors with them)")
     if args.synthetic:
-        given = [f for f, v in (("--calibration", args.calibration), ("--imatrix", args.imatrix),
+        given = [f for f, v in (("a source", args.source), ("--urls", args.urls),
+                                ("--calibration", args.calibration), ("--imatrix", args.imatrix),
                                 ("--delete-source", args.delete_source),
-                                ("--max-context", args.max_context is not None and not (args.memory_budget or args.dry_run)))
+                                ("--self-tokens", "--self-tokens" in given_flags),
+                                ("--moment-budget", "--moment-budget" in given_flags),
+                                ("--max-context", args.max_context is not None and not args.memory_budget))
                  if v]
         if given:
             return f"--synthetic writes random weights: {', '.join(given)} do not apply"
     return None
 
 
+# Flags whose default is filled in only after the job is known: given, they must apply to it.
+DEFAULTS = {"alignment": DEFAULT_ALIGNMENT, "self_tokens": 16384, "seed": 0, "moment_budget": "2G"}
+
+
+def _given(args) -> set[str]:
+    """The DEFAULTS flags given on the command line ('--self-tokens'...); fills in the others."""
+    given = set()
+    for key, default in DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, default)
+        else:
+            given.add("--" + key.replace("_", "-"))
+    return given
+
+
+def _foreign_output(out: Path | None) -> str | None:
+    """Why -o must not be written: an existing non-empty file that is not a kimi-stream weight file
+    (overwriting it would lose something no conversion made)."""
+    try:
+        with open(out, "rb") as f:
+            head = f.read(len(MAGIC))
+    except (TypeError, OSError):
+        return None                   # none, or unreadable: the writer says why
+    if head and head != MAGIC:
+        return f"{out}: exists and is not a kimi-stream weight file (-o would overwrite it: remove it or choose another -o)"
+    return None
+
+
+def _bad_number(args) -> str | None:
+    """A numeric flag out of its range, named (one line, before any work)."""
+    a = args.alignment
+    if a < 4096 or a > MAX_ALIGNMENT or a & (a - 1):
+        return f"--alignment must be a power of two in 4096..{MAX_ALIGNMENT}, got {a}"
+    if args.seed < 0:
+        return f"--seed must not be negative, got {args.seed}"
+    return None
+
+
+def _unused_calibration_flags(args, calibration, given_flags: set) -> str | None:
+    """Calibration's flags given to a conversion that runs no calibration (or not the one they tune).
+    An explicit --calibration none switches calibration off and lets its flags stay on the line."""
+    if calibration is None and args.calibration is None:
+        unused = sorted(f for f in ("--self-tokens", "--moment-budget", "--seed") if f in given_flags)
+        if args.max_context is not None and not args.memory_budget:
+            unused.append("--max-context")
+        if unused:
+            why = "--imatrix gives the importances measured already" if args.imatrix else \
+                f"--quant {args.quant} is not self-calibrated by default; give --calibration self or TEXT_FILE"
+            return (f"{', '.join(unused)} tune{'s' if len(unused) == 1 else ''} a calibration, and this conversion "
+                    f"runs none ({why})")
+    elif calibration is not None and calibration != SELF_CALIBRATION:
+        unused = [f for f in ("--self-tokens", "--seed") if f in given_flags]
+        if unused:
+            return f"{', '.join(unused)} tune{'s' if len(unused) == 1 else ''} self-calibration, not calibration over a text file"
+    return None
+
+
 def _main(args, err: Console) -> int:
     quant_given = args.quant is not None
     args.quant = args.quant or "bf16"
-    if (wrong := _misplaced(args, quant_given)) is not None:
+    given_flags = _given(args)
+    if (wrong := _misplaced(args, quant_given, given_flags)) is not None:
         return _error(wrong, 2)
     out = Path(args.output) if args.output else None
     if args.ray and (args.assemble or args.synthetic or args.download_only):
@@ -302,11 +378,13 @@ def _main(args, err: Console) -> int:
         given = [f for f, v in (("a source", args.source), ("--urls", args.urls),
                                 ("--download-only", args.download_only), ("--dir", args.dir),
                                 ("--manifest", args.manifest)) if v]
-        given += _conversion_flags(args, quant_given)
+        given += _conversion_flags(args, quant_given, given_flags)
         if given:
             return _error(f"--assemble rebuilds a published release as it is: {', '.join(given)} do not apply", 2)
         if out is None:
             return _error("--assemble needs -o OUT", 2)
+        if (wrong := _foreign_output(out)) is not None:
+            return _error(wrong, 2)
         return _assemble(args, err, args.assemble, out, str(args.assemble))
     if args.publish and args.source and Path(args.source).is_file() and not is_gguf(args.source):
         from kimistream.formats.weightfile import WeightFile, WeightFileError
@@ -325,7 +403,12 @@ def _main(args, err: Console) -> int:
             return _error("--synthetic needs -o OUT", 2)
         if args.quant == "keep":
             return _error("--quant keep keeps a GGUF file's own block types: not for --synthetic (choose a preset)", 2)
-        plan = PrecisionPlan.from_preset(args.quant, args.override)
+        if not args.dry_run and (wrong := _foreign_output(out)) is not None:
+            return _error(wrong, 2)
+        try:
+            plan = PrecisionPlan.from_preset(args.quant, args.override)
+        except ValueError as e:
+            return _error(e, 2)
         fit = None
         if args.memory_budget or args.dry_run:
             try:
@@ -335,7 +418,7 @@ def _main(args, err: Console) -> int:
             if isinstance(fit, int):
                 return fit
         path = _run_with_progress(err, "writing synthetic", args.quiet, lambda cb: write_synthetic(
-            args.synthetic, out, plan, sparse=args.sparse, seed=args.seed, progress=cb))
+            args.synthetic, out, plan, sparse=args.sparse, seed=args.seed, progress=cb, alignment=args.alignment))
         _note(err, f"wrote {path} ({path.stat().st_size:,} bytes{', experts sparse' if args.sparse else ''})")
         if args.json:
             sys.stdout.write(json.dumps({"output": str(path), "file_bytes": path.stat().st_size, "sparse": args.sparse,
@@ -369,10 +452,14 @@ def _main(args, err: Console) -> int:
     calibration, problem = C.resolve(args, plan)
     if problem:
         return _error(*problem)
+    if (unused := _unused_calibration_flags(args, calibration, given_flags)) is not None:
+        return _error(unused, 2)
     report = None
-    given = _conversion_flags(args, quant_given)
+    given = _conversion_flags(args, quant_given, given_flags)
     if args.urls is not None and not args.download_only and given and (name := _lists_release(args.urls)):
         return _error(_release_refusal(args.urls, name, given), 2)       # before downloading it
+    if remote and not args.download_only and (wrong := _foreign_output(out)) is not None:
+        return _error(wrong, 2)                                           # before downloading
     if remote:
         report = _download(args, err, out)
         if isinstance(report, int):
@@ -398,6 +485,8 @@ def _main(args, err: Console) -> int:
         try:
             if out is not None:
                 check_output_apart(ckpt, out, [args.imatrix] if args.imatrix else [])
+                if not args.dry_run and (wrong := _foreign_output(out)) is not None:
+                    return _error(wrong, 2)
             if args.quant == "keep":             # before planning: every tensor's own codec, not the preset's
                 plan.tensors = ckpt.keep_codecs()
             if args.memory_budget or args.dry_run:

@@ -99,6 +99,26 @@ def _sha256_of(path: Path, known: dict, name: str) -> str:
     return _HASHED[key]
 
 
+def hash_sources(ckpt: HFCheckpoint, progress) -> None:
+    """Hash the source files not hashed yet (nor listed in a verified download's manifest), with
+    progress ("hashing", total_bytes=...), ("hashed", nbytes=...): a terabyte takes many minutes."""
+    known = _manifest(ckpt)
+    todo = []
+    for name in ckpt.source_files():
+        path = ckpt.dir / name
+        if name in known or not path.is_file():
+            continue
+        st = path.stat()
+        key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+        if key not in _HASHED:
+            todo.append((path, key))
+    if not todo:
+        return
+    progress("hashing", total_bytes=sum(key[1] for _, key in todo))
+    for path, key in todo:
+        _HASHED[key] = sha256_file(path, on_bytes=lambda n, name=path.name: progress("hashed", nbytes=n, name=name))
+
+
 def source_record(ckpt: HFCheckpoint) -> dict:
     """Size and SHA-256 of every source file the output was built from."""
     known = _manifest(ckpt)
@@ -152,7 +172,8 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
                        progress=None, delete_source: bool = False, imatrix=None,
                        calibration: str | None = None, ray: str | None = None) -> Summary:
     """Convert a local checkpoint directory. `progress(kind, **info)` is called as work advances:
-    ("start", total_bytes=..., tensors=..., resumed=...), ("tensor", name=..., nbytes=...),
+    ("hashing", total_bytes=...) and ("hashed", nbytes=..., name=...) while the sources not hashed yet
+    are, ("start", total_bytes=..., tensors=..., resumed=...), ("tensor", name=..., nbytes=...),
     ("shard-done", path=...), ("done").
 
     An interrupted conversion of the same source and plan resumes from its journal and produces the
@@ -214,6 +235,7 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
         meta["imatrix"] = {"tensors": len(imatrix), "moments": len(getattr(imatrix, "moment_keys", ())),
                            "calibration": calibration}
     previous = writer.journaled_meta()
+    hash_sources(ckpt, progress)
     if previous and all(previous.get(k) == v for k, v in meta.items()) and same_sources(ckpt, previous):
         meta["source"] = previous["source"]        # shards may have been deleted since: trust the journal
     elif ckpt.missing_shards:

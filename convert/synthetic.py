@@ -12,7 +12,7 @@ import numpy as np
 
 from kimistream.formats.codecs import get_codec
 from kimistream.formats.config import ConfigError, ModelConfig
-from kimistream.formats.constants import EXTENT_EXPERT
+from kimistream.formats.constants import DEFAULT_ALIGNMENT, EXTENT_EXPERT
 from kimistream.formats.layout import plan_extents
 from kimistream.formats.weightfile import WeightFileWriter
 
@@ -86,7 +86,9 @@ def _read_config(config_path: Path) -> tuple[ModelConfig, dict]:
     try:
         hf = json.loads(config_path.read_text())
         return ModelConfig.from_hf(hf), hf
-    except (OSError, json.JSONDecodeError, ConfigError) as e:
+    except OSError as e:
+        raise SyntheticError(f"{config_path}: cannot read the config ({e.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, ConfigError) as e:
         raise SyntheticError(f"{config_path}: {e}") from None
 
 
@@ -95,18 +97,30 @@ def synthetic_config(config_path) -> ModelConfig:
     return _read_config(Path(config_path))[0]
 
 
+def synthetic_tokenizer(config_path) -> dict[str, bytes]:
+    """The tokenizer files a synthetic file of this config holds: those beside config.json, else a
+    byte-level one."""
+    config_path = Path(config_path)
+    cfg = _read_config(config_path)[0]
+    tok_dir = config_path.parent
+    try:
+        tok_files = {n: (tok_dir / n).read_bytes() for n in ("tokenizer.json", "tokenizer_config.json")
+                     if (tok_dir / n).is_file()}
+    except OSError as e:
+        raise SyntheticError(f"{tok_dir}: cannot read the tokenizer ({e.strerror})") from None
+    if "tokenizer.json" not in tok_files:
+        tok_files = byte_tokenizer(cfg.vocab_size)
+    return tok_files
+
+
 def write_synthetic(config_path, out, plan: PrecisionPlan, sparse: bool = False, seed: int = 0,
-                    progress=None) -> Path:
+                    progress=None, alignment: int = DEFAULT_ALIGNMENT) -> Path:
     progress = progress or (lambda *a, **k: None)
     config_path = Path(config_path)
     cfg, hf = _read_config(config_path)
-    tok_dir = config_path.parent
-    tok_files = {n: (tok_dir / n).read_bytes() for n in ("tokenizer.json", "tokenizer_config.json")
-                 if (tok_dir / n).is_file()}
-    if "tokenizer.json" not in tok_files:
-        tok_files = byte_tokenizer(cfg.vocab_size)
+    tok_files = synthetic_tokenizer(config_path)
     plan.for_model(cfg.first_k_dense_replace, cfg.num_hidden_layers)
-    writer = WeightFileWriter(out)
+    writer = WeightFileWriter(out, alignment)
     layout = plan_extents(cfg, plan.codec_for)
     for name, kind, tensors in layout:
         writer.add_extent(name, kind, tensors)

@@ -8,7 +8,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from .codecs import get_codec
+from .codecs import CodecError, get_codec
 from .constants import (ATTENTION, DENSE_MLP, EMBEDDINGS, EXPERT_RE, LM_HEAD, NORMS, ROUTED_EXPERTS,
                                           ROUTER, SHARED_EXPERTS, TENSOR_CLASSES)
 
@@ -94,7 +94,10 @@ class PrecisionPlan:
                 re.compile(pattern)
             except re.error as e:
                 raise ValueError(f"--override {ov!r}: bad regular expression ({e})") from None
-            get_codec(codec)
+            try:
+                get_codec(codec)
+            except CodecError as e:
+                raise ValueError(f"--override {ov!r}: {e}") from None
             parsed.append((pattern, codec))
         return cls(name, dict(PRESETS[name]), parsed)
 
