@@ -137,14 +137,7 @@ def _calibrate(args, err: Console, out: Path, plan, calibration: str, ckpt, conv
             else calibration)
     say(f"calibration: running it over {what}")
     # kimi-run draws its own progress bars on our stderr; quiet, its stderr is kept for the error.
-    cmd = [sys.executable, "-m", "kimistream.runtime.cli", "--weights", str(ref), "--calibration",
-           calibration, "--imatrix-out", str(im), "--moment-budget", str(args.moment_budget),
-           "--self-tokens", str(args.self_tokens), "--seed", str(args.seed)]
-    if args.max_context is not None:
-        cmd += ["--max-context", str(args.max_context)]
-    if args.memory_budget:          # measured as it will run: layer by layer when its experts do not fit
-        cmd += ["--memory-budget", str(args.memory_budget)] + (["--kv-dtype", args.kv_dtype] if args.kv_dtype else [])
-    proc = subprocess.run(cmd + (["--quiet"] if args.quiet else []), stdout=subprocess.DEVNULL,
+    proc = subprocess.run(run_command(args, ref, im, calibration), stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE if args.quiet else None, text=True)
     if proc.returncode != 0:
         lines = (proc.stderr or "").strip().splitlines()
@@ -153,6 +146,20 @@ def _calibrate(args, err: Console, out: Path, plan, calibration: str, ckpt, conv
         raise ConversionError(f"{why} ({ref.name} is kept: the same command measures it without converting again)")
     ref.unlink()
     return im
+
+
+def run_command(args, ref: Path, im: Path, calibration: str) -> list[str]:
+    """The kimi-run command that measures `ref` into `im`, with only the flags this calibration reads
+    (--self-tokens and --seed shape self-calibration alone)."""
+    cmd = [sys.executable, "-m", "kimistream.runtime.cli", "--weights", str(ref), "--calibration",
+           calibration, "--imatrix-out", str(im), "--moment-budget", str(args.moment_budget)]
+    if calibration == SELF_CALIBRATION:
+        cmd += ["--self-tokens", str(args.self_tokens), "--seed", str(args.seed)]
+    if args.max_context is not None:
+        cmd += ["--max-context", str(args.max_context)]
+    if args.memory_budget:          # measured as it will run: layer by layer when its experts do not fit
+        cmd += ["--memory-budget", str(args.memory_budget)] + (["--kv-dtype", args.kv_dtype] if args.kv_dtype else [])
+    return cmd + (["--quiet"] if args.quiet else [])
 
 
 def importance_for(args, err: Console, out: Path, plan, calibration: str, described: str, convert):

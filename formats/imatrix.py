@@ -138,11 +138,15 @@ def save_imatrix(path, vectors: dict[str, np.ndarray], config: dict, tokens: int
     entries = [("__meta__", lambda: np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8))]
     entries += [(n, lambda v=v: np.asarray(v, dtype=np.float32)) for n, v in vectors.items()]
     entries += [(MOMENT + k, lambda v=v: np.asarray(v, dtype=np.float32)) for k, v in (moments or {}).items()]
-    with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
-        for name, make in entries:
-            with zf.open(name + ".npy", "w", force_zip64=True) as f:
-                np.lib.format.write_array(f, make(), allow_pickle=False)
-    tmp.replace(path)
+    try:
+        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+            for name, make in entries:
+                with zf.open(name + ".npy", "w", force_zip64=True) as f:
+                    np.lib.format.write_array(f, make(), allow_pickle=False)
+        tmp.replace(path)
+    except BaseException:            # failed or interrupted (Ctrl-C): no half-written file left behind
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def load_imatrix(path, config: dict, shapes: dict[str, tuple]) -> Imatrix:
@@ -153,9 +157,13 @@ def load_imatrix(path, config: dict, shapes: dict[str, tuple]) -> Imatrix:
     try:
         with np.load(path) as z:
             meta = json.loads(bytes(z["__meta__"]).decode())
+            if not isinstance(meta, dict):
+                raise ImatrixError(f"{path}: not an importance matrix (its __meta__ is not a JSON object)")
             vectors = {k: z[k] for k in z.files if k != "__meta__" and not k.startswith(MOMENT)}
             keys = [k[len(MOMENT):] for k in z.files if k.startswith(MOMENT)]
             version = meta.get("format", 1)
+            if type(version) is not int:
+                raise ImatrixError(f"{path}: not an importance matrix (format {version!r} is not a number)")
             if version > FORMAT:
                 raise ImatrixError(f"{path}: importance file format {version} is newer than this kimi-stream "
                                    f"reads ({FORMAT}); upgrade")
@@ -173,19 +181,28 @@ def load_imatrix(path, config: dict, shapes: dict[str, tuple]) -> Imatrix:
                 if m.shape != (cols[key], cols[key]):
                     raise ImatrixError(f"{path}: second moment {key} has shape {list(m.shape)}, the weight "
                                        f"has {cols[key]} input channels")
-                if not np.isfinite(m).all():
-                    raise ImatrixError(f"{path}: second moment {key} has non-finite values")
+                if not _real(m) or not np.isfinite(m).all():
+                    raise ImatrixError(f"{path}: second moment {key} has non-finite or non-numeric values")
+                if (np.diagonal(m) < 0).any():       # E[x²] of a channel is never negative
+                    raise ImatrixError(f"{path}: second moment {key} has negative values on its diagonal")
                 del m
     except (OSError, KeyError, ValueError, zipfile.BadZipFile, json.JSONDecodeError) as e:
         if isinstance(e, ImatrixError):
             raise
         raise ImatrixError(f"{path}: not an importance matrix ({e})") from None
+    if not vectors and not keys:
+        raise ImatrixError(f"{path}: the importance matrix holds no importances (calibration measured nothing)")
     for name, v in vectors.items():
         if name not in shapes:
             raise ImatrixError(f"{path}: tensor {name} is not in this model")
         if v.shape != (shapes[name][-1],):
             raise ImatrixError(f"{path}: {name} has {v.shape} importances, the weight has "
                                f"{shapes[name][-1]} input channels")
-        if not np.isfinite(v).all() or (v < 0).any():
-            raise ImatrixError(f"{path}: {name} has negative or non-finite importances")
+        if not _real(v) or not np.isfinite(v).all() or (v < 0).any():
+            raise ImatrixError(f"{path}: {name} has negative, non-finite or non-numeric importances")
     return Imatrix(vectors, path=path, moment_keys=keys)
+
+
+def _real(a: np.ndarray) -> bool:
+    """Whether an array holds real numbers (not strings, booleans or complex values)."""
+    return a.dtype.kind in "fiu"

@@ -28,6 +28,8 @@ def log_softmax(z: np.ndarray) -> np.ndarray:
 
 def windows(ids: list[int], size: int):
     """Non-overlapping windows of `size` tokens (the last may be shorter; a 1-token tail is dropped)."""
+    if size < 2:            # every window would be dropped, and the text called too short
+        raise ValueError(f"--max-context {size}: windows of text need at least 2 tokens")
     for s in range(0, len(ids), size):
         w = ids[s:s + size]
         if len(w) >= 2:
@@ -51,32 +53,63 @@ class QualityReport:
 
 def evaluate(model: Model, ids: list[int], window: int, batch: int, reference: Model | None = None,
              progress=None) -> QualityReport:
-    nll, ref_nll, n, kls, agree, nwin = 0.0, 0.0, 0, [], 0, 0
+    """Perplexity (and KL against `reference`) over `windows(ids, window)`, each from an empty cache.
+    Every window is scored a chunk of `batch` tokens at a time, as the memory plan sized the logits:
+    a whole window's logits (and their float64 copies) would take window x vocab x 8 bytes several
+    times over. `progress(n)` after each chunk."""
+    t = _Tally(reference is not None)
     for w in windows(ids, window):
         model.reset()
-        lp = log_softmax(model.prefill(w, batch, all_logits=True))[:-1]
-        target = np.asarray(w[1:])
-        nll -= lp[np.arange(len(target)), target].sum()
-        n += len(target)
-        nwin += 1
         if reference is not None:
             reference.reset()
-            rlp = log_softmax(reference.prefill(w, batch, all_logits=True))[:-1]
-            ref_nll -= rlp[np.arange(len(target)), target].sum()
-            kls.append((np.exp(rlp) * (rlp - lp)).sum(axis=-1))
-            agree += int((rlp.argmax(-1) == lp.argmax(-1)).sum())
-        if progress:
-            progress(len(w))
-    if n == 0:
+        for s in range(0, len(w), batch):
+            part = w[s:s + batch]
+            targets = np.asarray(w[s + 1:s + batch + 1])          # the window's last token predicts nothing
+            logits = model.prefill(part, batch, all_logits=True)
+            ref = reference.prefill(part, batch, all_logits=True) if reference is not None else None
+            t.add(logits[:len(targets)], targets, ref[:len(targets)] if ref is not None else None)
+            if progress:
+                progress(len(part))
+        t.windows += 1
+    if t.n == 0:
         raise ValueError("the text is too short: need at least 2 tokens")
-    rep = QualityReport(tokens=n, windows=nwin, perplexity=float(np.exp(nll / n)), nll=float(nll / n))
-    if reference is not None:
-        kl = np.concatenate(kls)
-        rep.kl_mean = float(kl.mean())
-        rep.kl_p99 = float(np.percentile(kl, 99))
-        rep.top1_agreement = agree / n
-        rep.reference_perplexity = float(np.exp(ref_nll / n))
-    return rep
+    return t.report()
+
+
+class _Tally:
+    """Sums over the scored tokens: negative log-likelihoods, KL and top-1 agreement."""
+
+    ROWS = 64             # logits turned into float64 log-probabilities this many rows at a time
+
+    def __init__(self, with_reference: bool):
+        self.nll = self.ref_nll = 0.0
+        self.n = self.agree = self.windows = 0
+        self.kls = [] if with_reference else None
+
+    def add(self, logits, targets, ref_logits=None) -> None:
+        for a in range(0, len(targets), self.ROWS):
+            t = targets[a:a + self.ROWS]
+            rows = np.arange(len(t))
+            lp = log_softmax(logits[a:a + self.ROWS])
+            self.nll -= lp[rows, t].sum()
+            self.n += len(t)
+            if ref_logits is not None:
+                rlp = log_softmax(ref_logits[a:a + self.ROWS])
+                self.ref_nll -= rlp[rows, t].sum()
+                self.kls.append((np.exp(rlp) * (rlp - lp)).sum(axis=-1))
+                self.agree += int((rlp.argmax(-1) == lp.argmax(-1)).sum())
+
+    def report(self) -> QualityReport:
+        n = self.n
+        rep = QualityReport(tokens=n, windows=self.windows, perplexity=float(np.exp(self.nll / n)),
+                            nll=float(self.nll / n))
+        if self.kls is not None:
+            kl = np.concatenate(self.kls)
+            rep.kl_mean = float(kl.mean())
+            rep.kl_p99 = float(np.percentile(kl, 99))
+            rep.top1_agreement = self.agree / n
+            rep.reference_perplexity = float(np.exp(self.ref_nll / n))
+        return rep
 
 
 # ----------------------------------------------------------------------------- importance matrix
@@ -110,8 +143,9 @@ class ImportanceCollector:
             for k, m in self.moments.items():
                 m /= self.moment_counts[k]
             self._normalised = True
-        save_imatrix(path, {n: s / self.counts[n] for n, s in self.sums.items()}, config, self.tokens,
-                     self.counts, self.moments, self.moment_counts)
+        seen = [n for n in self.sums if self.counts[n]]     # an input of no rows measured nothing (0 / 0)
+        save_imatrix(path, {n: self.sums[n] / self.counts[n] for n in seen}, config, self.tokens,
+                     {n: self.counts[n] for n in seen}, self.moments, self.moment_counts)
 
 
 def _accumulate(sums: dict, counts: dict, key: str, value: np.ndarray, n: int) -> None:
@@ -358,6 +392,8 @@ def sample_sequences(model: Model, start: list[int], stop_ids, n_tokens: int, wi
             if left <= 0 or (targets and left <= len(start)):
                 break
             targets.append(max(len(start) + 1, min(window, left)))
+        if progress:            # the start tokens count toward n_tokens too, as in the sequences' lengths
+            progress(len(start) * len(targets))
         if len(targets) == 1:
             model.reset()
             seq = list(start)
