@@ -373,16 +373,30 @@ class GGUFModel:
     (Hugging Face tensor names), `shape(name)`, `read(name)` (float32), `quant_type(name)`."""
 
     def __init__(self, path):
-        import gguf
         self.path = Path(path)
         self.paths = shard_paths(self.path)
         self._readers, self.fields, self._tensors, self._shard = [], {}, {}, {}
+        self._watched: list[Path] = []       # files whose mapping mapguard names if it faults
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self) -> None:
+        import gguf
+
+        from . import mapguard
         for p in self.paths:
             check_header(p)                  # before GGUFReader, which trusts every count and offset
             try:
                 r = gguf.GGUFReader(p)
             except Exception as e:           # the reader's own checks: magic, version, bounds, types
                 raise GGUFError(f"{p}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+            # the reader maps the whole file: truncated while a conversion reads it, one line, not a
+            # silent SIGBUS
+            mapguard.watch(p)
+            self._watched.append(p)
             self._readers.append(r)
             for key, field in r.fields.items():
                 if not key.startswith("GGUF.") and key not in self.fields:
@@ -719,5 +733,8 @@ class GGUFModel:
         return {"generation_config.json": json.dumps({"eos_token_id": ids}).encode()}
 
     def close(self) -> None:
+        from . import mapguard
         self._readers.clear()
         self._tensors.clear()
+        while self._watched:
+            mapguard.unwatch(self._watched.pop())

@@ -567,3 +567,24 @@ def test_a_missing_expert_gating_func_is_softmax_as_in_llama_cpp(tmp_path, monke
         values.update({"deepseek2.block_count": layers, "deepseek2.nextn_predict_layers": nextn,
                        "deepseek2.vocab_size": vocab})
         assert m._default_gating(None) == want, (layers, nextn, vocab)
+
+
+def test_a_gguf_truncated_while_it_is_read_is_one_line(tmp_path):
+    """gguf's reader maps the whole file: one truncated under a conversion (another program, a full
+    disk) faults on the next read of a lost page. The process then says so in one line naming the
+    file (mapguard) and exits 1, not silently by SIGBUS."""
+    src, _ = _source("stdlib-moe")
+    path = write_gguf(src, tmp_path / "m.gguf")
+    script = (
+        "import os, sys\n"
+        "from kimistream.formats.gguffile import GGUFModel\n"
+        "m = GGUFModel(sys.argv[1])\n"
+        "names = sorted(m.names(), key=lambda n: -m.shape(n)[0])\n"
+        "os.truncate(sys.argv[1], 4096)\n"
+        "for n in names:\n"
+        "    m.read(n)\n"
+        "print('read it all')\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, (proc.returncode, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "a memory-mapped file could not be read" in lines[0] and str(path) in lines[0]
