@@ -4,6 +4,7 @@ stream the text, and emit the stats (text or JSON)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from contextlib import contextmanager
@@ -14,6 +15,7 @@ import numpy as np
 
 from kimistream.formats import procfs
 from kimistream.formats.constants import ROUTED_EXPERTS
+from kimistream.formats.imatrix import SELF_CALIBRATION
 from kimistream.formats.interrupts import say
 from kimistream.formats.weightfile import WeightFile, WeightFileError, check_model
 
@@ -81,6 +83,7 @@ def run(args) -> int:
         if args.plot_trace:
             if not args.output:
                 raise RunError("--plot-trace needs -o FILE.png")
+            _check_image_name(args.output)
             plot_trace(args.plot_trace, args.output)
             log(f"wrote {args.output}")
             return 0
@@ -100,8 +103,7 @@ def run(args) -> int:
 def _check_flags(args) -> None:
     """Flags the chosen mode would not use and values that are wrong, refused in one line each before
     the model is read (a --dump-logits path that cannot be written had failed only after the prompt ran)."""
-    if args.seed is not None and args.seed < 0:
-        raise RunError("--seed must be >= 0")
+    _check_values(args)
     one_prompt = not (args.plan_config or args.perplexity or args.calibration or args.serve or args.prompt is None)
     for flag, value in (("--warm-up", args.warm_up), ("--trace", args.trace), ("--dump-logits", args.dump_logits)):
         if value and not one_prompt:
@@ -126,11 +128,8 @@ def _check_flags(args) -> None:
             raise RunError(f"--chat applies to a --prompt or a conversation, not to {flag}")
     if (args.quant is not None or args.override) and not args.plan_config:
         raise RunError("--quant and --override apply with --plan-config (kimi-convert chooses a file's precision)")
-    if args.memory_budget:
-        try:
-            B.parse_size(args.memory_budget)
-        except ValueError as e:
-            raise RunError(f"--memory-budget: {e}") from None
+    _check_mode(args)
+    _check_inputs(args)
     for flag, path in (("--trace", args.trace), ("--dump-logits", args.dump_logits), ("-o", args.output),
                        ("--imatrix-out", args.imatrix_out)):
         if path:
@@ -140,6 +139,124 @@ def _check_flags(args) -> None:
             folder = target.resolve().parent
             if not folder.is_dir() or not os.access(folder, os.W_OK):
                 raise RunError(f"{flag} {path}: cannot write in {folder}")
+
+
+def _check_image_name(path: str) -> None:
+    """-o names its image's format by its suffix (matplotlib would add .png to a name without one,
+    writing another file than the one asked for)."""
+    from matplotlib.figure import Figure
+    formats = Figure().canvas.get_supported_filetypes()
+    if Path(path).suffix[1:].lower() not in formats:
+        raise RunError(f"-o {path}: the name must end in an image format's suffix, e.g. .png "
+                       f"({', '.join(sorted(formats))})")
+
+
+# flags whose value names a file, a size or an address: an empty one (an unset shell variable) is
+# refused, not taken for the default (an empty --host listened on every interface)
+VALUE_FLAGS = ("weights", "plan_config", "plot_trace", "output", "perplexity", "kl_reference", "calibration",
+               "imatrix_out", "trace", "dump_logits", "memory_budget", "moment_budget", "max_body", "host")
+
+
+def _flag(dest: str) -> str:
+    return "-o" if dest == "output" else "--" + dest.replace("_", "-")
+
+
+def _check_values(args) -> None:
+    """Values that are wrong in any mode."""
+    for dest in VALUE_FLAGS:
+        if getattr(args, dest) is not None and not str(getattr(args, dest)).strip():
+            raise RunError(f"{_flag(dest)}: the value is empty")
+    if args.seed is not None and args.seed < 0:
+        raise RunError("--seed must be >= 0")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise RunError(f"--temperature must be a number >= 0 (0 = greedy), got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise RunError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.max_tokens is not None and args.max_tokens < 0:
+        raise RunError("--max-tokens must be >= 0")
+    if args.prefill_batch_size is not None and args.prefill_batch_size < 1:
+        raise RunError("--prefill-batch-size must be >= 1")
+    if (args.perplexity or args.calibration) and args.max_context is not None and args.max_context < 2:
+        # a window's first token is scored by none: --perplexity had called any text too short
+        raise RunError(f"--max-context {args.max_context}: windows of text need at least 2 tokens")
+    if args.calibration == SELF_CALIBRATION and args.self_tokens < 2:
+        raise RunError("--calibration self needs --self-tokens of at least 2")
+    for dest in ("memory_budget", "moment_budget", "max_body"):
+        if getattr(args, dest) is not None:
+            try:
+                B.parse_size(getattr(args, dest))
+            except ValueError as e:
+                raise RunError(f"{_flag(dest)}: {e}") from None
+
+
+# the flags each mode reads (dests); any other flag given is refused rather than ignored
+LOADS = {"weights", "quiet", "memory_budget", "io", "direct", "prefetch", "page_cache", "cache_policy", "kv_dtype",
+         "max_context", "prefill_batch_size", "prompt_window", "threads", "gguf_inputs", "activations", "dry_run",
+         "json"}
+SAMPLES = {"chat", "max_tokens", "temperature", "top_p", "seed"}
+MODE_FLAGS = {
+    "--plot-trace": {"plot_trace", "output", "quiet"},
+    "--plan-config": {"plan_config", "quant", "override", "memory_budget", "max_context", "prefill_batch_size",
+                      "prompt_window", "kv_dtype", "prefetch", "json", "quiet", "dry_run"},
+    "--perplexity": LOADS | {"perplexity", "kl_reference"},
+    "--calibration": LOADS | {"calibration", "imatrix_out", "moment_budget"},
+    "--calibration self": LOADS | {"calibration", "imatrix_out", "moment_budget", "self_tokens", "seed"},
+    "--serve": LOADS | {"serve", "host", "port", "api_key", "max_queue", "max_body", "no_prompt_cache"},
+    "--chat (a conversation)": LOADS | SAMPLES | {"no_prompt_cache"},
+    "a run of one --prompt": LOADS | SAMPLES | {"prompt", "warm_up", "dump_logits", "trace"},
+}
+# why a mode ignores a flag, where it is not plain
+REASONS = {("--plan-config", "weights"): "it plans from the config alone: --weights FILE --dry-run plans a file",
+           ("--calibration", "self_tokens"): "it applies to --calibration self",
+           ("--calibration", "seed"): "it applies to --calibration self",
+           **{("--serve", d): "each request gives its own" for d in ("prompt", "max_tokens", "temperature",
+                                                                      "top_p", "seed")}}
+
+
+def _given(args) -> dict[str, str]:
+    """The flags whose value is not the default (dest -> its name on the command line)."""
+    from .cli import build_parser
+    return {a.dest: _flag(a.dest) for a in build_parser()._actions
+            if a.option_strings and a.dest != "help" and getattr(args, a.dest, a.default) != a.default}
+
+
+def _modes(args) -> list[str]:
+    """The modes the flags ask for, in the order run() takes them."""
+    calibration = "--calibration self" if args.calibration == SELF_CALIBRATION else "--calibration"
+    modes = [m for m, on in (("--plot-trace", args.plot_trace), ("--plan-config", args.plan_config),
+                             ("--perplexity", args.perplexity), (calibration, args.calibration),
+                             ("--serve", args.serve)) if on]
+    if not modes:
+        modes.append("--chat (a conversation)" if args.chat and args.prompt is None and not args.dry_run
+                     else "a run of one --prompt")
+    return modes
+
+
+def _check_mode(args) -> None:
+    """One mode at a time (--perplexity and --calibration may share a run), and no flag it would ignore."""
+    modes = _modes(args)
+    quality = {"--perplexity", "--calibration", "--calibration self"}
+    if len(modes) > 1 and not set(modes) <= quality:
+        first = next(m for m in modes if m not in quality)
+        second = next(m for m in modes if m != first)
+        raise RunError(f"{first} and {second} cannot be combined: give one of them")
+    used = set().union(*(MODE_FLAGS[m] for m in modes))
+    for dest, flag in _given(args).items():
+        if dest not in used:
+            why = REASONS.get((modes[0], dest))
+            raise RunError(f"{' and '.join(modes)} takes no {flag}" + (f" ({why})" if why else ""))
+
+
+def _check_inputs(args) -> None:
+    """The files a run reads exist and are files, said before the model is read."""
+    for dest in ("plan_config", "plot_trace", "perplexity", "kl_reference", "calibration"):
+        path = getattr(args, dest)
+        if path is None or (dest == "calibration" and path == SELF_CALIBRATION):
+            continue
+        if not Path(path).exists():
+            raise RunError(f"{_flag(dest)} {path}: no such file")
+        if Path(path).is_dir():
+            raise RunError(f"{_flag(dest)} {path}: is a directory, not a file")
 
 
 def _warm_up(codecs=()) -> None:
@@ -172,20 +289,26 @@ def open_session(args, log, weights_path=None, describe: bool = True, hold_back:
     with --dry-run). Everything a run needs is checked before the first weight is touched.
     `hold_back`: this share of the memory the plan leaves beyond the minimum expert cache is left to
     the caller (Session.held_back); the expert cache takes at most the rest."""
-    if args.prefill_batch_size is not None and args.prefill_batch_size < 1:
-        raise RunError("--prefill-batch-size must be >= 1")
-    if args.seed is not None and args.seed < 0:
-        raise RunError("--seed must be >= 0")
     if args.direct and args.io != "pread":
         raise RunError("--direct needs --io pread")
     path = Path(weights_path or args.weights) if (weights_path or args.weights) else default_weights(log)
     # opened once (Kimi K2's header takes half a second to check) and handed to ModelWeights below
     wf = WeightFile(path)
     try:
+        if weights_path is None:        # the file run; a --kl-reference beside it may differ
+            _check_gguf_inputs(args, path, wf)
         return _open_session(args, log, path, wf, describe, hold_back)
     except BaseException:
         wf.close()
         raise
+
+
+def _check_gguf_inputs(args, path: Path, wf: WeightFile) -> None:
+    """--gguf-inputs other than the default changes only llama.cpp blocks: refused for a file without any."""
+    from kimistream.formats.ggufcodecs import is_gguf_codec
+    if args.gguf_inputs != "llama.cpp" and not any(is_gguf_codec(t.codec) for t in wf.tensors.values()):
+        raise RunError(f"{path}: --gguf-inputs {args.gguf_inputs} applies to llama.cpp blocks, and this file keeps "
+                       f"none (they come from a GGUF converted with --quant keep)")
 
 
 def _open_session(args, log, path: Path, wf: WeightFile, describe: bool, hold_back: float) -> Session | None:
@@ -281,8 +404,6 @@ def _open_session(args, log, path: Path, wf: WeightFile, describe: bool, hold_ba
 def _interactive(args, log) -> int:
     """--serve and the interactive --chat: one engine that keeps the conversation's KV cache."""
     from .engine import Engine
-    if args.serve and (args.prompt is not None or args.perplexity or args.calibration):
-        raise RunError("--serve takes no --prompt, --perplexity or --calibration")
     if not args.serve and not sys.stdin.isatty():
         raise RunError("--chat without --prompt needs a terminal on standard input (or give --prompt TEXT / -)")
     if args.max_tokens is not None and args.max_tokens < 1:
@@ -555,8 +676,6 @@ def _quality(args, log) -> int:
     """--perplexity FILE [--kl-reference REF] and --calibration FILE --imatrix-out PATH."""
     from rich.console import Console
     from rich.table import Table
-
-    from kimistream.formats.imatrix import SELF_CALIBRATION
 
     from .quality import collect_importance_by_layer, evaluate, sample_sequences, windows
     if args.calibration and not args.imatrix_out:

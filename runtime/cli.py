@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the reported speeds are warm (every expert and kernel touched once, as "
                         "llama-bench measures); the output is the same")
     p.add_argument("--dump-logits", metavar="PATH", help="save the prompt's logits [n_prompt, vocab] as float32 .npy")
-    p.add_argument("--quiet", action="store_true", help="no startup log")
+    p.add_argument("--quiet", action="store_true",
+                   help="no log on stderr: start-up, warnings, progress and the run summary (errors still show)")
     m = p.add_argument_group("memory and I/O")
     m.add_argument("--memory-budget", metavar="SIZE",
                    help="hard budget for the whole process, e.g. 600M, 8.24G, 8GiB (default: 80%% of MemAvailable)")
@@ -124,11 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+MAX_THREADS = 256      # runtime/_qdot.c's pool: 255 workers beside the calling thread
+
+
 def _set_threads(n: int | None) -> None:
     # BLAS reads these when numpy is first imported, so this runs before any numpy import.
     if n is not None:
-        if n < 1:
-            raise SystemExit("kimi-run: error: --threads must be at least 1")
+        if not 1 <= n <= MAX_THREADS:
+            raise SystemExit(f"kimi-run: error: --threads must be 1..{MAX_THREADS}, got {n}")
         for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "KIMI_STREAM_THREADS"):
             os.environ[var] = str(n)
 

@@ -18,12 +18,27 @@ from . import planner
 from .errors import RunError
 
 
+def read_config(path: Path) -> ModelConfig:
+    """A Hugging Face config.json, or a one-line error naming the file and what is wrong with it."""
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise RunError(f"{path}: cannot read ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise RunError(f"{path}: not a JSON config (not UTF-8 text at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise RunError(f"{path}: not a JSON config ({e.msg} at line {e.lineno} column {e.colno})") from None
+    if not isinstance(hf, dict):
+        raise RunError(f"{path}: not a JSON config (a config.json is an object, this is a {type(hf).__name__})")
+    try:
+        return ModelConfig.from_hf(hf)
+    except ConfigError as e:
+        raise RunError(f"{path}: {e}") from None
+
+
 def plan_config(args, log) -> int:
     path = Path(args.plan_config)
-    try:
-        cfg = ModelConfig.from_hf(json.loads(path.read_text()))
-    except (OSError, json.JSONDecodeError, ConfigError) as e:
-        raise RunError(f"{path}: {e}") from None
+    cfg = read_config(path)
     args.quant = args.quant or "q2"
     if args.quant == "keep":
         raise RunError("--quant keep keeps a GGUF file's own types: convert it, then plan the file with --weights "
