@@ -570,6 +570,12 @@ def moe_overlap(model: Model, weights: ModelWeights) -> str:
     return f"none of {calls} decode MoE calls (experts too small to share, or none known yet)"
 
 
+def _tokenizer_files(s) -> dict:
+    """A session's tokenizer as the kind and bytes of the files its weight file embeds."""
+    meta = s.weights.header.get("tokenizer") or {}
+    return {"kind": meta.get("kind"), **{n: s.weights.file.blob(n) for n in meta.get("files", [])}}
+
+
 def _thread_tuner(args) -> ThreadTuner | None:
     """Without --threads, the decode steps' time decides between all cores and one (runtime/threadtune.py)."""
     return ThreadTuner(kernels.threads(), kernels.set_threads, kernels.pool_wait) if args.threads is None else None
@@ -744,7 +750,8 @@ def _quality(args, log) -> int:
         ref = None
         if args.kl_reference:
             r = _open_reference(args, log, s)
-            if r.cfg.vocab_size != s.cfg.vocab_size or r.weights.header["tokenizer"] != s.weights.header["tokenizer"]:
+            # the files themselves, not their names: two models' tokenizer.json share a name
+            if r.cfg.vocab_size != s.cfg.vocab_size or _tokenizer_files(r) != _tokenizer_files(s):
                 raise RunError(f"{args.kl_reference}: the reference has another tokenizer or vocabulary")
             ref = r.model
         with _token_progress("scoring", len(ids), args.quiet) as advance:

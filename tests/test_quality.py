@@ -552,3 +552,26 @@ def test_calibration_under_a_tight_budget_reads_each_expert_once(tmp_path):
     assert rep["expert_bytes_read"] <= 1.2 * rep["file_expert_bytes"], rep
     assert "calibration layer by layer" in proc.stderr and "each expert read once" in proc.stderr
     assert "second moments:" in proc.stderr and rep["tensors"] > 0
+
+
+def test_kl_reference_with_another_tokenizer_of_the_same_size_is_refused(tiny_ckpt, tiny_kst, tmp_path):
+    """KL compares two models' distributions token by token: a reference whose tokenizer differs (here
+    two tokens' ids swapped, the vocabulary's size the same) is refused, not scored against the wrong
+    ids; its tokenizer files' bytes are compared, not only their names."""
+    import shutil
+    from kimistream.convert.converter import convert_checkpoint
+    from kimistream.formats.presets import PrecisionPlan
+    other = tmp_path / "other"
+    shutil.copytree(tiny_ckpt, other)
+    tj = json.loads((other / "tokenizer.json").read_text())
+    vocab = tj["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(tj))
+    ref = tmp_path / "other.kst"
+    convert_checkpoint(other, ref, PrecisionPlan.from_preset("f32"))
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    proc = kimi_run("--weights", tiny_kst, "--perplexity", text, "--max-context", 48, "--kl-reference", ref)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1].endswith(f"{ref}: the reference has another tokenizer or vocabulary")
