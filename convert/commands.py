@@ -460,6 +460,11 @@ def _main(args, err: Console) -> int:
         return _error(_release_refusal(args.urls, name, given), 2)       # before downloading it
     if remote and not args.download_only and (wrong := _foreign_output(out)) is not None:
         return _error(wrong, 2)                                           # before downloading
+    if args.download_only and (given or args.output):
+        flags = given + (["-o"] if args.output else [])
+        return _error(f"--download-only fetches and checks files only: {', '.join(flags)} "
+                      f"{'applies' if len(flags) == 1 else 'apply'} to a conversion (drop --download-only to "
+                      f"convert as well)", 2)
     if remote:
         report = _download(args, err, out)
         if isinstance(report, int):

@@ -175,3 +175,18 @@ def test_hashing_progress_on_stderr(tiny_ckpt, tmp_path, capsys):
     captured = capsys.readouterr()
     assert "hashing sources: started" in captured.err and "hashing sources: done" in captured.err
     json.loads(captured.out)
+
+
+@pytest.mark.parametrize("flags,named", [(["--quant", "q2"], "--quant applies"),
+                                         (["-o", "x.kst", "--publish", "rel"], "--publish, -o apply"),
+                                         (["--memory-budget", "1G", "--override", "x=q4"],
+                                          "--override, --memory-budget apply")])
+def test_download_only_refuses_conversion_flags(tmp_path, capsys, flags, named):
+    """--download-only fetches and verifies: a conversion flag beside it would do nothing, so it is refused
+    before anything is fetched (the list names a server that is not there)."""
+    urls = tmp_path / "urls.txt"
+    urls.write_text("http://127.0.0.1:9/model.safetensors\n")
+    assert convert("--download-only", "--urls", urls, "--dir", tmp_path / "d", *flags) == 2
+    err = last_error(capsys)
+    assert err.startswith("kimi-convert: error: --download-only fetches and checks files only: ") and named in err, err
+    assert not (tmp_path / "d").exists()
