@@ -108,6 +108,11 @@ def _check_flags(args) -> None:
     for flag, value in (("--warm-up", args.warm_up), ("--trace", args.trace), ("--dump-logits", args.dump_logits)):
         if value and not one_prompt:
             raise RunError(f"{flag} applies to a run of one --prompt")
+    if args.dry_run:
+        runs = [f for f, v in (("--warm-up", args.warm_up), ("--trace", args.trace),
+                               ("--dump-logits", args.dump_logits), ("--imatrix-out", args.imatrix_out)) if v]
+        if runs:
+            raise RunError(f"--dry-run plans without running: {', '.join(runs)} would measure or write nothing")
     if args.json and not (one_prompt or args.plan_config or args.perplexity or args.calibration or args.dry_run):
         raise RunError("--json applies to a run of one --prompt, --perplexity, --calibration, --plan-config or --dry-run")
     if args.kl_reference and not args.perplexity:

@@ -184,3 +184,17 @@ def test_quiet_hides_the_summary_as_its_help_says(model):
     assert proc.returncode == 0 and proc.stderr == ""
     help_text = " ".join(kimi_run("--help").stdout.split())
     assert "--quiet no log on stderr: start-up, warnings, progress and the run summary" in help_text
+
+
+@pytest.mark.parametrize("flags", [("--warm-up",), ("--trace", "T.jsonl"), ("--dump-logits", "L.npy"),
+                                   ("--trace", "T.jsonl", "--warm-up")])
+def test_dry_run_refuses_what_only_a_run_does(model, capsys, tmp_path, flags):
+    """--dry-run plans and stops: a warm-up, a trace or dumped logits would come from a run that never
+    happens, so they are refused, and nothing is written."""
+    flags = [str(tmp_path / f) if f.endswith((".jsonl", ".npy")) else f for f in flags]
+    line = refused(capsys, "--weights", model / "q2.kst", "--prompt", "hi", "--dry-run", *flags)
+    assert line.startswith("kimi-run: error: --dry-run plans without running: ") and \
+        line.endswith("would measure or write nothing")
+    assert not list(tmp_path.iterdir())
+    rc, _, _ = run(capsys, "--weights", model / "q2.kst", "--prompt", "hi", "--dry-run")
+    assert rc == 0
