@@ -177,6 +177,13 @@ def _assemble(args, err: Console, release_dir: Path, out: Path, what: str, repor
     return 0
 
 
+def _all_float(plan) -> bool:
+    """Whether a plan (preset classes and overrides) stores every tensor as floats."""
+    from kimistream.formats.codecs import is_float_codec
+    return plan.preset != "keep" and all(is_float_codec(c) for c in [*plan.classes.values(),
+                                                                      *(c for _, c in plan.overrides)])
+
+
 def _conversion_flags(args, quant_given: bool, given_flags: set = frozenset()) -> list[str]:
     """Flags given that only a conversion uses (not the assembly of a published release)."""
     return [f for f, v in (("--publish", args.publish), ("--quant", quant_given), ("--override", args.override),
@@ -492,6 +499,10 @@ def _main(args, err: Console) -> int:
                 check_output_apart(ckpt, out, [args.imatrix] if args.imatrix else [])
                 if not args.dry_run and (wrong := _foreign_output(out)) is not None:
                     return _error(wrong, 2)
+            if (calibration not in (None, C.NO_CALIBRATION) or args.imatrix) and _all_float(plan):
+                flag = "--imatrix" if args.imatrix else f"--calibration {calibration}"
+                return _error(f"{flag}: --quant {args.quant} stores every tensor as floats, which no importance "
+                              f"weighs (it applies to block codecs: q8 .. q1)", 2)
             if args.quant == "keep":             # before planning: every tensor's own codec, not the preset's
                 plan.tensors = ckpt.keep_codecs()
             if args.memory_budget or args.dry_run:

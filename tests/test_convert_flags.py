@@ -190,3 +190,21 @@ def test_download_only_refuses_conversion_flags(tmp_path, capsys, flags, named):
     err = last_error(capsys)
     assert err.startswith("kimi-convert: error: --download-only fetches and checks files only: ") and named in err, err
     assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("flags,named", [(["--calibration", "self"], "--calibration self"),
+                                         (["--imatrix", "IM"], "--imatrix")])
+def test_importance_for_a_float_preset_is_refused(tiny_ckpt, tmp_path, capsys, flags, named):
+    """A float preset stores values, which no importance weighs: a calibration or an importance matrix
+    given for one would be recorded in the header and change nothing, so it is refused before any work
+    (an override to a block codec makes it apply)."""
+    im = tmp_path / "im.npz"
+    im.write_bytes(b"")
+    flags = [str(im) if f == "IM" else f for f in flags]
+    out = tmp_path / "x.kst"
+    assert convert(tiny_ckpt, "-o", out, "--quant", "f16", *flags, "--quiet") == 2
+    err = last_error(capsys)
+    assert err.startswith(f"kimi-convert: error: {named}: --quant f16 stores every tensor as floats"), err
+    assert not out.exists() and not list(tmp_path.glob("x.kst*"))
+    assert convert(tiny_ckpt, "-o", out, "--quant", "f16", "--override", "mlp.experts=q8", "--calibration", "self",
+                   "--dry-run", "--quiet") == 0
