@@ -183,6 +183,9 @@ def convert_checkpoint(src, out, plan: PrecisionPlan, alignment: int = DEFAULT_A
     `ray` ("local" or a cluster address) encodes on a Ray cluster (convert/distributed.py); the file is
     the same bytes."""
     progress = progress or (lambda *a, **k: None)
+    if ray:
+        from .distributed import preflight
+        preflight(ray)                       # before the output's .partial and journal exist
     try:
         ckpt = open_checkpoint(src, allow_missing_shards=delete_source)
     except SourceError as e:

@@ -41,6 +41,15 @@ def _encode_task(src: str, name: str, codec: str, importance, moment):
     return encode_tensor(ckpt, name, codec, importance, moment)
 
 
+def preflight(address: str) -> None:
+    """What must hold before a Ray conversion writes anything: Ray installed, the address answering."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise ConversionError("--ray needs Ray, which is not installed: pip install 'kimi-stream[cluster]'") from None
+    _check_reachable(address)
+
+
 def _check_reachable(address: str, timeout: float = 5.0) -> None:
     """A HOST:PORT address must answer at once: Ray itself retries an absent cluster for minutes."""
     if address == "local" or "://" in address or ":" not in address:
