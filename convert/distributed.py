@@ -43,10 +43,9 @@ def _encode_task(src: str, name: str, codec: str, importance, moment):
 
 def preflight(address: str) -> None:
     """What must hold before a Ray conversion writes anything: Ray installed, the address answering."""
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        raise ConversionError("--ray needs Ray, which is not installed: pip install 'kimi-stream[cluster]'") from None
+    import importlib.util
+    if importlib.util.find_spec("ray") is None:
+        raise ConversionError("--ray needs Ray, which is not installed: pip install 'kimi-stream[cluster]'")
     _check_reachable(address)
 
 
