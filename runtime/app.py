@@ -358,11 +358,13 @@ def _open_session(args, log, path: Path, wf: WeightFile, describe: bool, hold_ba
     if args.io == "auto" and page_cache == "auto" and (
             tight := B.no_page_cache_room(plan, experts=footprint.routed_bytes)):
         page_cache = "drop"             # O_DIRECT reads from the start (make_pager), no trial of keeping pages
+    # under a memory limit O_DIRECT is timed against the mapping (pager.IoTrial); a file far larger than
+    # memory is left to O_DIRECT (a mapping read from all over it costs 1.4-2x the compute)
+    trial = bool(tight) and B.limit_leaves_no_room(plan, procfs.cgroup_memory_limit()) is not None
     if describe:
         describe_plan(plan, log)
         if tight:
-            timed = ("; timed against reads through the mapping in the first decode steps"
-                     if B.limit_leaves_no_room(plan, procfs.cgroup_memory_limit()) else "")
+            timed = "; timed against reads through the mapping in the first decode steps" if trial else ""
             log(f"expert reads: O_DIRECT from the start, evicted experts not kept in the page cache ({tight}){timed}")
     if args.dry_run and args.json:
         print(json.dumps({"memory_plan": plan.to_json()}))
@@ -380,9 +382,7 @@ def _open_session(args, log, path: Path, wf: WeightFile, describe: bool, hold_ba
                            page_cache=page_cache)
     if tight:
         weights.pager.page_cache_policy = f"drop evicted experts (auto: {tight})"
-        if not B.limit_leaves_no_room(plan, procfs.cgroup_memory_limit()):
-            # a file far larger than memory: a mapping would be read from all over it, each page mapped
-            # and dropped again (Kimi K2: 1.4-2x the compute of O_DIRECT reads), nothing worth timing
+        if not trial:
             weights.pager.io_trial = None
     tok_meta = weights.header.get("tokenizer") or {}
     try:
