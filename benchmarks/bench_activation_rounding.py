@@ -5,7 +5,7 @@ blocks + BLAS, no rounding of x), over held-out text, for each rounding of the p
 (`kimi-run --activations`): auto (int8 per 128 values for q2/q1 weights, the default), int8 (q4/q6
 too) or int16 (16 bits per 32 values everywhere); with --x8-levels N,... also auto and int8 with the
 int8 inputs rounded to -N .. N instead of -127 .. 127 (`kernels.set_x8_levels`: what a kernel that
-looks up sums of four inputs in byte tables, benchmarks/bench_lut.py, would cost at N = 31).
+looks up sums of four inputs in byte tables, the q1t codec, costs at N = 31).
 
 Reported per rounding: mean KL(exact || decode path), the largest relative logit difference and
 top-1 agreement; then the decode path's KL against the f32 model's logits (what a user gets), and the

@@ -6,8 +6,8 @@ copy of the weight, cycling through --working-set MiB of copies, so the bytes co
 from a cache, as an expert read from the page cache would. Read bandwidth is a C loop summing the
 same working set as uint64 words (what a kernel that did no arithmetic at all could reach), on the
 same threads; the ratio column is kernel GB/s over that. q2, q4 and q6 are measured with each
-rounding of the input in --activations (int8 per 128 values, the default, and int16 per 32); the
-other codecs take int16. Last, with --routers, a float32 router's product (`kernels.matvec`, a
+rounding of the input in --activations (int8 per 128 values, the default, and int16 per 32); q1t
+looks its products up in tables of inputs rounded to -31 .. 31 per 128; the other codecs take int16. Last, with --routers, a float32 router's product (`kernels.matvec`, a
 decode step's routing) the same way, for each E x hidden given.
 
     python benchmarks/bench_kernels.py [--shapes 2048x7168,7168x2048,576x7168] [--threads 1,2]
@@ -87,9 +87,11 @@ def main():
                 continue
             raw = encode(codec, w)
             copies = [raw.copy() for _ in range(max(1, ws // raw.nbytes))]
-            modes = args.activations.split(",") if name in kernels.X8_CODECS else ["int16"]
+            modes = (args.activations.split(",") if name in kernels.X8_CODECS else
+                     ["lookup (-31 .. 31)"] if name == "q1t" else ["int16"])
             for mode in modes:
-                kernels.set_activations(mode)
+                if mode in kernels.ACTIVATIONS:
+                    kernels.set_activations(mode)
                 cells = []
                 for t in threads:
                     kernels.set_threads(t)

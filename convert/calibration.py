@@ -16,7 +16,7 @@ from kimistream.formats.weightfile import WeightFileWriter
 
 from .converter import ConversionError, same_sources
 
-LOW_BIT = ("q2", "t1", "q1")         # expert codecs whose quality depends on calibration: self-calibrated by default
+LOW_BIT = ("q2", "t1", "q1", "q1t")       # expert codecs whose quality depends on calibration: self-calibrated by default
 NO_CALIBRATION = "none"
 
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from kimistream.formats import blas
 from kimistream.formats.codecs import Codec, CodecError, get_codec
-from kimistream.formats.quants import F16_MAX, BlockCodec, to_subs
+from kimistream.formats.quants import F16_MAX, BlockCodec, TiledQ1Codec, to_subs
 
 FIT_BLOCK = 1 << 18         # weights fitted per numpy pass
 
@@ -31,6 +31,8 @@ def encode(codec: Codec | str, values: np.ndarray, importance: np.ndarray | None
     what is minimised is the output error E[(x·(w − v))²] rather than the weight error; without
     `importance` its diagonal weights the grid fit. Codecs that fit nothing ignore both."""
     c = get_codec(codec) if isinstance(codec, str) else codec
+    if isinstance(c, TiledQ1Codec):     # q1's fit, its bytes laid out in tiles
+        return c.from_q1(encode(c.q1, values, importance, moment), np.shape(values))
     if isinstance(c, BlockCodec):
         blas.set_threads(1)     # same bytes on any thread count (formats/blas.py); rows run on every core anyway
         return _encode_block(c, values, importance, moment)

@@ -48,7 +48,7 @@ PRESETS: dict[str, dict[str, str]] = {
     "q4": _mixed("q4", "q8", "q8"),
     "q2": _lowbit("q2"),
     "t1": _lowbit("t1"),
-    "q1": _lowbit("q1"),
+    "q1": _lowbit("q1t"),
     # The quality baseline: round-to-nearest 2-bit min-max on the routed experts, everything else f32.
     "q2rtn-baseline": _mixed("q2rtn", "f32", "f32"),
     # A GGUF source's own types, each tensor in the codec that holds it exactly (PrecisionPlan.tensors)
@@ -59,7 +59,7 @@ PRESETS: dict[str, dict[str, str]] = {
 # found them the most sensitive); applied only by the presets listed in BOOST_FIRST_MOE_DOWN, and only
 # to models with at least BOOST_MIN_MOE_LAYERS MoE layers, where it costs < 0.02 bits per routed weight
 # and the routed experts stay within the preset's budget (q2 <= 2.5, t1 <= 1.85, q1 <= 1.35 bpw).
-STEP_UP = {"q1": "t1", "t1": "q2", "q2": "q4"}
+STEP_UP = {"q1t": "t1", "q1": "t1", "t1": "q2", "q2": "q4"}
 BOOST_FIRST_MOE_DOWN = ("q2", "t1", "q1")
 BOOST_MIN_MOE_LAYERS = 24
 
@@ -115,7 +115,13 @@ class PrecisionPlan:
                 codec = c
                 break
         # A group codec needs whole groups along the input dimension; a tensor without them (and
-        # every 1-D tensor) falls back to f16, or f32 when the plan asked for a float codec.
+        # every 1-D tensor) falls back to the codec's own fallback (q1t: q1, the same values row by
+        # row), else to f16, or f32 when the plan asked for a float codec.
+        fallback = getattr(get_codec(codec), "fallback", None)
+        if fallback and cls != ROUTED_EXPERTS:      # q1t is a layout for the routed experts' kernel alone
+            codec = fallback
+        if shape is not None and fallback and not get_codec(codec).supports(shape):
+            codec = fallback
         if shape is not None and not get_codec(codec).supports(shape):
             codec = "f16" if get_codec("f16").supports(shape) else "f32"
         return codec

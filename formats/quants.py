@@ -1,4 +1,4 @@
-"""Block codecs for the weights that dominate the file: q8, q6, q4 (resident parts), q2, t1, q1
+"""Block codecs for the weights that dominate the file: q8, q6, q4 (resident parts), q2, t1, q1, q1t
 (routed experts), and q2rtn (the round-to-nearest baseline). SPEC.md, section "Codecs", is the
 contract; this module is that contract in code: each codec's definition (one `BlockCodec(...)` built
 with keywords, in `_DEFS` below), its geometry, how its bytes are packed and unpacked, its value
@@ -13,6 +13,10 @@ j + 32k of the chunk, so one SIMD register of 32 bytes yields 32 consecutive wei
 
 Every codec's value is one formula, A · (mul · code − zero) + B, with A = d (times the sub-block
 scale where the codec has one) and B = m (times the sub-block min where it has one) or nothing.
+
+q1t holds exactly q1's values in another order: 32 rows side by side, so that one byte of a register
+indexes the same four columns in 32 rows and the kernel looks sums up instead of multiplying
+(TiledQ1Codec; it converts to and from q1's bytes without loss).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ F16_MAX = 65504.0
 POW3 = np.array([1, 3, 9, 27, 81], dtype=np.uint16)
 
 # kind ids shared with runtime/_qdot.c (its per-codec fast paths)
-K_Q8, K_Q6, K_Q4, K_Q2, K_Q2RTN, K_T1, K_Q1 = range(7)
+K_Q8, K_Q6, K_Q4, K_Q2, K_Q2RTN, K_T1, K_Q1, K_Q1T = range(8)
 
 # Sub-block parameter layouts: bytes per sub-block, and whether they hold a scale and a min.
 SUB_LAYOUTS = {
@@ -384,3 +388,112 @@ _DEFS = (
 for _c in _DEFS:
     CODECS[_c.name] = _c
 QUANT_CODECS = tuple(c.name for c in _DEFS)
+
+
+# ----------------------------------------------------------------------------------------------- q1 in tiles
+
+TILE_ROWS = 32
+TILE_SUPER_BYTES = 128 + 4 * (32 + 8 * 32)     # one tile's bytes per super-block (SPEC.md, "q1t")
+# The row held at each position of a tile's d and m (and of the kernel's outputs): AVX2's byte
+# interleaves keep 128-bit lanes apart and the word products split even and odd rows.
+TILE_ORDER = np.array([r + lane for half in (0, 8) for parity in (0, 1) for lane in (0, 16)
+                       for r in range(half + parity, half + 8, 2)])
+
+
+class TiledQ1Codec(Codec):
+    """q1's values with 32 rows side by side (SPEC.md, "q1t"): outlier columns and corrections per row
+    as in q1, then tiles of 32 rows (the last padded with zero rows), each a run of super-blocks of
+    TILE_SUPER_BYTES: the 32 rows' d then m (binary16, in TILE_ORDER), then for each pair of
+    sub-blocks 32 bytes of their two 4-bit scales and 8 x 32 bytes of codes, where byte r of group g
+    holds row r's four codes of columns 4g .. 4g+3 of the first sub-block in its low nibble (bit i:
+    column 4g+i) and of the second in its high nibble. Needs whole super-blocks (cols % 256 == 0);
+    elsewhere a plan falls back to q1, which holds the same values row by row."""
+
+    name, kind = "q1t", K_Q1T
+    sub, blk, npar, code_planes = 32, SUPER, 2, [(1, 8)]
+    fallback = "q1"
+    description = "binary as q1, 32 rows side by side for table-lookup products, outliers up to 1.34 bpw"
+
+    def __init__(self, q1: BlockCodec):
+        self.q1 = q1
+
+    def geometry(self, shape) -> Geometry:
+        shape = tuple(int(s) for s in shape)
+        g = self.q1.geometry(shape)
+        if g.cols % SUPER:
+            raise CodecError(f"q1t: input dimension {g.cols} is not a multiple of {SUPER}")
+        off_oval = g.rows * g.k * 2
+        off_tiles = -(-(2 * off_oval) // 32) * 32
+        ntiles = -(-g.rows // TILE_ROWS)
+        tile_row = g.cols // SUPER * TILE_SUPER_BYTES // TILE_ROWS
+        return Geometry(g.rows, g.cols, g.nsub, g.nblk, g.k, 0, 0, tile_row, off_tiles, 0, off_oval, off_tiles,
+                        off_tiles, off_tiles + ntiles * TILE_ROWS * tile_row)
+
+    def nbytes(self, shape) -> int:
+        return self.geometry(shape).nbytes
+
+    def supports(self, shape) -> bool:
+        """Whole super-blocks and whole tiles: padding rows would cost bits no plan wants (q1 holds
+        those weights at the same values); the layout itself takes any row count."""
+        return len(shape) == 2 and int(shape[0]) % TILE_ROWS == 0 and super().supports(shape)
+
+    def from_q1(self, buf, shape) -> np.ndarray:
+        """q1t's bytes holding the same values as q1's `buf`."""
+        g, q = self.geometry(shape), self.q1.geometry(shape)
+        raw = np.frombuffer(buf, dtype=np.uint8, count=q.nbytes)
+        out = np.zeros(g.nbytes, np.uint8)
+        rows, nsb, nt = g.rows, g.cols // SUPER, -(-g.rows // TILE_ROWS)
+        if rows == 0:
+            return out
+        par, ocol, oval, sub, codes = self.q1._planes(raw, q)
+        out[:g.off_oval] = raw[q.off_ocol:q.off_oval]
+        out[g.off_oval:g.off_oval + (q.off_sub - q.off_oval)] = raw[q.off_oval:q.off_sub]
+        bits = self.q1._digits(codes, g.cols)[0].reshape(rows, g.nsub, 8, 4).astype(np.uint8)
+        nib = bits[..., 0] | bits[..., 1] << 1 | bits[..., 2] << 2 | bits[..., 3] << 3      # [rows, nsub, 8]
+        nib = nib.reshape(rows, nsb, 4, 2, 8)
+        body = np.concatenate([sub.reshape(rows, nsb, 4, 1), nib[:, :, :, 0] | nib[:, :, :, 1] << 4], axis=3)
+        pad = nt * TILE_ROWS - rows
+        body = np.pad(body, ((0, pad), (0, 0), (0, 0), (0, 0)))
+        dm = np.pad(raw[q.off_par:q.off_ocol].view("<f2").reshape(rows, nsb, 2), ((0, pad), (0, 0), (0, 0)))
+        dm = dm.reshape(nt, TILE_ROWS, nsb, 2)[:, TILE_ORDER].transpose(0, 2, 3, 1)     # [nt, nsb, 2, 32]
+        body = body.reshape(nt, TILE_ROWS, nsb, 4, 9).transpose(0, 2, 3, 4, 1)          # [nt, nsb, 4, 9, 32]
+        tiles = out[g.off_code:].reshape(nt, nsb, TILE_SUPER_BYTES)
+        tiles[:, :, :128] = np.ascontiguousarray(dm).view(np.uint8).reshape(nt, nsb, 128)
+        tiles[:, :, 128:] = body.reshape(nt, nsb, -1)
+        return out
+
+    def to_q1(self, buf, shape) -> np.ndarray:
+        """q1's bytes holding the same values as q1t's `buf` (the inverse of from_q1)."""
+        g, q = self.geometry(shape), self.q1.geometry(shape)
+        raw = np.frombuffer(buf, dtype=np.uint8, count=g.nbytes)
+        rows, nsb, nt = g.rows, g.cols // SUPER, -(-g.rows // TILE_ROWS)
+        out = np.zeros(q.nbytes, np.uint8)
+        if rows == 0:
+            return out
+        tiles = raw[g.off_code:].reshape(nt, nsb, TILE_SUPER_BYTES)
+        dm = tiles[:, :, :128].copy().view("<f2").reshape(nt, nsb, 2, TILE_ROWS)
+        inv = np.empty(TILE_ROWS, np.int64)
+        inv[TILE_ORDER] = np.arange(TILE_ROWS)
+        dm = dm[..., inv].transpose(0, 3, 1, 2).reshape(nt * TILE_ROWS, nsb, 2)[:rows]
+        body = tiles[:, :, 128:].reshape(nt, nsb, 4, 9, TILE_ROWS).transpose(0, 4, 1, 2, 3)
+        body = body.reshape(nt * TILE_ROWS, nsb, 4, 9)[:rows]
+        sub = body[..., 0].reshape(rows, -1)
+        nib = np.stack([body[..., 1:] & 15, body[..., 1:] >> 4], axis=3)                 # [rows, nsb, 4, 2, 8]
+        bits = (nib.reshape(rows, g.nsub, 8)[..., None] >> np.arange(4, dtype=np.uint8)) & 1
+        codes = pack_fields(bits.reshape(rows, g.cols), 8, 1)
+        out[q.off_par:q.off_ocol] = np.ascontiguousarray(dm).view(np.uint8).reshape(-1)
+        out[q.off_ocol:q.off_oval] = raw[:g.off_oval]
+        out[q.off_oval:q.off_sub] = raw[g.off_oval:g.off_oval + (q.off_sub - q.off_oval)]
+        out[q.off_sub:q.off_code] = sub.reshape(-1)
+        out[q.off_code:] = codes.reshape(-1)
+        return out
+
+    def decode(self, buf, shape):
+        return self.q1.decode(self.to_q1(buf, shape), shape)
+
+    def decode_rows(self, buf, shape, rows_idx):
+        return self.q1.decode_rows(self.to_q1(buf, shape), shape, rows_idx)
+
+
+CODECS["q1t"] = TiledQ1Codec(CODECS["q1"])
+QUANT_CODECS = QUANT_CODECS + ("q1t",)

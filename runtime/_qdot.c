@@ -52,7 +52,7 @@
 enum { G_ROWS, G_COLS, G_NSUB, G_NBLK, G_K, G_PARROW, G_SUBROW, G_CODEROW, G_OFFPAR, G_OFFOCOL, G_OFFOVAL,
        G_OFFSUB, G_OFFCODE, G_NBYTES, G_KIND, G_S, G_P, G_NPAR, G_BITS0, G_PB0, G_BITS1, G_PB1, G_LEN };
 /* codec kinds, as in formats/quants.py */
-enum { K_Q8, K_Q6, K_Q4, K_Q2, K_Q2RTN, K_T1, K_Q1 };
+enum { K_Q8, K_Q6, K_Q4, K_Q2, K_Q2RTN, K_T1, K_Q1, K_Q1T };
 #define JOB_LEN 6
 /* how far ahead of the kernels' reads a row's code bytes are prefetched: the hardware prefetcher alone
    left a one-token product waiting on them (q2 2048x7168 on one thread: 6.4-6.8 GB/s without, 7.8-8.3
@@ -1370,8 +1370,14 @@ static float row_dot(const uint8_t *t, const int64_t *g, int64_t r, const float 
 #if HAVE_X86
 __attribute__((target_clones("avx2", "default")))
 #endif
+static void q1t_deq_row(const uint8_t *t, const int64_t *g, int64_t r, float *out);
+
 static void deq_row(const uint8_t *t, const int64_t *g, int64_t r, float *out, float *AB) {
     int kind = (int)g[G_KIND];
+    if (kind == K_Q1T) {
+        q1t_deq_row(t, g, r, out);
+        return;
+    }
     int64_t cols = g[G_COLS], nsp = cols / 32, done = full_cols(g), k = g[G_K];
     float *As = AB, *Bs = AB + nsp;
     for (int64_t s = 0; s < nsp; s++) span_ab(t, g, r, s, As + s, Bs + s);
@@ -1465,6 +1471,8 @@ struct task {
     const float *x8s;                                     /* ... and the rounded values' sums per 32 */
     const int8_t *xt;                                     /* one t1 token: x as -21 .. 21 per 128 values, then 3x (or NULL) */
     const float *xtd, *xts;                               /* ... their steps and the rounded values' sums per 32 */
+    const int8_t *lt;                                     /* q1t: every input's lookup tables (q1t_inputs), or NULL */
+    const float *ltd;                                     /* ... their steps and sums */
     const float *xT;                                      /* several tokens, int8: xf transposed [cols][nxT] */
     int64_t nxT;
     int64_t cols, nspan, n, stride;
@@ -2138,6 +2146,243 @@ AVX2 static void multi_job_avx2(task_t *t, const int64_t *job, float *scratch) {
 }
 #endif
 
+/* ---------------------------------------------------------------------- q1t: one-bit weights by lookups */
+/* q1t (formats/quants.py TiledQ1Codec, SPEC.md) holds q1's values with 32 rows side by side. Its inputs
+ * are rounded to -Q1T_LEVELS .. Q1T_LEVELS per 128 values (so that four of them sum within a byte), and
+ * for every four columns a table of their 16 signed sums is built once per input: entry e is the sum of
+ * +x_i where bit i of e is set and -x_i where it is not. A byte of a tile's codes is one row's four
+ * codes of four columns, so `vpshufb` looks up 32 rows' sums of four weights times four inputs at once;
+ * two sub-blocks' lookups, interleaved, go through `vpmaddubsw` with their 4-bit scales, which widens
+ * and scales them in one instruction. Per 128 columns one float multiply-add by d times the step; per
+ * 256 the offset m times the inputs' exact sum. Outlier corrections are added in float as in q1. */
+#define Q1T_LEVELS 31
+#define Q1T_SB (128 + 4 * (32 + 256))          /* a tile's bytes per super-block */
+static int q1t_order[32];                      /* the row at each position of a tile's d, m and outputs */
+
+static void q1t_init(void) {
+    int i = 0;
+    for (int half = 0; half < 16; half += 8)
+        for (int parity = 0; parity < 2; parity++)
+            for (int lane = 0; lane < 32; lane += 16)
+                for (int r = half + parity; r < half + 8; r += 2) q1t_order[i++] = r + lane;
+}
+
+static int q1t_layout(const int64_t *g) {
+    return g[G_KIND] == K_Q1T && g[G_S] == 32 && g[G_P] == 256 && g[G_NPAR] == 2 && g[G_BITS0] == 1 &&
+           g[G_PB0] == 8 && g[G_COLS] > 0 && g[G_COLS] % 256 == 0 && g[G_CODEROW] == g[G_COLS] / 256 * (Q1T_SB / 32) &&
+           g[G_OFFCODE] + (g[G_ROWS] + 31) / 32 * 32 * g[G_CODEROW] == g[G_NBYTES] && g[G_OFFCODE] >= 4 * g[G_ROWS] * g[G_K];
+}
+
+/* one input's tables (4 cols bytes), steps (cols / 128) and exact sums per 256 (cols / 256 after them) */
+static void q1t_input_c(const float *x, int64_t cols, int8_t *tab, float *sd) {
+    float *step = sd, *xs = sd + cols / 128;
+    for (int64_t c0 = 0; c0 < cols; c0 += 128) {
+        float amax = 0, sum = 0;
+        for (int j = 0; j < 128; j++) { amax = fmaxf(amax, fabsf(x[c0 + j])); sum += x[c0 + j]; }
+        if (c0 % 256 == 0) xs[c0 / 256] = 0;
+        xs[c0 / 256] += sum;
+        step[c0 / 128] = amax / Q1T_LEVELS;
+        float inv = amax > 0 ? Q1T_LEVELS / amax : 0.0f;
+        for (int j = 0; j < 128; j += 4) {
+            int q[4];
+            for (int i = 0; i < 4; i++) q[i] = (int)nearbyintf(x[c0 + j + i] * inv);
+            int8_t *e = tab + 4 * (c0 + j);
+            for (int v = 0; v < 16; v++)
+                e[v] = (int8_t)(((v & 1) ? q[0] : -q[0]) + ((v & 2) ? q[1] : -q[1]) + ((v & 4) ? q[2] : -q[2]) +
+                                ((v & 8) ? q[3] : -q[3]));
+        }
+    }
+}
+
+/* one tile's 32 rows times one input, in row order, without outliers */
+static void q1t_tile_c(const uint8_t *p, int64_t nsb, const float *step, const float *xs, const int8_t *tab, float *y) {
+    int pos[32];
+    for (int i = 0; i < 32; i++) pos[q1t_order[i]] = i;
+    for (int r = 0; r < 32; r++) {
+        float f = 0;
+        for (int64_t b = 0; b < nsb; b++) {
+            const uint8_t *sb = p + b * Q1T_SB;
+            float d = f16_at(sb + 2 * pos[r]), m = f16_at(sb + 64 + 2 * pos[r]);
+            f += m * xs[b];
+            for (int h = 0; h < 2; h++) {
+                int32_t acc = 0;
+                for (int pr = 2 * h; pr < 2 * h + 2; pr++) {
+                    const uint8_t *base = sb + 128 + pr * 288;
+                    int slo = base[r] & 15, shi = base[r] >> 4;
+                    const int8_t *ta = tab + 4 * (256 * b + 64 * pr), *tb = ta + 4 * 32;
+                    for (int gi = 0; gi < 8; gi++) {
+                        int c = base[32 + 32 * gi + r];
+                        acc += slo * ta[16 * gi + (c & 15)] + shi * tb[16 * gi + (c >> 4)];
+                    }
+                }
+                f += (float)acc * (d * step[2 * b + h]);
+            }
+        }
+        y[r] = f;
+    }
+}
+
+#if HAVE_X86
+AVX2 static void q1t_input_avx2(const float *x, int64_t cols, int8_t *tab, float *sd, int8_t *q) {
+    float *step = sd, *xs = sd + cols / 128;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t c0 = 0; c0 < cols; c0 += 128) {
+        __m256 mx = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+        for (int j = 0; j < 128; j += 8) {
+            __m256 v = _mm256_loadu_ps(x + c0 + j);
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v));
+            sum = _mm256_add_ps(sum, v);
+        }
+        float amax = hmax8(mx);
+        if (c0 % 256 == 0) xs[c0 / 256] = 0;
+        xs[c0 / 256] += hsum8(sum);
+        step[c0 / 128] = amax / Q1T_LEVELS;
+        __m256 inv = _mm256_set1_ps(amax > 0 ? Q1T_LEVELS / amax : 0.0f);
+        for (int j = 0; j < 128; j += 32) {
+            const float *v = x + c0 + j;
+            __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v), inv));
+            __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 8), inv));
+            __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 16), inv));
+            __m256i d = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 24), inv));
+            __m256i pk = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+            _mm256_storeu_si256((__m256i *)(q + c0 + j), _mm256_permutevar8x32_epi32(pk, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        }
+    }
+    /* two groups of four a register: each input spread over its 16-byte lane (vpshufb), signed by bit i
+       of the entry's index (vpsignb by a +-1 pattern), the four summed */
+    const __m256i s0 = _mm256_setr_epi8(-1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1,
+                                        -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1);
+    const __m256i s1 = _mm256_setr_epi8(-1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1,
+                                        -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1);
+    const __m256i s2 = _mm256_setr_epi8(-1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1,
+                                        -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1);
+    const __m256i s3 = _mm256_setr_epi8(-1, -1, -1, -1, -1, -1, -1, -1, 1, 1, 1, 1, 1, 1, 1, 1,
+                                        -1, -1, -1, -1, -1, -1, -1, -1, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m256i b0 = _mm256_setzero_si256(), b1 = _mm256_set1_epi8(1), b2 = _mm256_set1_epi8(2), b3 = _mm256_set1_epi8(3);
+    for (int64_t gi = 0; gi < cols / 4; gi += 2) {
+        int32_t w0, w1;
+        memcpy(&w0, q + 4 * gi, 4);
+        memcpy(&w1, q + 4 * gi + 4, 4);
+        __m256i v = _mm256_setr_epi32(w0, 0, 0, 0, w1, 0, 0, 0);
+        __m256i e = _mm256_add_epi8(_mm256_add_epi8(_mm256_sign_epi8(_mm256_shuffle_epi8(v, b0), s0),
+                                                    _mm256_sign_epi8(_mm256_shuffle_epi8(v, b1), s1)),
+                                    _mm256_add_epi8(_mm256_sign_epi8(_mm256_shuffle_epi8(v, b2), s2),
+                                                    _mm256_sign_epi8(_mm256_shuffle_epi8(v, b3), s3)));
+        _mm256_storeu_si256((__m256i *)(tab + 16 * gi), e);
+    }
+}
+
+/* one tile's 32 rows times one input, in the tile's position order (q1t_order), without outliers */
+AVX2 static void q1t_tile_avx2(const uint8_t *p, int64_t nsb, const float *step, const float *xs, const int8_t *tab,
+                               float *y) {
+    const __m256i k15 = _mm256_set1_epi8(15), even = _mm256_set1_epi32(1), odd = _mm256_set1_epi32(1 << 16);
+    __m256 f[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = 0; b < nsb; b++, p += Q1T_SB) {
+        __m256 d[4];
+        for (int k = 0; k < 4; k++) {
+            d[k] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * k)));
+            f[k] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 64 + 16 * k))),
+                                   _mm256_set1_ps(xs[b]), f[k]);
+        }
+        const uint8_t *sp = p + 128;
+        for (int h = 0; h < 2; h++) {                             /* the super-block's two halves of 128 */
+            __m256i a[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+            for (int pr = 0; pr < 2; pr++, sp += 288) {           /* a pair of sub-blocks: 64 columns */
+                const int64_t col = 256 * b + 128 * h + 64 * pr;
+                __m256i sv = _mm256_loadu_si256((const __m256i *)sp);
+                __m256i slo = _mm256_and_si256(sv, k15), shi = _mm256_and_si256(_mm256_srli_epi16(sv, 4), k15);
+                __m256i sA = _mm256_unpacklo_epi8(slo, shi), sB = _mm256_unpackhi_epi8(slo, shi);
+                __m256i accA = _mm256_setzero_si256(), accB = _mm256_setzero_si256();
+                const int8_t *ta = tab + 4 * col, *tb = tab + 4 * (col + 32);
+                for (int gi = 0; gi < 8; gi++) {       /* |sums| <= 8 x 2 x 15 x 124 < 2^15: no saturation */
+                    __m256i cv = _mm256_loadu_si256((const __m256i *)(sp + 32 + 32 * gi));
+                    __m256i ia = _mm256_and_si256(cv, k15), ib = _mm256_and_si256(_mm256_srli_epi16(cv, 4), k15);
+                    __m256i la = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(ta + 16 * gi))), ia);
+                    __m256i lb = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(tb + 16 * gi))), ib);
+                    accA = _mm256_add_epi16(accA, _mm256_maddubs_epi16(sA, _mm256_unpacklo_epi8(la, lb)));
+                    accB = _mm256_add_epi16(accB, _mm256_maddubs_epi16(sB, _mm256_unpackhi_epi8(la, lb)));
+                }
+                a[0] = _mm256_add_epi32(a[0], _mm256_madd_epi16(accA, even));
+                a[1] = _mm256_add_epi32(a[1], _mm256_madd_epi16(accA, odd));
+                a[2] = _mm256_add_epi32(a[2], _mm256_madd_epi16(accB, even));
+                a[3] = _mm256_add_epi32(a[3], _mm256_madd_epi16(accB, odd));
+            }
+            __m256 s = _mm256_set1_ps(step[2 * b + h]);
+            for (int k = 0; k < 4; k++) f[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[k]), _mm256_mul_ps(d[k], s), f[k]);
+        }
+    }
+    for (int k = 0; k < 4; k++) _mm256_storeu_ps(y + 8 * k, f[k]);
+}
+#endif
+
+#if HAVE_X86
+AVX2 static float q1t_outliers_avx2(const uint8_t *t, const int64_t *g, int64_t r, const float *x, atomic_int *bad) {
+    return outlier_sum(t, g, r, x, bad);
+}
+#endif
+
+/* a q1t job: rows [job[2], job[3]) (whole tiles, the last one possibly cut by the tensor's end) for each
+   of the job's inputs, outlier corrections added */
+static void q1t_job(task_t *t, const int64_t *job, const int64_t *g) {
+    const uint8_t *tensor = t->raw + job[0];
+    int64_t cols = g[G_COLS], nsb = cols / 256, per = cols / 128 + cols / 256, k = g[G_K];
+    const uint8_t *tiles = tensor + g[G_OFFCODE];
+    float y[32], yo[32];
+    for (int64_t tk = 0; tk < t->ntok; tk++) {
+        int64_t xi = job[4] + tk;
+        const int8_t *tab = t->lt + 4 * xi * cols;
+        const float *step = t->ltd + xi * per, *xs = step + cols / 128, *x = t->xf + xi * cols;
+        float *dst = t->out + job[5] + tk * t->ostride - job[2];
+        for (int64_t r0 = job[2]; r0 < job[3]; r0 += 32) {
+            const uint8_t *p = tiles + r0 * g[G_CODEROW];
+#if HAVE_X86
+            if (use_avx2) {
+                q1t_tile_avx2(p, nsb, step, xs, tab, yo);
+                for (int i = 0; i < 32; i++) y[q1t_order[i]] = yo[i];
+                for (int64_t r = r0; r < job[3] && r < r0 + 32; r++)
+                    dst[r] = y[r - r0] + q1t_outliers_avx2(tensor, g, r, x, &t->bad);
+                continue;
+            }
+#endif
+            q1t_tile_c(p, nsb, step, xs, tab, y);
+            for (int64_t r = r0; r < job[3] && r < r0 + 32; r++) {
+                const uint8_t *oc = tensor + g[G_OFFOCOL] + 2 * r * k, *ov = tensor + g[G_OFFOVAL] + 2 * r * k;
+                int64_t no = outliers_valid(tensor, g, r, &t->bad);
+                float corr = 0;
+                for (int64_t q = 0; q < no; q++) corr += f16_at(ov + 2 * q) * x[oc[2 * q] | (oc[2 * q + 1] << 8)];
+                dst[r] = y[r - r0] + corr;
+            }
+        }
+    }
+}
+
+/* row r of a q1t tensor decoded (outliers corrected), as formats/quants.py's reference decoder */
+static void q1t_deq_row(const uint8_t *t, const int64_t *g, int64_t r, float *out) {
+    int64_t cols = g[G_COLS], nsb = cols / 256, k = g[G_K];
+    int pos = 0;
+    while (q1t_order[pos] != (int)(r % 32)) pos++;
+    const uint8_t *p = t + g[G_OFFCODE] + (r / 32) * 32 * g[G_CODEROW];
+    int rr = (int)(r % 32);
+    for (int64_t b = 0; b < nsb; b++, p += Q1T_SB) {
+        float d = f16_at(p + 2 * pos), m = f16_at(p + 64 + 2 * pos);
+        for (int pr = 0; pr < 4; pr++) {
+            const uint8_t *base = p + 128 + pr * 288;
+            for (int half = 0; half < 2; half++) {
+                float A = d * (float)((base[rr] >> (4 * half)) & 15);
+                float *o = out + 256 * b + 64 * pr + 32 * half;
+                for (int gi = 0; gi < 8; gi++) {
+                    int nib = (base[32 + 32 * gi + rr] >> (4 * half)) & 15;
+                    for (int i = 0; i < 4; i++) o[4 * gi + i] = A * (float)(2 * ((nib >> i) & 1) - 1) + m;
+                }
+            }
+        }
+    }
+    const uint8_t *oc = t + g[G_OFFOCOL] + 2 * r * k, *ov = t + g[G_OFFOVAL] + 2 * r * k;
+    atomic_int bad = 0;
+    int64_t no = outliers_valid(t, g, r, &bad);
+    for (int64_t q = 0; q < no; q++) out[oc[2 * q] | (oc[2 * q + 1] << 8)] += f16_at(ov + 2 * q);
+}
+
 /* a mat-vec job: rows [job[2], job[3]) of the tensor at raw + job[0] times inputs job[4] ..
    job[4] + ntok - 1, written to out[job[5] + t * ostride + row - job[2]] */
 static void rows_job(task_t *t, int64_t j, float *scratch) {
@@ -2145,6 +2390,10 @@ static void rows_job(task_t *t, int64_t j, float *scratch) {
     const int64_t *g = t->geoms + G_LEN * job[1];
     int64_t x0 = job[4], ntok = t->ntok, cols = t->cols, nsp = t->nspan;
     const uint8_t *tensor = t->raw + job[0];
+    if (g[G_KIND] == K_Q1T) {
+        q1t_job(t, job, g);
+        return;
+    }
 #if HAVE_X86
     if (use_avx2 && ntok == 2 && t->x8 && x8_kind((int)g[G_KIND]) && g[G_KIND] != K_T1 && g[G_COLS] % 128 == 0 &&
         full_cols(g) == g[G_COLS]) {
@@ -3428,6 +3677,32 @@ done:
 #endif
 }
 
+/* every input row's tables, steps and sums (q1t_input) for a call whose geometries hold q1t: *lt
+   [nx][4 cols], *ltd [nx][cols / 128 + cols / 256]; nothing where none does (*lt stays NULL); -1 with
+   MemoryError set (no_memory) */
+static int q1t_inputs(const int64_t *geoms, int64_t ng, const float *xf, int64_t nx, int64_t cols, int8_t **lt,
+                      float **ltd) {
+    *lt = NULL;
+    *ltd = NULL;
+    int any = 0;
+    for (int64_t i = 0; i < ng; i++) any |= geoms[G_LEN * i + G_KIND] == K_Q1T;
+    if (!any || cols % 256) return 0;
+    int64_t per = cols / 128 + cols / 256;
+    *lt = malloc(4 * nx * cols + cols + 1);
+    *ltd = malloc(sizeof(float) * (nx * per + 1));
+    if (!*lt || !*ltd) { no_memory(); return -1; }
+    for (int64_t i = 0; i < nx; i++) {
+#if HAVE_X86
+        if (use_avx2) {
+            q1t_input_avx2(xf + i * cols, cols, *lt + 4 * i * cols, *ltd + i * per, *lt + 4 * nx * cols);
+            continue;
+        }
+#endif
+        q1t_input_c(xf + i * cols, cols, *lt + 4 * i * cols, *ltd + i * per);
+    }
+    return 0;
+}
+
 static inline int64_t rows_scratch(int64_t max_rows, int64_t tile, int64_t nspan) {
     /* (multi_x8: 12 nspan + 24, and t1's row of digits as bytes, 8 nspan + 8) */
     return max_rows * (8 * tile + (2 + tile) * nspan) + 25 * nspan + 40 +
@@ -3441,15 +3716,15 @@ static int run_rows(const uint8_t *raw, int64_t nraw, const int64_t *geoms, int6
                     int64_t ostride) {
     int rc = -1;
     int16_t *xq = NULL;
-    int8_t *x8 = NULL, *xt = NULL;
-    float *xsc = NULL, *xs = NULL, *x8d = NULL, *xT = NULL, *xtd = NULL;
+    int8_t *x8 = NULL, *xt = NULL, *lt = NULL;
+    float *xsc = NULL, *xs = NULL, *x8d = NULL, *xT = NULL, *xtd = NULL, *ltd = NULL;
     if (!ng) { PyErr_SetString(PyExc_ValueError, "no geometry"); goto done; }
     int64_t cols = geoms[G_COLS];
     if (cols <= 0 || cols % 32 || nxf % cols) { PyErr_SetString(PyExc_ValueError, "xf does not match the geometry's columns"); goto done; }
     int64_t nx = nxf / cols;
     for (int64_t i = 0; i < ng; i++) {
         const int64_t *g = geoms + G_LEN * i;
-        if (g[G_COLS] != cols || !known_layout(g)) {
+        if (g[G_COLS] != cols || !(known_layout(g) || q1t_layout(g))) {
             PyErr_SetString(PyExc_ValueError, "geometries must share one column count and a known codec");
             goto done;
         }
@@ -3464,13 +3739,17 @@ static int run_rows(const uint8_t *raw, int64_t nraw, const int64_t *geoms, int6
             PyErr_Format(PyExc_ValueError, "job %lld lies outside its buffers", (long long)j);
             goto done;
         }
+        if (g[G_KIND] == K_Q1T && (jb[2] % 32 || (jb[3] % 32 && jb[3] != g[G_ROWS]))) {
+            PyErr_Format(PyExc_ValueError, "job %lld: q1t rows go in whole tiles of 32", (long long)j);
+            goto done;
+        }
         if (jb[3] - jb[2] > max_rows) max_rows = jb[3] - jb[2];
     }
     int64_t nspan = cols / 32, tile = ntok < TOKEN_TILE ? ntok : TOKEN_TILE;
     int any_x8 = 0;
     for (int64_t i = 0; i < ng; i++) any_x8 |= x8_kind((int)geoms[G_LEN * i + G_KIND]);
     if (quantize_rows(xf, nx, cols, &xq, &xsc, &xs, any_x8 ? &x8 : NULL, &x8d) ||
-        quantize_rows_t1(geoms, ng, xf, nx, cols, ntok, &xt, &xtd))
+        quantize_rows_t1(geoms, ng, xf, nx, cols, ntok, &xt, &xtd) || q1t_inputs(geoms, ng, xf, nx, cols, &lt, &ltd))
         goto done;
     if (x8 && ntok > 1) {             /* multi_x8 reads each outlier's inputs for a run of tokens at once */
         xT = malloc(sizeof(float) * (nx * cols + TOKEN_TILE));
@@ -3480,12 +3759,12 @@ static int run_rows(const uint8_t *raw, int64_t nraw, const int64_t *geoms, int6
     }
     task_t t = {.job = rows_job, .raw = raw, .geoms = geoms, .xf = xf, .xsc = xsc, .xs = xs,
                 .xq = xq, .xp = xq + nxf, .x8 = x8, .x8d = x8d, .x8s = x8d ? x8d + nx * ((cols + 127) / 128) : NULL,
-                .xT = xT, .nxT = nx, .xt = xt, .xtd = xtd, .xts = xtd ? xtd + nx * (cols / 128) : NULL,
+                .xT = xT, .nxT = nx, .xt = xt, .xtd = xtd, .xts = xtd ? xtd + nx * (cols / 128) : NULL, .lt = lt, .ltd = ltd,
                 .cols = cols, .nspan = nspan, .jobs = jobs, .njobs = njobs, .out = out, .ntok = ntok,
                 .ostride = ostride, .scratch_floats = rows_scratch(max_rows, tile, nspan)};
     rc = run_unlocked(&t, threads);
 done:
-    free(xq); free(xsc); free(xs); free(x8); free(x8d); free(xT); free(xt); free(xtd);
+    free(xq); free(xsc); free(xs); free(x8); free(x8d); free(xT); free(xt); free(xtd); free(lt); free(ltd);
     return rc;
 }
 
@@ -3516,7 +3795,8 @@ done:
 static const int64_t *tensor_geometry(const buf_t *raw, const buf_t *geom, const buf_t *out, const char *what) {
     const int64_t *g = geom->b.buf;
     int64_t cols = geom->b.len == 8 * G_LEN ? g[G_COLS] : 0;
-    if (cols <= 0 || cols % 32 || !known_layout(g) || raw->b.len < g[G_NBYTES] ||
+    int tiled_ok = !strcmp(what, "dequantize") && cols > 0 && q1t_layout(g);      /* q1t: routed experts only */
+    if (cols <= 0 || cols % 32 || !(known_layout(g) || tiled_ok) || raw->b.len < g[G_NBYTES] ||
         out->b.len % (4 * cols)) {
         PyErr_Format(PyExc_ValueError, "%s: buffers do not match the geometry", what);
         return NULL;
@@ -3532,8 +3812,10 @@ static inline int64_t moe_rows_per_job(int64_t cols) {
 
 /* jobs over rows 0 .. rows-1 of one tensor, cut in blocks of at least 8 rows and about MOE_JOB_WEIGHTS
    weights; returns the number written at jb */
-static int64_t moe_jobs(int64_t *jb, int64_t off, int64_t gi, int64_t rows, int64_t cols, int64_t xi, int64_t out0) {
+static int64_t moe_jobs(int64_t *jb, int64_t off, int64_t gi, int64_t rows, int64_t cols, int64_t xi, int64_t out0,
+                        int tiles) {
     int64_t per = moe_rows_per_job(cols), n = 0;
+    if (tiles) per = (per + 31) / 32 * 32;      /* q1t: whole tiles of 32 rows */
     for (int64_t r = 0; r < rows; r += per, n++) {
         int64_t *j = jb + JOB_LEN * n;
         j[0] = off; j[1] = gi; j[2] = r; j[3] = r + per < rows ? r + per : rows; j[4] = xi; j[5] = out0 + r;
@@ -3585,16 +3867,16 @@ typedef struct {
     int64_t ng, n, T, hidden, inter;
     int any_x8;
     int64_t *jobs1, *jobs2;
-    float *h, *y, *xsc, *xs, *asc, *as, *x8d, *a8d, *xtd, *atd;
+    float *h, *y, *xsc, *xs, *asc, *as, *x8d, *a8d, *xtd, *atd, *ltd, *altd;
     int16_t *xq, *aq;
-    int8_t *x8, *a8, *xt, *atq;
+    int8_t *x8, *a8, *xt, *atq, *lt, *alt;
     task_t t1, t2;                     /* gate and up rows of every pair; down rows */
 } moe_run_t;
 
 static void moe_free(moe_run_t *m) {
     free(m->jobs1); free(m->jobs2); free(m->h); free(m->y); free(m->xq); free(m->xsc); free(m->xs); free(m->aq);
     free(m->asc); free(m->as); free(m->x8); free(m->x8d); free(m->a8); free(m->a8d); free(m->xt); free(m->xtd);
-    free(m->atq); free(m->atd);
+    free(m->atq); free(m->atd); free(m->lt); free(m->ltd); free(m->alt); free(m->altd);
 }
 
 /* whether moe's arguments (m's inputs, nraw bytes of base) fit; ValueError set if not */
@@ -3605,7 +3887,8 @@ static int moe_fits(moe_run_t *m, int64_t nraw, int64_t npick, int64_t ntok, int
     for (int64_t p = 0; p < m->ng; p += 2) {
         const int64_t *gu = geoms + G_LEN * p, *d = gu + G_LEN;
         if (gu[G_COLS] != hidden || gu[G_ROWS] != inter || d[G_COLS] != inter || d[G_ROWS] != hidden ||
-            hidden <= 0 || hidden % 32 || inter <= 0 || inter % 32 || !known_layout(gu) || !known_layout(d)) {
+            hidden <= 0 || hidden % 32 || inter <= 0 || inter % 32 || !(known_layout(gu) || q1t_layout(gu)) ||
+            !(known_layout(d) || q1t_layout(d))) {
             PyErr_SetString(PyExc_ValueError, "moe: expert shapes do not chain: gate/up [inter, hidden], down [hidden, inter]");
             return 0;
         }
@@ -3644,17 +3927,19 @@ static int moe_setup(moe_run_t *m) {
     for (int64_t i = 0; i < n; i++) {
         for (int w = 0; w < 2; w++)
             nj1 += moe_jobs(m->jobs1 + JOB_LEN * nj1, m->offs[3 * i + w], 2 * m->pick[i], inter, hidden, m->tok[i],
-                            (2 * i + w) * inter);
-        nj2 += moe_jobs(m->jobs2 + JOB_LEN * nj2, m->offs[3 * i + 2], 2 * m->pick[i] + 1, hidden, inter, i, i * hidden);
+                            (2 * i + w) * inter, m->geoms[G_LEN * 2 * m->pick[i] + G_KIND] == K_Q1T);
+        nj2 += moe_jobs(m->jobs2 + JOB_LEN * nj2, m->offs[3 * i + 2], 2 * m->pick[i] + 1, hidden, inter, i, i * hidden,
+                        m->geoms[G_LEN * (2 * m->pick[i] + 1) + G_KIND] == K_Q1T);
     }
     m->any_x8 = 0;          /* as rows(): codecs whose products take int8 inputs, at any token count */
     for (int64_t i = 0; i < m->ng; i++) m->any_x8 |= x8_kind((int)m->geoms[G_LEN * i + G_KIND]);
     if (quantize_rows(m->x, T, hidden, &m->xq, &m->xsc, &m->xs, m->any_x8 ? &m->x8 : NULL, &m->x8d) ||
-        quantize_rows_t1(m->geoms, m->ng, m->x, T, hidden, 1, &m->xt, &m->xtd))
+        quantize_rows_t1(m->geoms, m->ng, m->x, T, hidden, 1, &m->xt, &m->xtd) ||
+        q1t_inputs(m->geoms, m->ng, m->x, T, hidden, &m->lt, &m->ltd))
         return -1;
     m->t1 = (task_t){.job = rows_job, .raw = m->base, .geoms = m->geoms, .xf = m->x, .xsc = m->xsc, .xs = m->xs,
                      .xq = m->xq, .x8 = m->x8, .x8d = m->x8d, .x8s = m->x8d ? m->x8d + T * ((hidden + 127) / 128) : NULL,
-                     .xt = m->xt, .xtd = m->xtd, .xts = m->xtd ? m->xtd + T * (hidden / 128) : NULL,
+                     .xt = m->xt, .xtd = m->xtd, .xts = m->xtd ? m->xtd + T * (hidden / 128) : NULL, .lt = m->lt, .ltd = m->ltd,
                      .xp = m->xq + T * hidden, .cols = hidden, .nspan = hidden / 32, .jobs = m->jobs1, .njobs = nj1,
                      .out = m->h, .ntok = 1, .scratch_floats = rows_scratch(per1, 1, hidden / 32)};
     m->t2 = (task_t){.job = rows_job, .raw = m->base, .geoms = m->geoms, .cols = inter, .nspan = inter / 32,
@@ -3667,12 +3952,14 @@ static int moe_between(moe_run_t *m) {
     int64_t n = m->n, inter = m->inter;
     float *act = swiglu_pairs(m->h, n, inter);
     if (quantize_rows(act, n, inter, &m->aq, &m->asc, &m->as, m->any_x8 ? &m->a8 : NULL, &m->a8d) ||
-        quantize_rows_t1(m->geoms, m->ng, act, n, inter, 1, &m->atq, &m->atd))
+        quantize_rows_t1(m->geoms, m->ng, act, n, inter, 1, &m->atq, &m->atd) ||
+        q1t_inputs(m->geoms, m->ng, act, n, inter, &m->alt, &m->altd))
         return -1;
     task_t *t = &m->t2;
     t->xf = act; t->xsc = m->asc; t->xs = m->as; t->xq = m->aq; t->xp = m->aq + n * inter;
     t->x8 = m->a8; t->x8d = m->a8d; t->x8s = m->a8d ? m->a8d + n * ((inter + 127) / 128) : NULL;
     t->xt = m->atq; t->xtd = m->atd; t->xts = m->atd ? m->atd + n * (inter / 128) : NULL;
+    t->lt = m->alt; t->ltd = m->altd;
     return 0;
 }
 
@@ -3965,7 +4252,7 @@ static PyObject *py_ggml_moe(PyObject *self, PyObject *args) {
     int64_t nj = 0;
     for (int64_t i = 0; i < n; i++)
         for (int w = 0; w < 2; w++)
-            nj += moe_jobs(jobs + JOB_LEN * nj, offs[3 * i + w], 0, inter, hidden, tok[i], (2 * i + w) * inter);
+            nj += moe_jobs(jobs + JOB_LEN * nj, offs[3 * i + w], 0, inter, hidden, tok[i], (2 * i + w) * inter, 0);
     task_t t1 = {.job = ggml_moe_job, .raw = b[0].b.buf, .geoms = ty, .xf = x, .cols = hidden, .jobs = jobs,
                  .njobs = nj, .out = h, .scratch_floats = 256 + 16, .fix = fx, .q8 = qx};
     if (run_unlocked(&t1, threads) < 0) goto done;
@@ -3974,7 +4261,7 @@ static PyObject *py_ggml_moe(PyObject *self, PyObject *args) {
         goto done;
     nj = 0;
     for (int64_t i = 0; i < n; i++)
-        nj += moe_jobs(jobs + JOB_LEN * nj, offs[3 * i + 2], 1, hidden, inter, i, i * hidden);
+        nj += moe_jobs(jobs + JOB_LEN * nj, offs[3 * i + 2], 1, hidden, inter, i, i * hidden, 0);
     task_t t2 = {.job = ggml_moe_job, .raw = b[0].b.buf, .geoms = ty, .xf = act, .cols = inter, .jobs = jobs,
                  .njobs = nj, .out = y, .scratch_floats = 256 + 16, .fix = fa, .q8 = qa};
     if (run_unlocked(&t2, threads) < 0) goto done;
@@ -5071,6 +5358,7 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__qdot(void) {
     init_tables();
+    q1t_init();
 #if HAVE_X86
     __builtin_cpu_init();
     use_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");

@@ -8,6 +8,8 @@ once, and adds each outlier's stored correction times its input; nothing is dequ
 t1 weights (the routed experts) take x as int8 per 128 values instead (q4/q6 too with
 `set_activations("int8")`): byte products, the sub-block scales applied as integers, one float step
 per 128 weights (one t1 token: -21 .. 21, so that its trits never have to be taken out of their bytes).
+q1t (q1's values, 32 rows side by side) takes x as -31 .. 31 per 128 and looks its products up in a
+table of every four inputs' signed sums, 32 rows a lookup; its jobs go in whole tiles of 32 rows.
 Every caller hands it a list of row jobs (a linear, all routed experts of a token, kv_b's heads),
 shared out over a small thread pool.
 A decode step's attention from the projections to the heads' values is one call (LatentAttention),
@@ -35,7 +37,7 @@ import numpy as np
 
 from kimistream.formats.codecs import CodecError, get_codec
 from kimistream.formats.ggufcodecs import BLOCK_SIZES, is_gguf_codec
-from kimistream.formats.quants import QUANT_CODECS, BlockCodec, outlier_columns_valid
+from kimistream.formats.quants import QUANT_CODECS, BlockCodec, TiledQ1Codec, outlier_columns_valid
 from kimistream.runtime import _qdot
 
 
@@ -64,6 +66,7 @@ _activations = "auto"
 _decoding = True          # Model.forward: one token per sequence (set_decoding)
 X8_BLOCK = 128            # int8 activations: values per float scale (one q2 chunk)
 T1_INPUT_TOP = 21         # one t1 token's input, as runtime/_qdot.c's quantize_xt rounds it
+Q1T_INPUT_TOP = 31        # q1t's input (four of them sum within a byte), as runtime/_qdot.c's q1t_inputs
 X8_CODECS = ("q2", "q1", "t1", "q4", "q6")    # the codecs with an int8-activation kernel (set_activations)
 _threads = int(os.environ.get("KIMI_STREAM_THREADS") or len(os.sched_getaffinity(0)))   # kimi-run --threads
 GGUF_INPUTS = ("llama.cpp", "f32")
@@ -105,14 +108,14 @@ def _ggml_raw(codec: str, raw, shape):
     return raw
 
 
-def _geometry_vector(codec: BlockCodec, shape) -> np.ndarray:
+def _geometry_vector(codec: BlockCodec | TiledQ1Codec, shape) -> np.ndarray:
     if len(shape) != 2:
         codec.geometry(shape)            # raises the codec's own error
     return _geometry_cached(codec, int(shape[0]), int(shape[1]))
 
 
 @functools.lru_cache(maxsize=4096)
-def _geometry_cached(codec: BlockCodec, rows: int, cols: int) -> np.ndarray:
+def _geometry_cached(codec: BlockCodec | TiledQ1Codec, rows: int, cols: int) -> np.ndarray:
     # once per codec and shape, not per call: a decode step makes hundreds of calls
     g = codec.geometry((rows, cols))
     planes = list(codec.code_planes) + [(0, 1)] * (2 - len(codec.code_planes))
@@ -127,7 +130,7 @@ def _geometry_cached(codec: BlockCodec, rows: int, cols: int) -> np.ndarray:
 
 def _prepare(codec_name: str, raw, shape):
     codec = get_codec(codec_name)
-    if not isinstance(codec, BlockCodec):
+    if not isinstance(codec, (BlockCodec, TiledQ1Codec)):
         raise CodecError(f"no kernel for codec {codec_name!r}")
     g = _geometry_vector(codec, shape)
     raw = np.frombuffer(raw, dtype=np.uint8) if not isinstance(raw, np.ndarray) else raw.reshape(-1)
@@ -219,6 +222,8 @@ def takes_int8(codec: str, cols: int | None = None, tokens: int = 1) -> bool:
     int8 now: rows of whole 128-column blocks and whole code chunks only (q1's are 256; t1 takes its
     digits out of the chunks first for several tokens, and one t1 token's input is rounded to -21 .. 21,
     see `rounded_input`)."""
+    if codec == "q1t":           # its lookup tables always take -31 .. 31 per 128 (runtime/_qdot.c)
+        return tokens < X8_BLAS_MIN_TOKENS
     if cols is not None and cols % (256 if codec == "q1" else X8_BLOCK):
         return False
     limit = T1_BLAS_MIN_TOKENS if codec == "t1" else X8_BLAS_MIN_TOKENS
@@ -231,7 +236,8 @@ def rounded_input(codec: str, x: np.ndarray, tokens: int = 1) -> np.ndarray:
     x = np.ascontiguousarray(x, dtype=np.float32)
     if takes_int8(codec, x.shape[0], tokens):
         # one t1 token: -21 .. 21 (its kernel multiplies bytes up to 255 by three times them, runtime/_qdot.c)
-        top = np.float32(T1_INPUT_TOP if codec == "t1" and tokens == 1 else _x8_levels)
+        top = np.float32(T1_INPUT_TOP if codec == "t1" and tokens == 1 else Q1T_INPUT_TOP if codec == "q1t"
+                         else _x8_levels)
         b = x.reshape(-1, X8_BLOCK)
         amax = np.abs(b).max(axis=1, keepdims=True)
         inv = np.where(amax > 0, top / np.where(amax > 0, amax, 1), 0).astype(np.float32)
@@ -363,11 +369,15 @@ def warm_up(codec: str) -> None:
         linear(np.zeros(shape[1], np.float32), codec, zeros, shape)
         dequantize(codec, zeros, shape)
         return
-    gu, dn = (64, 256), (256, 64)
+    gu, dn = ((64, 256), (256, 64)) if codec != "q1t" else ((64, 256), (256, 256))
     zeros = np.zeros(2 * c.nbytes(gu) + c.nbytes(dn), np.uint8)
     x = np.zeros(256, np.float32)
     linear(x, codec, zeros, gu)
     dequantize(codec, zeros, gu)
+    if codec == "q1t":          # routed experts only (their gate/up and down as inter = hidden)
+        offs = np.array([[0, 0, 0]], np.int64)
+        moe_decode(zeros, offs, (codec, dn), (codec, dn), x, np.ones(1, np.float32), np.zeros(256, np.float32))
+        return
     offs = np.array([[0, c.nbytes(gu), 2 * c.nbytes(gu)]], np.int64)
     moe_decode(zeros, offs, (codec, gu), (codec, dn), x, np.ones(1, np.float32), np.zeros(256, np.float32))
     heads_t(codec, zeros, gu, np.zeros((2, 32), np.float32), 32)
@@ -378,10 +388,13 @@ JOB_WEIGHTS = 1 << 15     # weights per job of the mat-vec kernel (at least 8 ro
                           # with an atomic add on a line both cores write, so not too many of them
 
 
-def _jobs(t0s, gi: int, first: int, rows: int, xis, outs, cols: int) -> np.ndarray:
+def _jobs(t0s, gi: int, first: int, rows: int, xis, outs, cols: int, tiles: bool = False) -> np.ndarray:
     """Jobs [m * ceil(rows / per), 6] covering rows first .. first+rows-1 of m tensors of `cols`
-    columns (byte offsets t0s, inputs xis, outputs written from outs)."""
+    columns (byte offsets t0s, inputs xis, outputs written from outs); with `tiles`, whole tiles of 32
+    rows (q1t)."""
     per = max(8, JOB_WEIGHTS // max(cols, 1))
+    if tiles:
+        per = -(-per // 32) * 32
     lo = np.arange(0, rows, per, dtype=np.int64)
     hi = np.minimum(lo + per, rows)
     m, nb = len(t0s), len(lo)
@@ -396,9 +409,9 @@ def _jobs(t0s, gi: int, first: int, rows: int, xis, outs, cols: int) -> np.ndarr
 
 
 @functools.lru_cache(maxsize=1024)
-def _linear_jobs(rows: int, cols: int) -> np.ndarray:
+def _linear_jobs(rows: int, cols: int, tiles: bool = False) -> np.ndarray:
     """Jobs covering one weight, shared by every call of this shape (the tokens are the kernel's)."""
-    return _jobs([0], 0, 0, rows, [0], [0], cols)
+    return _jobs([0], 0, 0, rows, [0], [0], cols, tiles)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -427,7 +440,7 @@ class Linear:
             self.raw = _ggml_raw(codec, raw, (rows, cols))
         elif has_kernel(codec):
             _, self.g, self.raw = _prepare(codec, raw, (rows, cols))
-            self.geoms, self.jobs = self.g[None, :], _linear_jobs(rows, cols)
+            self.geoms, self.jobs = self.g[None, :], _linear_jobs(rows, cols, codec == "q1t")
         else:
             self.raw = raw if not isinstance(raw, np.ndarray) else raw.reshape(-1)
 
@@ -502,7 +515,7 @@ def stacked(parts) -> Stacked | None:
         b = raw.base if isinstance(raw, np.ndarray) else None
         return b.obj if isinstance(b, memoryview) else b
     first = owner(parts[0][1])
-    if first is None or not all(owner(r) is first and c in QUANT_CODECS for c, r, _ in parts):
+    if first is None or not all(owner(r) is first and c in QUANT_CODECS and c != "q1t" for c, r, _ in parts):
         return None
     try:
         return Stacked(np.frombuffer(first, np.uint8), parts)
@@ -869,9 +882,15 @@ def causal_softmax(scores: np.ndarray, start: int, scale: float) -> None:
                          _threads if scores.size >= PARALLEL_MIN_WEIGHTS // 8 else 1)
 
 
+def _no_tiles(codec: str) -> None:
+    if codec == "q1t":
+        raise CodecError("q1t lays out routed experts for their products; attention's kv_b takes q1")
+
+
 def heads_t(codec: str, raw, shape, v: np.ndarray, stride: int) -> np.ndarray:
     """[nh, cols]: for each head h, v[h] (length n) times rows h*stride .. h*stride+n-1 of W,
     transposed (kv_b's key part applied to the query in absorbed attention)."""
+    _no_tiles(codec)
     _, g, raw = _prepare(codec, raw, shape)
     v = np.ascontiguousarray(v, dtype=np.float32)
     out = np.empty((v.shape[0], int(g[G_COLS])), np.float32)
@@ -887,6 +906,7 @@ def heads(codec: str, raw, shape, x: np.ndarray, stride: int, first: int, n: int
     nh = x.shape[0]
     if is_gguf_codec(codec):
         return _ggml_heads(codec, raw, shape, x, stride, first, n)
+    _no_tiles(codec)
     _, g, raw = _prepare(codec, raw, shape)
     out = np.empty(nh * n, np.float32)
     jobs = _head_jobs(nh, stride, first, n, x.shape[1])
