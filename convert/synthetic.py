@@ -14,6 +14,7 @@ from kimistream.formats.codecs import get_codec
 from kimistream.formats.config import ConfigError, ModelConfig
 from kimistream.formats.constants import DEFAULT_ALIGNMENT, EXTENT_EXPERT
 from kimistream.formats.layout import plan_extents
+from kimistream.formats.quants import TiledQ1Codec
 from kimistream.formats.weightfile import WeightFileWriter
 
 from .encoder import encode
@@ -61,6 +62,16 @@ def _encoded(rng, name: str, shape, codec_name: str, cfg: ModelConfig) -> np.nda
         return encode(codec, _values(rng, name, shape, cfg))
     rows, cols = shape
     block = encode(codec, _values(rng, name, (TILE_ROWS, cols), cfg))
+    if isinstance(codec, TiledQ1Codec):
+        # q1t: the outlier planes are row-major, and TILE_ROWS rows are whole tiles, so each part of
+        # the layout repeats with the block as well
+        g, gb = codec.geometry(shape), codec.geometry((TILE_ROWS, cols))
+        out = np.zeros(g.nbytes, np.uint8)
+        for (a, b), (c, d) in (((0, gb.off_oval), (0, g.off_oval)),
+                               ((gb.off_oval, 2 * gb.off_oval), (g.off_oval, 2 * g.off_oval)),
+                               ((gb.off_code, gb.nbytes), (g.off_code, g.nbytes))):
+            out[c:d] = np.resize(block[a:b], d - c)
+        return out
     per_row_total = codec.nbytes((1, cols))
     if codec.nbytes((TILE_ROWS, cols)) != TILE_ROWS * per_row_total:
         return encode(codec, _values(rng, name, shape, cfg))

@@ -147,3 +147,14 @@ def test_plans_use_tiles_only_where_they_fit():
     assert plan.codec_for(gate, "routed_experts", (40, 256)) == "q1"        # no whole tile
     over = PrecisionPlan.from_preset("q4", ["self_attn=q1t"])
     assert over.codec_for("model.layers.0.self_attn.o_proj.weight", "attention", (256, 256)) == "q1"
+
+
+@pytest.mark.parametrize("shape", [(1024, 1024), (352, 2048)])
+def test_a_synthetic_q1t_weight_repeats_its_block_of_rows(shape):
+    from kimistream.convert import synthetic
+    name = "model.layers.1.mlp.experts.0.up_proj.weight"
+    got = synthetic._encoded(np.random.default_rng(0), name, shape, "q1t", None)
+    block = synthetic._values(np.random.default_rng(0), name, (synthetic.TILE_ROWS, shape[1]), None)
+    want = np.resize(Q1T.decode(encode(Q1T, block), (synthetic.TILE_ROWS, shape[1])), shape)
+    assert got.size == Q1T.nbytes(shape)
+    assert np.array_equal(Q1T.decode(got, shape), want)
