@@ -8,11 +8,16 @@ over the expert bytes a token needs). Needs root and cgroup v1's memory controll
     sudo python benchmarks/bench_memory_cap.py WEIGHTS.kst [--caps 0.5,256M,0.25] [--repeats 2]
                                                [--tokens 32] [--llama-bench BIN --gguf MODEL.gguf]
                                                [--llama-tokens N] [--configs NAME,...] [--json]
+                                               [--pairs CONFIG] [--trace-dir DIR]
 
 Each run starts with the page cache dropped (so every expert read is a real read), the budget equal
 to the cap, and a 26-letter prompt; rounds alternate the configurations so drift falls on all alike,
 each round starting one configuration further on than the one before. A second table gives each
 configuration's lowest and highest run, the noise a ratio between two columns sits in.
+With --pairs CONFIG, each cap instead runs --repeats pairs of the default and CONFIG back to back
+(order alternating, so the disk's drift falls on both alike) and gives each pair's ratio of decode
+tok/s, their median, and each run's compute and wait on reads per token. --trace-dir keeps every
+run's `kimi-run --trace` (one record per step) as DIR/CAP-CONFIG-N.jsonl.
 With --llama-bench and --gguf (llama.cpp's own file of the same weights, e.g. the Q2_K that
 benchmarks/bench_llamacpp.py makes), llama.cpp runs under the same caps in the same rounds:
 `llama-bench -p 0 -n TOKENS -r 1 --repack 0` (its decode tok/s, weights memory-mapped as it does by
@@ -108,7 +113,22 @@ def main():
     ap.add_argument("--configs", help="a comma-separated subset of the configurations to run (default all; "
                                       "'default' always runs): " + ", ".join(CONFIGS))
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--pairs", metavar="CONFIG", help="the default against CONFIG in back-to-back pairs")
+    ap.add_argument("--trace-dir", metavar="DIR", help="keep each run's step trace in DIR")
     a = ap.parse_args()
+    if a.pairs is not None and a.pairs not in CONFIGS:
+        sys.exit(f"--pairs: unknown configuration {a.pairs!r} (known: {', '.join(CONFIGS)})")
+    if a.trace_dir:
+        Path(a.trace_dir).mkdir(parents=True, exist_ok=True)
+    runs = [0]
+
+    def run(cap: int, name: str) -> dict:
+        extra = list(CONFIGS[name])
+        if a.trace_dir:
+            runs[0] += 1
+            tag = name.replace("--", "").replace(" ", "_") or "default"
+            extra += ["--trace", str(Path(a.trace_dir) / f"{cap}-{tag}-{runs[0]}.jsonl")]
+        return run_capped(a.weights, cap, a.tokens, extra)
     if bool(a.llama_bench) != bool(a.gguf):
         sys.exit("--llama-bench and --gguf go together")
     configs = CONFIGS
@@ -122,6 +142,8 @@ def main():
         sys.exit(f"{CGROUP.parent}: no cgroup v1 memory controller here")
     size = Path(a.weights).stat().st_size
     caps = [int(float(c) * size) if "." in c and not c[-1].isalpha() else parse_size(c) for c in a.caps.split(",")]
+    if a.pairs is not None:
+        return pairs(a, caps, run)
     results, disks = {}, {}
     for cap in caps:
         for i in range(a.repeats):
@@ -132,7 +154,7 @@ def main():
             # disk's measurement or last before llama.cpp
             order = list(configs.items())
             for name, extra in order[i % len(order):] + order[:i % len(order)]:
-                st = run_capped(a.weights, cap, a.tokens, extra)
+                st = run(cap, name)
                 results.setdefault((cap, name), []).append(st)
             if a.llama_bench:
                 results.setdefault((cap, LLAMA), []).append(llama_capped(a.llama_bench, a.gguf, cap,
@@ -195,6 +217,34 @@ def main():
         f"{fmt(r['cap'])}: {r['configs']['default'].get('policy')}" for r in rows))
     print("peak RSS of the default: " + ", ".join(
         f"{fmt(r['cap'])}: {fmt(r['configs']['default']['peak_rss_bytes'])}" for r in rows if "error" not in r['configs']['default']))
+
+
+def pairs(a, caps, run) -> None:
+    """--pairs: the default and one configuration back to back, order alternating, per cap."""
+    out = []
+    for cap in caps:
+        ratios, lines = [], []
+        for i in range(a.repeats):
+            order = ["default", a.pairs] if i % 2 == 0 else [a.pairs, "default"]
+            got = {name: run(cap, name) for name in order}
+            if any("error" in r for r in got.values()):
+                lines.append(f"| {i + 1} | " + " | ".join(got[n].get("error", "") for n in ("default", a.pairs)) + " | |")
+                continue
+            ratios.append(got["default"]["decode_tokens_per_s"] / got[a.pairs]["decode_tokens_per_s"])
+            lines.append(f"| {i + 1} | " + " | ".join(
+                f"{got[n]['decode_tokens_per_s']:.2f} ({got[n]['decode_compute_s_per_token'] * 1e3:.1f} / "
+                f"{got[n]['decode_io_wait_s_per_token'] * 1e3:.1f} ms)" for n in ("default", a.pairs)) +
+                f" | {ratios[-1]:.3f} |")
+        med = statistics.median(ratios) if ratios else None
+        out.append({"cap": cap, "ratios": ratios, "median": med})
+        if not a.json:
+            print(f"\n{fmt(cap)}: default against {a.pairs}, {a.tokens} tokens a run; decode tok/s (compute / "
+                  f"wait on reads, per token)\n")
+            print(f"| pair | default | {a.pairs} | default / {a.pairs} |\n| --- | --- | --- | --- |")
+            print("\n".join(lines))
+            print(f"\nmedian ratio {med:.3f}" if med is not None else "\nno pair completed")
+    if a.json:
+        print(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ class Telemetry:
         """tuner: a threadtune.ThreadTuner that times the decode steps too (or None)."""
         self.pager, self.tuner = pager, tuner
         self.records: list[dict] = []
+        self._timing_io = False          # --io auto's trial was under way at the last decode step
         self._trace = open(Path(trace_path), "w") if trace_path else None
         self._t0 = time.perf_counter()
         self._mark()
@@ -71,8 +72,16 @@ class Telemetry:
             if self.tuner is not None:
                 # compute only: the wait on expert reads is no thread count's doing, nor is a step
                 # whose computation faulted mapped experts in from the disk (faults beyond the ones
-                # the pager's own reads took, whose time is in io_wait_s)
-                self.tuner.observe_step(rec["compute_s"], scored=rec["major_faults"] <= d["read_faults"])
+                # the pager's own reads took, whose time is in io_wait_s), nor one of --io auto's trial
+                # of O_DIRECT against the mapping, whose switches move compute (a step's faults on
+                # the mapping, a pool filling afresh): thread trials it set off had run in most runs
+                io = getattr(self.pager, "io_trial", None)
+                timing_io = io is not None and io.running
+                if self._timing_io and not timing_io:
+                    self.tuner.rebase()
+                self._timing_io = timing_io
+                self.tuner.observe_step(rec["compute_s"],
+                                        scored=rec["major_faults"] <= d["read_faults"] and not timing_io)
         if self._trace:
             self._trace.write(json.dumps(rec) + "\n")
             self._trace.flush()

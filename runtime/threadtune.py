@@ -68,6 +68,10 @@ class ThreadTuner:
         elif self.since >= self.recheck:
             self._start(self.most, now)
 
+    def rebase(self) -> None:
+        """Forget the step times seen so far (what the steps do changed: --io auto's trial ended)."""
+        self.recent, self.waits, self.best = [], [], None
+
     def _start(self, threads: int, before: float) -> None:
         self.trial = {"threads": threads, "skip": 1, "times": [], "before": before, "unscored": 0}
         self.trials += 1

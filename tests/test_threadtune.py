@@ -171,3 +171,32 @@ def test_a_trial_whose_steps_cannot_be_timed_gives_up():
     t.observe_step(m.step(), scored=False)
     assert t.trial is None and t.current == 2 and m.threads == 2 and t.switches == 0
     assert t.policy.startswith("2 (auto: a trial of 1 thread given up")
+
+
+def test_no_thread_trial_while_io_auto_times_o_direct_against_the_mapping(monkeypatch):
+    """Telemetry keeps the tuner's steps out while --io auto's trial runs (its switches move a step's
+    compute: before, a jump there set off a one-thread trial), and the tuner starts afresh after it."""
+    from types import SimpleNamespace
+
+    from kimistream.runtime import pager as P
+    from kimistream.runtime import telemetry as T
+    clock = [0.0]
+    monkeypatch.setattr(T.time, "perf_counter", lambda: clock[0])
+    trial = P.IoTrial()
+    pager = SimpleNamespace(stats=P.PagerStats(), io_trial=trial, observe_step=lambda s, scored=True: trial.observe(s, scored))
+    calls = []
+    tuner = ThreadTuner(2, calls.append, window=2)
+    tel = T.Telemetry(pager, tuner=tuner)
+
+    def step(seconds):
+        clock[0] += seconds
+        tel.record("decode", 1)
+    for _ in range(3):
+        step(0.010)
+    assert tuner.best is None and not calls        # the trial's settling steps: not the tuner's
+    while trial.running:
+        step(0.030 if not trial.direct else 0.010)  # the mapped windows three times slower
+    assert not calls and tuner.trials == 0
+    for _ in range(3):
+        step(0.012)
+    assert tuner.best is not None and not calls     # timed afresh after the trial: no jump to act on
