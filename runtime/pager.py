@@ -191,7 +191,7 @@ class IoTrial:
         self.running = False
         means = [sum(v) / len(v) if v else None for v in self.times]
         pairs = [(means[w - 1], means[w]) for w, mode in enumerate(IO_TRIAL_ORDER) if not mode]
-        if any(d is None or m is None for d, m in pairs):
+        if not pairs or any(d is None or m is None for d, m in pairs):
             self.direct = True
             self.note = "O_DIRECT reads: the trial against the mapping met no step it could time"
             return
