@@ -37,6 +37,7 @@ import sys
 from pathlib import Path
 
 from kimistream.formats.sizes import fmt, parse_size
+from kimistream.runtime.pager import read_buffer
 
 CGROUP = Path("/sys/fs/cgroup/memory/kimi-bench-cap")
 CONFIGS = {"default": [], "--prefetch next-layer": ["--prefetch", "next-layer"], "--prefetch off": ["--prefetch", "off"],
@@ -83,9 +84,8 @@ def disk_read_bandwidth(path: str, nbytes: int = 1 << 30) -> float:
     the file in 8 MiB O_DIRECT requests (buffered reads, split by the kernel's readahead, measured as
     little as a third of this on the same disk minutes apart, and below what the pagers' reads of
     single experts reached: a bound they beat says nothing)."""
-    import mmap
     import time
-    buf = mmap.mmap(-1, 8 << 20)                  # page-aligned, as O_DIRECT needs
+    buf = read_buffer(8 << 20)                    # as the pager's pool (huge pages: see read_buffer)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
         done, t = 0, time.perf_counter()

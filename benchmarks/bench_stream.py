@@ -24,6 +24,7 @@ from pathlib import Path
 
 from kimistream.formats.presets import PrecisionPlan
 from kimistream.convert.synthetic import write_synthetic
+from kimistream.runtime.pager import read_buffer
 
 
 def geometry(hidden: int, inter: int, layers: int, experts: int, topk: int) -> dict:
@@ -56,11 +57,10 @@ def evict(path: Path) -> None:
 def seq_read_bw(path: Path, nbytes: int, block: int = 8 << 20) -> float:
     """Sequential O_DIRECT read bandwidth (bytes/s) over the file's last `nbytes` (the expert region):
     what the disk gives, with no page cache in the way."""
-    import mmap
     size = path.stat().st_size
     start = max(0, size - nbytes) // 4096 * 4096
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    buf = mmap.mmap(-1, block)
+    buf = read_buffer(block)          # as the pager's pool (huge pages: see read_buffer)
     t, got = time.perf_counter(), 0
     while got < nbytes:
         n = os.preadv(fd, [buf], start + got)
