@@ -79,13 +79,15 @@ def llama_capped(bench: str, gguf: str, cap: int, tokens: int) -> dict:
     return {"decode_tokens_per_s": tg[0]["avg_ts"]} if tg else {"error": "llama-bench gave no tg result"}
 
 
-def disk_read_bandwidth(path: str, nbytes: int = 1 << 30) -> float:
+def disk_read_bandwidth(path: str, nbytes: int = 1 << 30, buf=None) -> float:
     """Sequential read bandwidth of the file's disk in bytes/s: up to `nbytes` read from the start of
     the file in 8 MiB O_DIRECT requests (buffered reads, split by the kernel's readahead, measured as
     little as a third of this on the same disk minutes apart, and below what the pagers' reads of
-    single experts reached: a bound they beat says nothing)."""
+    single experts reached: a bound they beat says nothing), into `buf` (8 MiB; by default one made
+    as the pager's pool is, see read_buffer: into scattered 4 KiB pages it read half as fast)."""
     import time
-    buf = read_buffer(8 << 20)                    # as the pager's pool (huge pages: see read_buffer)
+    own = buf is None
+    buf = read_buffer(8 << 20) if own else buf
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
         done, t = 0, time.perf_counter()
@@ -97,7 +99,8 @@ def disk_read_bandwidth(path: str, nbytes: int = 1 << 30) -> float:
         return done / (time.perf_counter() - t)
     finally:
         os.close(fd)
-        buf.close()
+        if own:
+            buf.close()
 
 
 def main():

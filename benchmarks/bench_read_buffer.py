@@ -26,6 +26,9 @@ import numpy as np
 from kimistream.formats.sizes import fmt, parse_size
 from kimistream.runtime.pager import read_buffer
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_memory_cap import disk_read_bandwidth  # noqa: E402  (a script beside this one)
+
 PAGE = mmap.PAGESIZE
 
 
@@ -70,20 +73,6 @@ def random_reads(path: str, buf: mmap.mmap, size: int, reads: int, seed: int) ->
         os.close(fd)
 
 
-def sequential_reads(path: str, buf: mmap.mmap, nbytes: int) -> float:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    try:
-        done, t = 0, time.perf_counter()
-        while done < nbytes:
-            n = os.preadv(fd, [buf], done)
-            if n <= 0:
-                break
-            done += n
-        return done / (time.perf_counter() - t)
-    finally:
-        os.close(fd)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("weights")
@@ -105,7 +94,7 @@ def main() -> None:
             np.frombuffer(rnd, np.uint8)[::PAGE] = 1          # the pages exist before the reads
             np.frombuffer(sq, np.uint8)[::PAGE] = 1
             rows[name]["random"].append(random_reads(a.weights, rnd, size, a.reads, seed=r))
-            rows[name]["sequential"].append(sequential_reads(a.weights, sq, seq))
+            rows[name]["sequential"].append(disk_read_bandwidth(a.weights, seq, sq))
             rnd.close()
             sq.close()
     del held

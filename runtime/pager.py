@@ -97,10 +97,11 @@ _RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
 def read_buffer(nbytes: int) -> mmap.mmap:
     """`nbytes` of page-aligned private memory (O_DIRECT needs aligned buffers) for reads to land in,
     backed by transparent huge pages where the system allows them. An O_DIRECT read goes to the device
-    as one scatter-gather entry per physically contiguous run of its buffer: into scattered 4 KiB
-    pages a 1 MiB read is 256 entries, and the virtual disk measured here then read at half its speed
-    (random 1 MiB reads, two at a time: 1.13 GB/s into 4 KiB pages, 2.22 into huge pages;
-    benchmarks/RESULTS.md). Scattered is what a pool allocated late in a run gets."""
+    as one scatter-gather entry per physically contiguous run of its buffer, and a request holds at
+    most the device's max_segments entries (254 on the virtual disk measured here): into scattered
+    4 KiB pages every read over 1016 KiB is split, and that disk then read at half its speed (random
+    1 MiB reads two at a time 0.98 GB/s against 2.05 into huge pages, sequential 8 MiB reads 0.94
+    against 2.11; 976 KiB reads alike; benchmarks/bench_read_buffer.py). A Kimi K2 expert is 13 MB."""
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
