@@ -70,9 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--direct", action="store_true", help="with --io pread: O_DIRECT reads (bypass the page cache)")
     m.add_argument("--prefetch", choices=("auto", "off", "next-layer"), default="auto",
                    help="speculative reads of the next layer's experts, guessed by its router from the current "
-                        "hidden state: auto (the default) guesses only when the expert cache holds every "
-                        "expert of the file, and while most guesses are used; the run summary says what it "
-                        "chose")
+                        "hidden state: auto (the default) guesses while most guesses are used and reads go "
+                        "to the disk; the run summary says what it chose")
     m.add_argument("--page-cache", choices=("auto", "keep", "drop"), default="auto",
                    help="an evicted expert's pages in the OS page cache: keep (a later miss may find them there), "
                         "drop (when memory outside the budget cannot hold them, keeping them only makes the "
