@@ -2,7 +2,7 @@
 
   cold     cold-cache decode of an I/O-bound synthetic model against the bound
            bytes_missed_per_token / sequential_read_bandwidth, both measured in this run; prefetch
-           off vs next-layer.
+           off vs next-layer vs auto (the default, which times the two).
   big      a sparse synthetic file larger than this machine's RAM, run under a 4 GiB budget:
            peak RSS (VmHWM) against the budget.
   trained  next-layer prefetch on the trained bundled model: recall and tokens/s vs prefetch off.
@@ -88,7 +88,7 @@ def cold(args):
     results = {"model": str(path), "file_bytes": path.stat().st_size}
     # O_DIRECT expert reads: every miss really goes to the disk, as when the model is far larger
     # than RAM (here the page cache would otherwise hold this whole 3 GiB file after one pass).
-    for prefetch in ("off", "next-layer"):
+    for prefetch in ("off", "next-layer", "auto"):
         evict(path)
         bw = seq_read_bw(path, 1 << 30)
         rep = kimi_run(path, "--prompt", "x", "--max-tokens", args.tokens, "--memory-budget", args.budget,
@@ -104,8 +104,12 @@ def cold(args):
             "hit_rate": st["hit_rate"], "prefetch_recall": st["prefetch_recall"],
             "io_wait_s_per_token": st["decode_io_wait_s_per_token"],
             "compute_s_per_token": st["decode_compute_s_per_token"], "peak_rss_bytes": st["peak_rss_bytes"]}
+        auto_policy = st.get("prefetch_policy")
     off, on = results["prefetch_off"]["decode_tokens_per_s"], results["prefetch_next-layer"]["decode_tokens_per_s"]
     results["prefetch_speedup"] = round(on / off, 3) if off else None
+    auto = results["prefetch_auto"]
+    auto["policy"] = auto_policy
+    results["auto_over_best"] = round(auto["decode_tokens_per_s"] / max(off, on), 3) if max(off, on) else None
     print(json.dumps(results, indent=2))
 
 

@@ -90,6 +90,16 @@ IO_TRIAL_SKIP = 2
 IO_TRIAL_STEPS = 5
 IO_TRIAL_ORDER = (True, False, True, False)
 IO_TRIAL_MARGIN = 0.95
+# --prefetch auto guesses the next layer's experts. Where the cache is short of the file the right
+# guesses' reads overlap a layer's computation and the wrong ones spend disk bandwidth: on the 0.8 GB
+# bench model under caps (68 % of guesses used) guessing won 1.08-1.18x, on a model of 48 MiB f32
+# experts read at 600 MB (47 % used, reads 4.7x the compute) it lost 0.87x. So the steps are timed:
+# after --io auto's trial, GUESS_TRIAL_SKIP steps, then windows of guessing and not in
+# GUESS_TRIAL_ORDER, as IoTrial's; not guessing stays only if it wins each pair by the margin.
+GUESS_TRIAL_SKIP = 2
+GUESS_TRIAL_STEPS = 5
+GUESS_TRIAL_ORDER = (True, False, True, False)
+GUESS_TRIAL_MARGIN = 0.95
 _libc = ctypes.CDLL(None, use_errno=True)
 _RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
 
@@ -173,54 +183,102 @@ class _Entry:
     ahead: bool = False             # read ahead of its use (fetch_ahead, prefetch): its first use is a miss
 
 
-class IoTrial:
-    """--io auto with evicted experts dropped: O_DIRECT reads timed against reads through the mapping
-    (IO_TRIAL_*). `direct` is the way the next decode step is to read; the expert provider hands over to
-    a pager that reads so between model steps (successor). Shared by the pagers that take over from
-    one another, so whichever of them the caller holds passes the steps on."""
+class StepTrial:
+    """Decode steps timed in alternating windows of two ways of running them: `way` True is the
+    incumbent, False the challenger, which stays only if its steps took less than the margin of the
+    incumbent's in each of its windows against the incumbent's window before it; the first pair it
+    loses ends the trial. After `skip` steps, windows of `steps` follow `order`; the first step after a
+    switch (and a step not `scored`: a thread count trial ran it) is not scored. Subclasses give the
+    parameters (the module constants <constants>_SKIP, _STEPS, _ORDER, _MARGIN, read at each step so
+    that tests can set them) and the words."""
+    constants = ""
+    incumbent = challenger = ""             # how a step ran, as "timed X ms a step <challenger> against Y <incumbent>"
+    incumbent_name = challenger_name = ""   # the two ways as subjects
 
     def __init__(self):
-        self.direct = True
+        self.way = True
         self.running = True
         self.steps = 0
-        self.times: list[list[float]] = [[] for _ in IO_TRIAL_ORDER]      # scored steps per window
-        self.note = "a trial of O_DIRECT reads against the mapping under way when the run ended"
-        self.direct_policy = ""     # the O_DIRECT pager's page-cache policy in words, for its successors
+        self.times: list[list[float]] = [[] for _ in self.order()]      # scored steps per window
+        self.note = f"a trial of {self.incumbent_name} against {self.challenger_name} under way when the run ended"
+
+    def skip(self) -> int:
+        return globals()[f"{self.constants}_SKIP"]
+
+    def window(self) -> int:
+        return globals()[f"{self.constants}_STEPS"]
+
+    def order(self) -> tuple:
+        return globals()[f"{self.constants}_ORDER"]
+
+    def margin(self) -> float:
+        return globals()[f"{self.constants}_MARGIN"]
 
     def observe(self, seconds: float, scored: bool = True) -> None:
-        """A decode step, read the way `direct` said, took `seconds` of wall time; not `scored`: something
-        else changed under it (a thread count trial)."""
+        """A decode step, run the way `way` said, took `seconds` of wall time."""
         if not self.running:
             return
-        i = self.steps - IO_TRIAL_SKIP
+        order, steps = self.order(), self.window()
+        i = self.steps - self.skip()
         self.steps += 1
         if i < 0:
             return
-        window, pos = divmod(i, IO_TRIAL_STEPS)
-        mode = IO_TRIAL_ORDER[window]
-        if scored and (pos > 0 or window == 0 or IO_TRIAL_ORDER[window - 1] == mode):
+        window, pos = divmod(i, steps)
+        mode = order[window]
+        if scored and (pos > 0 or window == 0 or order[window - 1] == mode):
             self.times[window].append(seconds)
-        if pos + 1 < IO_TRIAL_STEPS:
+        if pos + 1 < steps:
             return
         means = [sum(v) / len(v) if v else None for v in self.times[:window + 1]]
-        pairs = [(means[w - 1], means[w]) for w in range(1, window + 1) if not IO_TRIAL_ORDER[w]]
-        # the mapping must win every pair: one it lost settles the trial, and its windows still to come
-        # would only cost (each mapped step was 1.2-1.3x an O_DIRECT one where O_DIRECT won)
-        lost = any(d is not None and m is not None and not m < IO_TRIAL_MARGIN * d for d, m in pairs)
-        if window + 1 < len(IO_TRIAL_ORDER) and not lost:
-            self.direct = IO_TRIAL_ORDER[window + 1]
+        pairs = [(means[w - 1], means[w]) for w in range(1, window + 1) if not order[w]]
+        # the challenger must win every pair: one it lost settles the trial, and the windows still to
+        # come would only cost (each of its steps was 1.2-1.3x an incumbent's where the incumbent won)
+        lost = any(a is not None and b is not None and not b < self.margin() * a for a, b in pairs)
+        if window + 1 < len(order) and not lost:
+            self.way = order[window + 1]
             return
         self.running = False
-        if not pairs or not lost and any(d is None or m is None for d, m in pairs):
-            self.direct = True
-            self.note = "O_DIRECT reads: the trial against the mapping met no step it could time"
+        if not pairs or not lost and any(a is None or b is None for a, b in pairs):
+            self.way = True
+            self.note = f"{self.incumbent_name}: the trial against {self.challenger_name} met no step it could time"
             return
-        self.direct = lost
-        timed = [(d, m) for d, m in pairs if d is not None and m is not None]
-        self.note = (f"timed {' and '.join(f'{m * 1e3:.1f}' for _, m in timed)} ms a step through the mapping "
-                     f"against {' and '.join(f'{d * 1e3:.1f}' for d, _ in timed)} with O_DIRECT reads"
-                     + (f"; the mapping lost, {len(IO_TRIAL_ORDER) - window - 1} windows left out"
-                        if window + 1 < len(IO_TRIAL_ORDER) else ""))
+        self.way = lost
+        timed = [(a, b) for a, b in pairs if a is not None and b is not None]
+        self.note = (f"timed {' and '.join(f'{b * 1e3:.1f}' for _, b in timed)} ms a step {self.challenger} "
+                     f"against {' and '.join(f'{a * 1e3:.1f}' for a, _ in timed)} {self.incumbent}"
+                     + (f"; {self.challenger_name} lost, {len(order) - window - 1} windows left out"
+                        if window + 1 < len(order) else ""))
+
+
+class IoTrial(StepTrial):
+    """--io auto with evicted experts dropped: O_DIRECT reads (`direct`, the incumbent) timed against
+    reads through the mapping (IO_TRIAL_*). `direct` is the way the next decode step is to read; the
+    expert provider hands over to a pager that reads so between model steps (successor). Shared by the
+    pagers that take over from one another, so whichever of them the caller holds passes the steps on."""
+    constants = "IO_TRIAL"
+    incumbent, challenger = "with O_DIRECT reads", "through the mapping"
+    incumbent_name, challenger_name = "O_DIRECT reads", "the mapping"
+
+    def __init__(self):
+        super().__init__()
+        self.direct_policy = ""     # the O_DIRECT pager's page-cache policy in words, for its successors
+
+    @property
+    def direct(self) -> bool:
+        return self.way
+
+
+class GuessTrial(StepTrial):
+    """--prefetch auto with a cache short of the file: decode steps guessing the next layer's experts
+    (`guess`, the incumbent) timed against steps that do not (GUESS_TRIAL_*), after --io auto's trial.
+    Shared by the pagers that take over from one another, as IoTrial."""
+    constants = "GUESS_TRIAL"
+    incumbent, challenger = "guessing", "without guesses"
+    incumbent_name, challenger_name = "guessing", "not guessing"
+
+    @property
+    def guess(self) -> bool:
+        return self.way
 
 
 class ExpertPager:
@@ -262,6 +320,7 @@ class ExpertPager:
         self.direct_on_drop = False
         self.wants_direct = False
         self.io_trial: IoTrial | None = None    # --io auto, dropping: O_DIRECT timed against the mapping
+        self.guess_trial: GuessTrial | None = None      # --prefetch auto: guessing timed against not
         # reads in a row that found all their bytes in the page cache (0 after one that did not);
         # counted only when watch_reads is set (--prefetch auto: see ModelWeights.routed)
         self.watch_reads = False
@@ -459,9 +518,13 @@ class ExpertPager:
         --page-cache auto times dropping evicted experts against keeping them, the steps go to windows
         of each (TIMED_ORDER, TIMED_STEPS each; the first step after a switch lets it settle and is not
         scored), and the policy whose scored steps were faster on average stays; while --io auto times
-        O_DIRECT reads against the mapping, to its IoTrial."""
+        O_DIRECT reads against the mapping, to its IoTrial; then to --prefetch auto's GuessTrial."""
+        timing_io = self.io_trial is not None and self.io_trial.running
         if self.io_trial is not None:
             self.io_trial.observe(seconds, scored)
+        # one trial at a time: --io auto's and the page cache's keeping against dropping go first
+        if self.guess_trial is not None and not timing_io and not (self._deciding and self._timed is not None):
+            self.guess_trial.observe(seconds, scored)
         if not self._deciding or self._timed is None:
             return
         i = len(self._timed)
@@ -930,7 +993,7 @@ def successor(old: ExpertPager) -> ExpertPager:
         if first:
             trial = IoTrial()
     new.stats, new._verified, new._freq, new.watch_reads = old.stats, old._verified, old._freq, old.watch_reads
-    new._guessed, new.io_trial = old._guessed, trial
+    new._guessed, new.io_trial, new.guess_trial = old._guessed, trial, old.guess_trial
     # whoever still holds `old` (the run's telemetry holds the first pager) passes the steps on to the trial
     old.io_trial = trial
     old.retire()

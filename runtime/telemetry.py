@@ -32,7 +32,7 @@ class Telemetry:
         """tuner: a threadtune.ThreadTuner that times the decode steps too (or None)."""
         self.pager, self.tuner = pager, tuner
         self.records: list[dict] = []
-        self._timing_io = False          # --io auto's trial was under way at the last decode step
+        self._timing_io = False          # --io auto's or --prefetch auto's trial was under way at the last decode step
         self._trace = open(Path(trace_path), "w") if trace_path else None
         self._t0 = time.perf_counter()
         self._mark()
@@ -66,17 +66,18 @@ class Telemetry:
         }
         self.records.append(rec)
         if phase == "decode":
-            # --page-cache auto may be timing its two policies, --io auto O_DIRECT against the mapping:
-            # not on a step a thread count trial ran
+            io, guess = getattr(self.pager, "io_trial", None), getattr(self.pager, "guess_trial", None)
+            timing_io = io is not None and io.running or guess is not None and guess.running
+            # --page-cache auto may be timing its two policies, --io auto O_DIRECT against the mapping,
+            # --prefetch auto guessing against not: not on a step a thread count trial ran
             self.pager.observe_step(wall, scored=self.tuner is None or self.tuner.trial is None)
             if self.tuner is not None:
                 # compute only: the wait on expert reads is no thread count's doing, nor is a step
                 # whose computation faulted mapped experts in from the disk (faults beyond the ones
                 # the pager's own reads took, whose time is in io_wait_s), nor one of --io auto's trial
                 # of O_DIRECT against the mapping, whose switches move compute (a step's faults on
-                # the mapping, a pool filling afresh): thread trials it set off had run in most runs
-                io = getattr(self.pager, "io_trial", None)
-                timing_io = io is not None and io.running
+                # the mapping, a pool filling afresh): thread trials it set off had run in most runs;
+                # nor one of --prefetch auto's trial (guessing runs the next layer's router twice)
                 if self._timing_io and not timing_io:
                     self.tuner.rebase()
                 self._timing_io = timing_io

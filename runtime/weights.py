@@ -17,7 +17,7 @@ from kimistream.formats.layout import EXPERT_PROJS, expert_tensor
 from kimistream.formats.memplan import DECODED_SUFFIXES
 from kimistream.formats.weightfile import WeightFile, WeightFileError, check_model
 
-from .pager import ExpertPager, make_pager, successor, wants_successor
+from .pager import ExpertPager, GuessTrial, make_pager, successor, wants_successor
 
 PAGE = mmap.PAGESIZE
 UNBOUNDED = 1 << 62
@@ -157,6 +157,7 @@ class ModelWeights(ExpertProvider):
         self.resident_bytes = 0
         self.decoded_bytes = 0
         self._embedded = 0                  # embedding rows read since the table's pages were given back
+        self._guess_trial_seen = False      # the verdict of the pager's GuessTrial taken (_judge_guesses)
         self._advise_experts_random()
         self.pager: ExpertPager = make_pager(io, self.file, cache_bytes, policy, direct, page_cache)
         self.buffer = self.pager.base
@@ -164,6 +165,8 @@ class ModelWeights(ExpertProvider):
         self.io = io
         self.wants_guesses, self.prefetch_policy = self._prefetch_policy(cache_bytes)
         self.pager.watch_reads = self.prefetch == "auto" and self.wants_guesses
+        if self.prefetch == "auto" and not self._holds_all(cache_bytes):
+            self.pager.guess_trial = GuessTrial()       # guessing timed against not (see pager.GuessTrial)
 
     def _offsets_stay(self) -> bool:
         return self.pager.mode == "mmap" and self.pager.capacity >= sum(e.nbytes for e in self._extents(EXTENT_EXPERT))
@@ -177,12 +180,19 @@ class ModelWeights(ExpertProvider):
         # this layer's computation: under caps of the 0.8 GB bench model (6-88 of 704 experts cached,
         # O_DIRECT or mapped reads, 68 % of guesses used) next-layer beat off in every one of 18
         # pairs, 1.08x at half the file, 1.10x at 256 MB, 1.18x at a quarter (benchmarks/RESULTS.md).
+        # Where guesses can evict an expert (a cache short of the file) they are timed against steps
+        # without them (pager.GuessTrial), and the faster stays.
         per = self.expert_extent_bytes
         cached = cache_bytes // per if per else 0
         total = len(self._extents(EXTENT_EXPERT))
         held = "all experts" if cached >= total else f"{cached} of {total} experts"
-        return True, (f"next-layer: the cache holds {held} (auto; pauses while reads come from the page cache, "
-                      f"stops if fewer than {GUESS_MIN_RECALL:.0%} of guesses are used)")
+        timed = "" if cached >= total else "timed against no guesses in the first decode steps, "
+        return True, (f"next-layer: the cache holds {held} (auto; {timed}pauses while reads come from the page "
+                      f"cache, stops if fewer than {GUESS_MIN_RECALL:.0%} of guesses are used)")
+
+    def _holds_all(self, cache_bytes: int) -> bool:
+        per = self.expert_extent_bytes
+        return not per or cache_bytes // per >= len(self._extents(EXTENT_EXPERT))
 
     def _extents(self, kind):
         return [e for e in self.file.extents if e.kind == kind]
@@ -300,9 +310,23 @@ class ModelWeights(ExpertProvider):
             yield int(e), self.expert(layer, int(e))
 
     def _judge_guesses(self) -> None:
-        """--prefetch auto: stop guessing for the run when most guesses were wrong; pause while the
-        page cache serves every read, resume at the first read it does not."""
+        """--prefetch auto: guess or not as the timing of the two says while it runs, and stop for the
+        run if not guessing was faster; stop guessing for the run when most guesses were wrong; pause
+        while the page cache serves every read, resume at the first read it does not."""
         p, st = self.pager, self.pager.stats
+        trial = p.guess_trial
+        if trial is not None and (trial.running or not self._guess_trial_seen):
+            if trial.running:
+                self.wants_guesses = trial.guess
+                return
+            self._guess_trial_seen = True
+            if not trial.guess:
+                self.wants_guesses = p.watch_reads = False
+                self.prefetch_policy = f"off (auto: {trial.note})"
+                return
+            self.wants_guesses = True
+            self.prefetch_policy = (f"next-layer (auto: {trial.note}; pauses while reads come from the page "
+                                    f"cache, stops if fewer than {GUESS_MIN_RECALL:.0%} of guesses are used)")
         if self.wants_guesses and st.routed_checked >= GUESS_TRIAL and st.recall < GUESS_MIN_RECALL:
             self.wants_guesses = p.watch_reads = False
             self.prefetch_policy = (f"stopped: {st.recall:.0%} of {st.routed_checked} guessed experts used "

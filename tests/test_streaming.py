@@ -315,8 +315,8 @@ def test_auto_prefetch_guesses_whatever_the_cache_holds(synthetic, monkeypatch):
     assert small.prefetched > 0 and small.routed_checked > 0
     w = ModelWeights(synthetic, cache_bytes=(total - 1) * expert, prefetch="auto")
     assert w.wants_guesses and w.prefetch_policy == (
-        f"next-layer: the cache holds {total - 1} of {total} experts (auto; pauses while reads come from the "
-        f"page cache, stops if fewer than 50% of guesses are used)")
+        f"next-layer: the cache holds {total - 1} of {total} experts (auto; timed against no guesses in the first "
+        f"decode steps, pauses while reads come from the page cache, stops if fewer than 50% of guesses are used)")
     w.close()
     _, _, off = _run(synthetic, cache_bytes=(total - 1) * expert, prefetch="off")
     assert off.prefetched == 0 and off.routed_checked == 0
@@ -1060,6 +1060,84 @@ def test_a_trial_that_began_after_the_mapping_hears_of_the_steps_from_the_first_
     first.observe_step(0.02)
     first.observe_step(0.02)
     assert trial.steps == 3 and not trial.direct          # its first O_DIRECT window done: the mapping's turn
+    w.close()
+
+
+def test_guess_trial_times_guessing_against_not_in_alternating_windows(monkeypatch):
+    """GuessTrial, IoTrial's windows for --prefetch auto: guessing is the incumbent; not guessing stays
+    only when it wins each pair by the margin, and the first pair it loses ends the trial."""
+    from kimistream.runtime import pager as P
+    monkeypatch.setattr(P, "GUESS_TRIAL_SKIP", 1)
+    monkeypatch.setattr(P, "GUESS_TRIAL_STEPS", 3)
+
+    def run(guess_s, off_s):
+        t, modes = P.GuessTrial(), []
+        for i in range(1 + 3 * 4 + 3):
+            modes.append(t.guess)
+            odd = i > 1 and modes[-1] != modes[-2]
+            t.observe(9.0 if odd else (guess_s if t.guess else off_s))
+        return t, modes
+
+    t, modes = run(0.030, 0.020)                # not guessing faster in both pairs: it stays
+    assert modes[:13] == [True] * 4 + [False] * 3 + [True] * 3 + [False] * 3
+    assert not t.running and not t.guess and modes[13:] == [False] * 3
+    assert t.note == "timed 20.0 and 20.0 ms a step without guesses against 30.0 and 30.0 guessing"
+    t, modes = run(0.020, 0.0195)               # within the margin: guessing stays, after one pair
+    assert t.guess and not t.running and modes[7:] == [True] * 9
+    assert t.note == "timed 19.5 ms a step without guesses against 20.0 guessing; not guessing lost, 2 windows left out"
+    assert P.GuessTrial().note == "a trial of guessing against not guessing under way when the run ended"
+
+
+@pytest.mark.parametrize("faster", ["guessing", "not guessing"])
+def test_auto_prefetch_keeps_what_its_trial_timed_faster(synthetic, monkeypatch, faster):
+    """--prefetch auto with a cache short of the file: the decode steps the run's telemetry passes on
+    go to the pager's GuessTrial; guesses are made in its guessing windows only, and after it the
+    faster way stays for the run, said in the run summary's prefetch policy; the thread tuner sits the
+    trial out."""
+    from kimistream.runtime import pager as P
+    from kimistream.runtime.telemetry import Telemetry
+    from kimistream.runtime.threadtune import ThreadTuner
+    from kimistream.runtime import weights as W
+    monkeypatch.setattr(W, "GUESS_IDLE_READS", 1 << 30)   # the fresh file is in the page cache: no pause
+    monkeypatch.setattr(W, "GUESS_TRIAL", 1 << 30)        # nor the judgement of recall
+    monkeypatch.setattr(P, "GUESS_TRIAL_SKIP", 1)
+    monkeypatch.setattr(P, "GUESS_TRIAL_STEPS", 2)
+    observe = P.GuessTrial.observe
+    ways = []
+
+    def timed(trial, seconds, scored=True):
+        ways.append(trial.guess)
+        observe(trial, 0.02 if trial.guess == (faster == "guessing") else 0.03, scored)
+    monkeypatch.setattr(P.GuessTrial, "observe", timed)
+    expert = ModelWeights(synthetic).expert_extent_bytes
+    w = ModelWeights(synthetic, io="mmap", cache_bytes=6 * expert, prefetch="auto")
+    assert w.pager.guess_trial is not None and "timed against no guesses" in w.prefetch_policy
+    w.load_resident()
+    tuned = []
+    tuner = ThreadTuner(2, lambda n: None)
+    monkeypatch.setattr(tuner, "observe_step", lambda s, scored=True: tuned.append(scored))
+    m = Model(w, 64)
+    guessed = []
+    guess = w.guess
+    monkeypatch.setattr(w, "guess", lambda layer, experts: guessed.append(len(ways)) or guess(layer, experts))
+    tokens = list(generate(m, PROMPT, 14, Sampler(0.0), 8, telemetry=Telemetry(w.pager, tuner=tuner)))
+    assert len(tokens) == 14
+    trial = w.pager.guess_trial
+    assert not trial.running and trial.guess == (faster == "guessing")
+    if faster == "guessing":                    # not guessing lost the first pair: the trial ends there
+        ran = 5
+        assert ways == [True] * 3 + [False] * 2 + [True] * (len(ways) - 5)
+    else:
+        ran = 9
+        assert ways == [True] * 3 + [False] * 2 + [True] * 2 + [False] * (len(ways) - 7)
+    # no guess in a window without them (a decode step's guesses are made before its telemetry record)
+    off_steps = {i for i, g in enumerate(ways) if not g}
+    assert not any(i in off_steps for i in guessed)
+    assert len(tuned) == len(ways) and not any(tuned[:ran]) and all(tuned[ran:])   # the tuner sat the trial out
+    if faster == "guessing":
+        assert w.wants_guesses and w.prefetch_policy.startswith("next-layer (auto: timed 30.0 ms a step without guesses")
+    else:
+        assert not w.wants_guesses and w.prefetch_policy.startswith("off (auto: timed 20.0 and 20.0 ms a step without")
     w.close()
 
 
