@@ -6,7 +6,7 @@ A read reaches the device as one scatter-gather entry per physically contiguous 
 Before the buffers are made, memory is scattered on purpose (every other page of a block of 4 KiB
 allocations freed), as it is late in a run; the 4 KiB buffers then take pages from all over.
 
-    python benchmarks/bench_read_buffer.py WEIGHTS.kst [--read-size 1M] [--reads 600] [--rounds 3] [--json]
+    python benchmarks/bench_read_buffer.py WEIGHTS.kst [--read-size 1MiB] [--reads 600] [--rounds 3] [--json]
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def random_reads(path: str, buf: mmap.mmap, size: int, reads: int, seed: int) ->
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("weights")
-    ap.add_argument("--read-size", default="1M", help="bytes per random read (an expert's size)")
+    ap.add_argument("--read-size", default="1MiB", help="bytes per random read (an expert's size)")
     ap.add_argument("--reads", type=int, default=600, help="random reads per measurement")
     ap.add_argument("--rounds", type=int, default=3, help="rounds, each measuring both buffers")
     ap.add_argument("--json", action="store_true")
