@@ -512,6 +512,7 @@ def _generate(args, log) -> int:
     telemetry = Telemetry(weights.pager, args.trace, tuner)
     stream = TextStream(tok)
     out = None if args.json else sys.stdout
+    interrupted = False
     try:
         for tid in generate(model, prompt_ids, args.max_tokens, sampler, args.prefill_batch_size,
                             stop_ids, stats, dump, telemetry, window=args.prompt_window):
@@ -519,8 +520,9 @@ def _generate(args, log) -> int:
             if piece and out:
                 out.write(piece)
                 out.flush()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:           # what was generated, and the summary, still come; exit 130
         log("interrupted")
+        interrupted, stats.stop_reason = True, "interrupted"
     finally:
         telemetry.close()
     tail = stream.finish()
@@ -560,7 +562,7 @@ def _generate(args, log) -> int:
         if not args.quiet:
             print_summary(stats, report, tele, plan)
     weights.close()
-    return 0
+    return 130 if interrupted else 0
 
 
 def moe_overlap(model: Model, weights: ModelWeights) -> str:

@@ -7,6 +7,7 @@ weight file or a shard (it would block), --max-context 0, a second conversion to
 import fcntl
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -211,6 +212,21 @@ def test_ctrl_c_during_start_up(tiny_kst, delay):
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert "Traceback" not in err, err
-    assert proc.returncode in (0, 130), (proc.returncode, err)
-    if proc.returncode == 130:
-        assert err.strip().splitlines()[-1] == "kimi-run: interrupted", err
+    assert proc.returncode == 130, (proc.returncode, err)
+    assert err.strip().splitlines()[-1] == "kimi-run: interrupted" or re.search(r"generated .*\(interrupted\)", err), err
+
+
+def test_ctrl_c_during_generation_keeps_the_text_and_summary_and_exits_130(tiny_kst):
+    """Ctrl-C while tokens stream: the text so far and the run's summary come out, then exit 130 (it
+    exited 0, as if the run had ended by itself)."""
+    import signal
+    import subprocess
+    proc = subprocess.Popen([shutil.which("kimi-run"), "--weights", str(tiny_kst), "--prompt", "hello",
+                             "--max-tokens", "100000", "--max-context", "100000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = proc.stdout.read(1)                  # a token's text: generation is under way
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert first and proc.returncode == 130, (proc.returncode, err)
+    assert "Traceback" not in err and "interrupted" in err, err
+    assert re.search(r"generated .*\(interrupted\)", err), err       # the summary's row
