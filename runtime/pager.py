@@ -13,7 +13,9 @@ count hits, misses, bytes read, time spent waiting for I/O, and prefetch recall/
 
 `--io auto` (make_pager) starts with `mmap` and, when evicted pages are to be dropped, asks its
 provider to hand over to an O_DIRECT `pread` pager between model steps (successor); O_DIRECT reads are
-then timed against the mapping with evicted experts dropped, and the faster stays (IoTrial)."""
+then timed against the mapping with evicted experts dropped, and the faster stays (IoTrial). The
+pool is private memory in huge pages where it can be (read_buffer). `--prefetch auto`'s guesses of
+the next layer's experts are timed against none the same way (GuessTrial, both a StepTrial)."""
 
 from __future__ import annotations
 
