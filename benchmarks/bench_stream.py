@@ -104,12 +104,12 @@ def cold(args):
             "hit_rate": st["hit_rate"], "prefetch_recall": st["prefetch_recall"],
             "io_wait_s_per_token": st["decode_io_wait_s_per_token"],
             "compute_s_per_token": st["decode_compute_s_per_token"], "peak_rss_bytes": st["peak_rss_bytes"]}
-        auto_policy = st.get("prefetch_policy")
+        if prefetch == "auto":
+            results["prefetch_auto"]["policy"] = st.get("prefetch_policy")
     off, on = results["prefetch_off"]["decode_tokens_per_s"], results["prefetch_next-layer"]["decode_tokens_per_s"]
     results["prefetch_speedup"] = round(on / off, 3) if off else None
-    auto = results["prefetch_auto"]
-    auto["policy"] = auto_policy
-    results["auto_over_best"] = round(auto["decode_tokens_per_s"] / max(off, on), 3) if max(off, on) else None
+    auto = results["prefetch_auto"]["decode_tokens_per_s"]
+    results["auto_over_best"] = round(auto / max(off, on), 3) if max(off, on) else None
     print(json.dumps(results, indent=2))
 
 

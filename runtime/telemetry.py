@@ -32,7 +32,7 @@ class Telemetry:
         """tuner: a threadtune.ThreadTuner that times the decode steps too (or None)."""
         self.pager, self.tuner = pager, tuner
         self.records: list[dict] = []
-        self._timing_io = False          # --io auto's or --prefetch auto's trial was under way at the last decode step
+        self._trialling = False          # --io auto's or --prefetch auto's trial was under way at the last decode step
         self._trace = open(Path(trace_path), "w") if trace_path else None
         self._t0 = time.perf_counter()
         self._mark()
@@ -67,7 +67,7 @@ class Telemetry:
         self.records.append(rec)
         if phase == "decode":
             io, guess = getattr(self.pager, "io_trial", None), getattr(self.pager, "guess_trial", None)
-            timing_io = io is not None and io.running or guess is not None and guess.running
+            trialling = io is not None and io.running or guess is not None and guess.running
             # --page-cache auto may be timing its two policies, --io auto O_DIRECT against the mapping,
             # --prefetch auto guessing against not: not on a step a thread count trial ran
             self.pager.observe_step(wall, scored=self.tuner is None or self.tuner.trial is None)
@@ -78,11 +78,11 @@ class Telemetry:
                 # of O_DIRECT against the mapping, whose switches move compute (a step's faults on
                 # the mapping, a pool filling afresh): thread trials it set off had run in most runs;
                 # nor one of --prefetch auto's trial (guessing runs the next layer's router twice)
-                if self._timing_io and not timing_io:
+                if self._trialling and not trialling:
                     self.tuner.rebase()
-                self._timing_io = timing_io
+                self._trialling = trialling
                 self.tuner.observe_step(rec["compute_s"],
-                                        scored=rec["major_faults"] <= d["read_faults"] and not timing_io)
+                                        scored=rec["major_faults"] <= d["read_faults"] and not trialling)
         if self._trace:
             self._trace.write(json.dumps(rec) + "\n")
             self._trace.flush()

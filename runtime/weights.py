@@ -175,22 +175,18 @@ class ModelWeights(ExpertProvider):
         """(guess the next layer's experts, the decision in words) for --prefetch."""
         if self.prefetch != "auto":
             return self.prefetch == "next-layer", self.prefetch
-        # Guesses always, judged as they go (_judge_guesses). With a cache short of the whole file a
-        # wrong guess evicts an expert and spends disk bandwidth, yet reads of the right ones overlap
-        # this layer's computation: under caps of the 0.8 GB bench model (6-88 of 704 experts cached,
-        # O_DIRECT or mapped reads, 68 % of guesses used) next-layer beat off in every one of 18
-        # pairs, 1.08x at half the file, 1.10x at 256 MB, 1.18x at a quarter (benchmarks/RESULTS.md).
-        # Where guesses can evict an expert (a cache short of the file) they are timed against steps
-        # without them (pager.GuessTrial), and the faster stays.
+        # Guesses always, judged as they go (_judge_guesses); where a wrong guess can evict an expert
+        # (a cache short of the file) they are first timed against none (pager.GuessTrial, which says
+        # what was measured), and the faster stays.
         per = self.expert_extent_bytes
-        cached = cache_bytes // per if per else 0
-        total = len(self._extents(EXTENT_EXPERT))
-        held = "all experts" if cached >= total else f"{cached} of {total} experts"
-        timed = "" if cached >= total else "timed against no guesses in the first decode steps, "
+        cached, total = (cache_bytes // per if per else 0), len(self._extents(EXTENT_EXPERT))
+        held = "all experts" if self._holds_all(cache_bytes) else f"{cached} of {total} experts"
+        timed = "" if self._holds_all(cache_bytes) else "timed against no guesses in the first decode steps, "
         return True, (f"next-layer: the cache holds {held} (auto; {timed}pauses while reads come from the page "
                       f"cache, stops if fewer than {GUESS_MIN_RECALL:.0%} of guesses are used)")
 
     def _holds_all(self, cache_bytes: int) -> bool:
+        """Whether a cache of `cache_bytes` holds every expert of the file (no guess can evict one)."""
         per = self.expert_extent_bytes
         return not per or cache_bytes // per >= len(self._extents(EXTENT_EXPERT))
 
