@@ -385,6 +385,7 @@ class MoE:
         self._buffer = experts.buffer       # what the two below were worked out for
         self._shared_fused = False          # not yet worked out (see _shared_in_buffer)
         self._step = False                  # not yet worked out (see _one_token)
+        self._spec = None                   # uniform()'s codecs and shapes, with _step
         self._offsets = None                # known experts' offsets in the buffer (see _learn)
         self.launch_spec = None             # AttentionStep's launch of this layer's call (see _learn)
         self.one_token_calls = self.launched_calls = 0      # (the run summary's: how often it launched)
@@ -438,11 +439,17 @@ class MoE:
                 self._guess(x)
                 out = step(self.experts.buffer, held, h, weights)
                 return out + self.shared.forward(h) if self.shared is not None and step.shared is None else out
-        used = np.sort(idx[0]) if idx.shape[0] == 1 else np.unique(idx)      # one token's are distinct
+        # one token's are distinct, and in routing order its reads land in the order the sums take them
+        used = idx[0] if idx.shape[0] == 1 else np.unique(idx)
         self.experts.routed(self.index, used)
         if guess:
             self._guess(x)
         out = np.zeros(h.shape, np.float32)
+        if idx.shape[0] == 1 and not self.experts.offsets_stay and self._one_token() is not None:
+            runs = self.experts.landing(self.index, used)
+            if runs is not None:
+                return self._as_they_land(runs, idx, h, weights, out)
+        used = np.sort(used)
         experts = self.experts.together(self.index, used)
         if experts is not None and self.experts.offsets_stay:        # (a prompt's chunk teaches most of them)
             step = self._one_token()
@@ -466,6 +473,23 @@ class MoE:
         if self.shared is not None:
             out += self.shared.forward(h)
         return out
+
+    def _as_they_land(self, runs, idx: np.ndarray, h: np.ndarray, weights: np.ndarray, out) -> np.ndarray:
+        """One token through its routed experts run by run as the provider's reads land (each run, in
+        routing order, one fused call adding to `out`: the sums of one call over all of them), the
+        shared expert's own products done while the first reads are in flight."""
+        shared = self._shared_in_buffer(*self._spec)
+        alone = self.shared.forward(h) if self.shared is not None and shared is None else None
+        k = 0
+        for run in runs:
+            if not self._fused(run, idx[:, k:k + len(run)], h, weights[:, k:k + len(run)], out):
+                for j, (gate, up, down) in enumerate(run.values()):       # (an expert outside the buffer)
+                    out += DenseMLP(gate, up, down).forward(h) * weights[0, k + j]
+            k += len(run)
+        if shared is not None:             # the shared expert is the one call's last pair
+            kernels.moe_decode(self.experts.buffer, np.zeros((0, 3), np.int64), *self._spec, h,
+                               np.zeros((1, 0), np.float32), out, shared)
+        return out if alone is None else out + alone
 
     def _learn(self, step, ids: np.ndarray, held: list) -> None:
         """Keep the offsets `held` gave for these experts when the provider says they stay (offsets_stay):
@@ -496,7 +520,7 @@ class MoE:
         them) when every routed expert of the layer has the same fused-kernel codecs and shapes and
         lies in the provider's buffer; None otherwise. Worked out at the first call."""
         if self._step is False:
-            spec = self.experts.uniform(self.index)
+            spec = self._spec = self.experts.uniform(self.index)
             ok = (spec is not None and self.experts.buffer is not None and has_fused_kernel(spec[0][0])
                   and has_fused_kernel(spec[1][0]))
             self._step = (kernels.MoEStep(*spec, self.cfg.num_experts_per_tok, self._shared_in_buffer(*spec))

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import operator
 import os
 import resource
 import threading
@@ -134,7 +133,6 @@ def _thread_mark() -> tuple:
     return time.thread_time(), resource.getrusage(_RUSAGE_THREAD).ru_majflt
 
 
-_by_key = operator.attrgetter("key")
 
 
 class ExpertReadError(OSError):
@@ -384,6 +382,28 @@ class ExpertPager:
             out[i] = self._fetch(layer, experts[i])
         return out
 
+    def as_they_land(self, layer: int, experts):
+        """get_many's experts, all pinned, as [(e, views)] runs in the order given, each run as soon as
+        it is in memory: the leading experts whose reads have landed, or when the first has not, that
+        one once it has (with every one after it landed meanwhile). A caller computing each run while
+        the later reads go on keeps the order of the experts, so its sums are those of one call."""
+        left = [int(e) for e in experts]
+        with self._lock:
+            self._pinned = {(layer, e) for e in left}
+        while left:
+            run, n = [(left[0], self._fetch(layer, left[0]))], 1      # waits for its read (or reads it)
+            with self._lock:
+                while n < len(left) and self._landed((layer, left[n])):
+                    n += 1
+            run += [(e, self._fetch(layer, e)) for e in left[1:n]]
+            yield run
+            left = left[n:]
+
+    def _landed(self, key) -> bool:
+        """(Under the lock) whether `key`'s bytes are in memory: cached, or its read has landed."""
+        ent = self._cache.get(key) or self._inflight.get(key)
+        return ent is not None and ent.ready.is_set() and ent.error is None
+
     def held(self, layer: int, experts) -> list | None:
         """The cache entries of `experts` (distinct ids) at `layer` when every one is cached and ready,
         counted and made most recent as get_many does; None when any is not (a warm decode step finds
@@ -395,7 +415,7 @@ class ExpertPager:
             for ent in ents:
                 if ent is None or not ent.ready.is_set() or ent.error is not None:
                     return None
-            for ent in sorted(ents, key=_by_key):        # in id order, as fetch_ahead and get_many take them
+            for ent in ents:        # in routing order, as a token's fetch_ahead and as_they_land take them
                 cache.move_to_end(ent.key)
                 self._freq[ent.key] = self._freq.get(ent.key, 0) + 1
                 self._count_use(ent)
@@ -781,7 +801,7 @@ class PreadPager(ExpertPager):
             self.page_cache_policy = "not used (O_DIRECT reads)"
         sizes = [e.nbytes for e in wf.extents if e.kind == "expert"]
         self.slot_bytes = in_pages(max(sizes, default=PAGE))
-        self.slots = max(1, capacity_bytes // self.slot_bytes) if sizes else 0
+        self.slots = max(1, min(capacity_bytes // self.slot_bytes, len(sizes))) if sizes else 0   # none idle
         self.capacity = self.slots * self.slot_bytes
         self._arena = read_buffer(max(PAGE, self.slots * self.slot_bytes))
         self._buf = np.frombuffer(self._arena, dtype=np.uint8)

@@ -128,6 +128,13 @@ class ExpertProvider:
         has them, else None."""
         return None
 
+    def landing(self, layer: int, experts):
+        """together's experts as {id: (gate, up, down)} batches, each handed out as soon as its
+        experts are in memory (the model computes one batch while the reads of the rest go on), or
+        None when they cannot all be held at the same time."""
+        experts = self.together(layer, experts)
+        return None if experts is None else iter((experts,))
+
     def get(self, layer: int, e: int) -> tuple[Weight, Weight, Weight]:
         raise NotImplementedError
 
@@ -372,6 +379,15 @@ class ModelWeights(ExpertProvider):
             return None
         ids = experts.tolist() if isinstance(experts, np.ndarray) else [int(e) for e in experts]
         return {e: self._weights(layer, e, views) for e, views in zip(ids, self.pager.get_many(layer, ids))}
+
+    def landing(self, layer: int, experts):
+        """together's experts as {e: weights} batches in the order their reads land (pager.as_they_land),
+        or None when they cannot all be held."""
+        if not self.pager.holds_together(len(experts)):
+            return None
+        ids = experts.tolist() if isinstance(experts, np.ndarray) else [int(e) for e in experts]
+        return ({e: self._weights(layer, e, views) for e, views in batch}
+                for batch in self.pager.as_they_land(layer, ids))
 
     def get(self, layer: int, e: int) -> tuple[Weight, Weight, Weight]:
         return self.expert(layer, e)

@@ -1442,3 +1442,42 @@ def test_a_read_ahead_lands_in_one_step(synthetic, monkeypatch):
     assert p.cached_bytes == sum(-(-e.nbytes // 4096) * 4096 for e in p._cache.values())
     p.close()
     wf.close()
+
+
+@pytest.mark.parametrize("io", ["mmap", "pread"])
+def test_a_layers_experts_are_computed_as_their_reads_land_with_the_sums_of_one_call(synthetic_q2, io, monkeypatch):
+    """One token whose experts are being read: the fused call starts on the leading experts that have
+    landed while the later reads go on (the first run's computation begins before the last read has
+    landed), and runs in routing order, the shared expert last, give the logits of one call."""
+    from kimistream.runtime import kernels
+    from kimistream.runtime.pager import MmapPager, PreadPager
+    path = synthetic_q2
+    expert = max(e.nbytes for e in WeightFile(path).extents if e.kind == "expert")
+    warm = ModelWeights(path, io=io)
+    warm.load_resident()
+    m = Model(warm, 128)
+    ref = np.stack([m.forward([t]) for t in PROMPT[:8]])
+    warm.close()
+
+    overlapped = []
+    pager = PreadPager if io == "pread" else MmapPager
+    slow = "_read_into" if io == "pread" else "_willneed"
+    real_read, real_moe = getattr(pager, slow), kernels.moe_decode
+
+    def slow_read(self, *a):
+        time.sleep(0.01)
+        real_read(self, *a)
+
+    def moe(*a, **kw):              # (prefetch off: every read under way is of the layer computing)
+        with w.pager._lock:
+            overlapped.append(any(not ent.ready.is_set() for ent in w.pager._inflight.values()))
+        return real_moe(*a, **kw)
+    monkeypatch.setattr(pager, slow, slow_read)
+    monkeypatch.setattr(kernels, "moe_decode", moe)
+    w = ModelWeights(path, io=io, cache_bytes=6 * expert, prefetch="off")
+    w.load_resident()
+    m = Model(w, 128)
+    logits = np.stack([m.forward([t]) for t in PROMPT[:8]])
+    w.close()
+    np.testing.assert_array_equal(logits, ref)
+    assert any(overlapped), overlapped
