@@ -181,6 +181,7 @@ class _Entry:
     ready: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     ahead: bool = False             # read ahead of its use (fetch_ahead, prefetch): its first use is a miss
+    guess: bool = False             # a speculative read (prefetch)
 
 
 class StepTrial:
@@ -306,7 +307,7 @@ class ExpertPager:
         self._predicted: dict[int, set] = {}
         self._freq: dict[tuple, int] = {}
         self._prefetched: set[tuple] = set()     # prefetched, not yet used
-        self._guessed = False                    # any speculative read asked for in this run
+        self._guessed = False                    # speculative reads asked for, and not stopped for the run
         self._verified: set[tuple] = set()       # experts whose bytes matched their checksum once
         # the experts handed out for the computation under way (a layer's, or the one a stream is on):
         # no read evicts them, since a pool slot would be overwritten under the kernel reading it
@@ -479,6 +480,10 @@ class ExpertPager:
                     continue
             self._prefetched.add(key)
             self._start_prefetch(key)
+
+    def stop_guessing(self) -> None:
+        """No more speculative reads in this run (the provider's decision)."""
+        self._guessed = False
 
     def fetch_ahead(self, layer: int, experts) -> None:
         """Certain: start reading all of a layer's routed experts, so the read of the next one
@@ -893,11 +898,17 @@ class PreadPager(ExpertPager):
 
     def holds_together(self, n: int) -> bool:
         # Guesses may take slots while the layer's experts are fetched: room for both (a wrong guess's
-        # read goes on after it is abandoned, and its slot counts until it lands). In a run that never
-        # guessed, n slots do under LRU: the layer's experts are then the most recent entries, so no
-        # read of one of them evicts another (at a quarter of the bench model's file, 6 slots for
-        # top-6: the one-call MoE instead of three products per expert)
-        return self.slots >= 2 * n or (self.slots >= n and self.policy == "lru" and not self._guessed)
+        # read goes on after it is abandoned, and its slot counts until it lands). Without guesses
+        # (none made, or stopped for the run and none in flight), n slots do under LRU: the layer's
+        # experts are then the most recent entries, so no read of one of them evicts another (at a
+        # quarter of the bench model's file, 6 slots for top-6: fused calls as the reads land instead
+        # of three products per expert)
+        if self.slots >= 2 * n:
+            return True
+        if self.slots < n or self.policy != "lru" or self._guessed:
+            return False
+        with self._lock:
+            return not any(ent.guess for ent in self._inflight.values())
 
     def _needs_room(self, nbytes):
         return not self._free          # slots, not bytes, are the unit here
@@ -912,7 +923,7 @@ class PreadPager(ExpertPager):
             if slot is None:
                 self._prefetched.discard(key)
                 return
-            ent = _Entry(key, off, n, slot=slot, ahead=True)
+            ent = _Entry(key, off, n, slot=slot, ahead=True, guess=speculative)
             self._inflight[key] = ent
         self._note_read(key, off, n)
         self._count_prefetch(n, speculative)

@@ -172,7 +172,7 @@ class ModelWeights(ExpertProvider):
         self.io = io
         self.wants_guesses, self.prefetch_policy = self._prefetch_policy(cache_bytes)
         self.pager.watch_reads = self.prefetch == "auto" and self.wants_guesses
-        if self.prefetch == "auto" and not self._holds_all(cache_bytes):
+        if self.prefetch == "auto" and self.wants_guesses and not self._holds_all(cache_bytes):
             self.pager.guess_trial = GuessTrial()       # guessing timed against not (see pager.GuessTrial)
 
     def _offsets_stay(self) -> bool:
@@ -187,6 +187,11 @@ class ModelWeights(ExpertProvider):
         # what was measured), and the faster stays.
         per = self.expert_extent_bytes
         cached, total = (cache_bytes // per if per else 0), len(self._extents(EXTENT_EXPERT))
+        k = self.config.num_experts_per_tok or 0
+        if per and cached < min(2 * k, total):
+            # a guess would take a slot from the experts of the layer in use, or wait for them to go
+            return False, (f"off: the cache holds {cached} experts, too few for a layer's {k} and as many "
+                           f"guesses (auto)")
         held = "all experts" if self._holds_all(cache_bytes) else f"{cached} of {total} experts"
         timed = "" if self._holds_all(cache_bytes) else "timed against no guesses in the first decode steps, "
         return True, (f"next-layer: the cache holds {held} (auto; {timed}pauses while reads come from the page "
@@ -325,6 +330,7 @@ class ModelWeights(ExpertProvider):
             self._guess_trial_seen = True
             if not trial.guess:
                 self.wants_guesses = p.watch_reads = False
+                p.stop_guessing()
                 self.prefetch_policy = f"off (auto: {trial.note})"
                 return
             self.wants_guesses = True
@@ -332,6 +338,7 @@ class ModelWeights(ExpertProvider):
                                     f"cache, stops if fewer than {GUESS_MIN_RECALL:.0%} of guesses are used)")
         if self.wants_guesses and st.routed_checked >= GUESS_TRIAL and st.recall < GUESS_MIN_RECALL:
             self.wants_guesses = p.watch_reads = False
+            p.stop_guessing()
             self.prefetch_policy = (f"stopped: {st.recall:.0%} of {st.routed_checked} guessed experts used "
                                     f"(auto; pays from {GUESS_MIN_RECALL:.0%})")
         elif self.wants_guesses and p.cached_reads >= GUESS_IDLE_READS:

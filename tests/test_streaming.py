@@ -327,6 +327,25 @@ def test_auto_prefetch_guesses_whatever_the_cache_holds(synthetic, monkeypatch):
     assert json.loads(proc.stdout)["stats"]["prefetch_policy"].startswith("next-layer: the cache holds all experts")
 
 
+def test_auto_prefetch_does_not_guess_where_a_layers_experts_leave_no_room_for_guesses(synthetic):
+    """A cache of fewer than twice a token's experts of a layer (top-2 here): a guess could only take
+    the slot of an expert of the layer in use, or wait for them to go; --prefetch auto makes none, and
+    says why (an explicit next-layer still guesses)."""
+    w = ModelWeights(synthetic)
+    expert = w.expert_extent_bytes
+    w.close()
+    for slots, guesses in ((3, False), (4, True)):
+        w = ModelWeights(synthetic, cache_bytes=slots * expert, prefetch="auto")
+        assert w.wants_guesses == guesses and (w.pager.guess_trial is not None) == guesses, slots
+        if not guesses:
+            assert w.prefetch_policy == "off: the cache holds 3 experts, too few for a layer's 2 and as many guesses (auto)"
+        w.close()
+        _, _, st = _run(synthetic, cache_bytes=slots * expert, prefetch="auto")
+        assert (st.routed_checked > 0) == guesses, slots
+    _, _, st = _run(synthetic, cache_bytes=3 * expert, prefetch="next-layer")
+    assert st.routed_checked > 0
+
+
 def test_auto_prefetch_stops_when_guesses_are_mostly_wrong(synthetic, monkeypatch):
     """--prefetch auto judges its guesses once GUESS_TRIAL routed experts were scored, and stops for
     the rest of the run when fewer than GUESS_MIN_RECALL of them were used (here: an impossible bar)."""
@@ -891,6 +910,30 @@ def test_a_pread_pool_of_one_layers_experts_takes_them_together_only_when_nothin
     assert tokens == ref_tokens and stats.evictions > 0
 
 
+def test_a_pread_pool_takes_a_layers_experts_together_again_once_guessing_has_stopped(synthetic):
+    """Guessing stopped for the run (the guess trial or the recall said so): once no guess's read is
+    in flight, n slots hold a layer's n experts together again (until then a guess may hold one)."""
+    import threading
+    from kimistream.runtime.pager import PreadPager
+    wf = WeightFile(synthetic)
+    p = PreadPager(wf, 2 * PreadPager(wf, 0).slot_bytes)
+    gate = threading.Event()
+    for _ in range(p.threads):              # the pool's threads held: the guess's read waits in flight
+        p._pool.submit(gate.wait)
+    try:
+        p.prefetch(2, [5])
+        assert not p.holds_together(2)
+        p.stop_guessing()
+        assert not p.holds_together(2)      # the guess is still being read
+    finally:
+        gate.set()
+    p._pool.submit(lambda: None).result()
+    p._pool.shutdown(wait=True)
+    assert p.holds_together(2)
+    p.close()
+    wf.close()
+
+
 def test_io_auto_keeps_the_mapping_where_o_direct_cannot_be_had(synthetic, monkeypatch):
     """A filesystem that refuses O_DIRECT (tmpfs): --io auto stays with the mapping, dropping evicted
     experts' pages as --io mmap does, and the page-cache policy says why; with --page-cache drop it
@@ -1138,6 +1181,7 @@ def test_auto_prefetch_keeps_what_its_trial_timed_faster(synthetic, monkeypatch,
         assert w.wants_guesses and w.prefetch_policy.startswith("next-layer (auto: timed 30.0 ms a step without guesses")
     else:
         assert not w.wants_guesses and w.prefetch_policy.startswith("off (auto: timed 20.0 and 20.0 ms a step without")
+        assert not w.pager._guessed             # told the pager: no guess will take a slot again
     w.close()
 
 
