@@ -31,7 +31,7 @@ def plan(cfg: ModelConfig, fp: Footprint, args, baseline: int, max_ctx: int, chu
     recorded one, not this process's."""
     window = getattr(args, "prompt_window", None) if window is None else window
     return memplan.plan_for(cfg, fp, budget=args.budget, baseline=baseline, max_context=max_ctx, chunk=chunk,
-                            prefetch=args.prefetch == "next-layer", kv_itemsize=2 if args.kv_dtype == "f16" else 4,
+                            prefetch=args.prefetch == "next-layer" or getattr(args, "guess_room", False), kv_itemsize=2 if args.kv_dtype == "f16" else 4,
                             baseline_recorded=recorded, window=window or 0)
 
 
@@ -83,14 +83,26 @@ def auto_fit(args, replan, log) -> None:
     """Defaults that fit a tight budget. When the plan does not fit and the user left these flags
     alone: the KV cache in float16 (half the memory, logits within ~1e-3), then the longest context of
     at least MIN_AUTO_CONTEXT tokens that fits. Each choice is said in one line. Flags the user gave
-    are never changed, and when even this does not fit, nothing is: refuse_if_unfit then advises."""
+    are never changed, and when even this does not fit, nothing is: refuse_if_unfit then advises.
+    --prefetch auto plans, as next-layer does, room for the next layer's guessed experts beside a
+    layer's own while that fits at all (a cache of one layer's experts leaves a guess no slot; at a
+    quarter of the bench model's file the room for guesses costs half the context); where it does not,
+    room for a layer's own, and auto then makes no guesses. Nor where it would halve the default
+    prompt window (default_prompt_window)."""
+    args.guess_room = getattr(args, "prefetch", None) == "auto"
+    if not _fit(args, replan, log) and args.guess_room:
+        args.guess_room = False
+        _fit(args, replan, log)
+
+
+def _fit(args, replan, log) -> bool:
     # with the prompt chunk still to choose (auto_prefill_batch, after), it may shrink to MIN_FIT_CHUNK
     chunk = args.prefill_batch_size or MIN_FIT_CHUNK
 
     def fits(ctx=None):
         return replan(ctx, chunk).fits
     if fits():
-        return
+        return True
     saved = (args.kv_dtype, args.max_ctx)
     said = []
     if args.kv_dtype is None:
@@ -98,16 +110,17 @@ def auto_fit(args, replan, log) -> None:
         said.append("KV cache: f16 (f32 does not fit the budget; --kv-dtype to choose)")
     if not fits() and args.max_context is not None:
         args.kv_dtype, args.max_ctx = saved
-        return
+        return False
     if not fits():
         ctx = _largest_fitting(MIN_AUTO_CONTEXT, args.max_ctx - 1, fits)
         if ctx is None:
             args.kv_dtype, args.max_ctx = saved
-            return
+            return False
         said.append(f"max context: {ctx} tokens ({args.max_ctx} does not fit the budget; --max-context to choose)")
         args.max_ctx = ctx
     for line in said:
         log(line)
+    return True
 
 
 def auto_prefill_batch(plan_with) -> int:
@@ -148,15 +161,25 @@ def default_prompt_window(args, replan, k: int, log) -> None:
     """--prompt-window, checked, or the default (auto_prompt_window; k: experts a token routes to in a
     layer), said in one line.
     `replan(max_context, prefill_batch_size, window)` recomputes the plan with other flags unchanged."""
-    if args.prompt_window is not None:
-        if args.prompt_window < 1:
-            raise RunError("--prompt-window must be >= 1")
-        return
-    args.prompt_window = auto_prompt_window(lambda w: replan(args.max_ctx, args.prefill_batch_size, w),
-                                            args.prefill_batch_size, args.max_ctx, k)
-    log(f"prompt window: {args.prompt_window} tokens through each layer in turn (--prompt-window to choose)"
-        if args.prompt_window > args.prefill_batch_size else
-        "prompt window: none, the prompt goes chunk by chunk (every expert stays cached; --prompt-window to choose)")
+    if args.prompt_window is not None and args.prompt_window < 1:
+        raise RunError("--prompt-window must be >= 1")
+    room = getattr(args, "guess_room", False)
+    if args.prompt_window is None:
+        def window(guess_room: bool) -> int:
+            args.guess_room = guess_room            # (replan reads it)
+            return auto_prompt_window(lambda w: replan(args.max_ctx, args.prefill_batch_size, w),
+                                      args.prefill_batch_size, args.max_ctx, k)
+        alone = window(False)
+        with_room = window(True) if room else alone
+        # auto's room for guesses stays unless it would halve the window: a long prompt's experts would
+        # then be read twice as often (Kimi K2 in 8.24 GB: 704 tokens without it, 192 with it)
+        room = room and 2 * max(with_room, args.prefill_batch_size) >= alone
+        args.prompt_window = with_room if room else alone
+        log(f"prompt window: {args.prompt_window} tokens through each layer in turn (--prompt-window to choose)"
+            if args.prompt_window > args.prefill_batch_size else
+            "prompt window: none, the prompt goes chunk by chunk (every expert stays cached; --prompt-window to choose)")
+    args.guess_room = room                  # (replan reads it)
+    args.guess_room = room and replan(args.max_ctx, args.prefill_batch_size).fits
 
 
 def refuse_if_unfit(plan: B.MemoryPlan, replan, args) -> None:

@@ -189,7 +189,7 @@ class ModelWeights(ExpertProvider):
         cached, total = (cache_bytes // per if per else 0), len(self._extents(EXTENT_EXPERT))
         k = self.config.num_experts_per_tok or 0
         if per and cached < min(2 * k, total):
-            # a guess would take a slot from the experts of the layer in use, or wait for them to go
+            # (the planner leaves auto this room where the budget allows it)
             return False, (f"off: the cache holds {cached} experts, too few for a layer's {k} and as many "
                            f"guesses (auto)")
         held = "all experts" if self._holds_all(cache_bytes) else f"{cached} of {total} experts"
@@ -325,7 +325,10 @@ class ModelWeights(ExpertProvider):
         trial = p.guess_trial
         if trial is not None and (trial.running or not self._guess_trial_seen):
             if trial.running:
-                self.wants_guesses = trial.guess
+                # none while the mapping's trial runs: a pool's guesses would slow its O_DIRECT windows
+                # where a mapping with no room for them makes none
+                io = p.io_trial
+                self.wants_guesses = trial.guess and (io is None or not io.running)
                 return
             self._guess_trial_seen = True
             if not trial.guess:

@@ -327,10 +327,32 @@ def test_auto_prefetch_guesses_whatever_the_cache_holds(synthetic, monkeypatch):
     assert json.loads(proc.stdout)["stats"]["prefetch_policy"].startswith("next-layer: the cache holds all experts")
 
 
-def test_auto_prefetch_does_not_guess_where_a_layers_experts_leave_no_room_for_guesses(synthetic):
-    """A cache of fewer than twice a token's experts of a layer (top-2 here): a guess could only take
-    the slot of an expert of the layer in use, or wait for them to go; --prefetch auto makes none, and
-    says why (an explicit next-layer still guesses)."""
+def test_auto_prefetch_plans_room_for_guesses_unless_it_halves_the_prompt_window():
+    """--prefetch auto plans, as next-layer does, twice a token's experts of a layer where the budget
+    allows (what the fit chooses gives way); where the room would halve the
+    default prompt window (Kimi K2 in 8.24 GB: 704 tokens against 192) the window stays and the cache
+    is off's."""
+    def plan(prefetch, *extra):
+        proc = kimi_run("--plan-config", DATA / "kimi-k2-instruct-config.json", "--quant", "q2",
+                        "--memory-budget", "8.0G", "--prefetch", prefetch, "--json", *extra)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)["memory_plan"], proc.stderr
+    off, _ = plan("off", "--prompt-window", 64)
+    auto, _ = plan("auto", "--prompt-window", 64)
+    nxt, _ = plan("next-layer", "--prompt-window", 64)
+    assert off["min_cache_experts"] == 8 and off["cache_experts"] < 16
+    assert auto["min_cache_experts"] == nxt["min_cache_experts"] == 16 and auto["cache_experts"] >= 16
+    assert auto == nxt
+    proc = kimi_run("--plan-config", DATA / "kimi-k2-instruct-config.json", "--quant", "q2",
+                    "--memory-budget", "8.24G", "--max-context", 4096, "--json")
+    assert "prompt window: 704 tokens" in proc.stderr
+    assert json.loads(proc.stdout)["memory_plan"]["min_cache_experts"] == 8
+
+
+def test_auto_prefetch_makes_no_guesses_where_a_layers_experts_leave_no_room_for_them(synthetic):
+    """A cache of fewer than twice a token's experts of a layer (top-2 here: the plan's fallback where
+    the budget has no room for guesses): a guess could only take the slot of an expert the layer in
+    use still needs; --prefetch auto makes none and says why (an explicit next-layer still guesses)."""
     w = ModelWeights(synthetic)
     expert = w.expert_extent_bytes
     w.close()
@@ -1055,7 +1077,11 @@ def test_io_auto_hands_over_between_o_direct_and_the_mapping_as_its_trial_says(s
         monkeypatch.setattr(P.IoTrial, "observe", timed)
         monkeypatch.setattr(P.PreadPager, "retire",
                             lambda self, _r=P.PreadPager.retire, _seen=retired: _seen.append(self) or _r(self))
-        w = ModelWeights(synthetic_q2, io="auto", page_cache="drop", cache_bytes=6 * expert)
+        guessed = []                # whether the mapping's trial was running at each guess
+        monkeypatch.setattr(P.ExpertPager, "prefetch", lambda self, layer, experts, _p=P.ExpertPager.prefetch:
+                            guessed.append(self.io_trial.running) or _p(self, layer, experts))
+        w = ModelWeights(synthetic_q2, io="auto", page_cache="drop", cache_bytes=6 * expert, prefetch="auto")
+        assert w.pager.guess_trial is not None
         first = w.pager
         assert isinstance(first, P.PreadPager) and first.direct and first.io_trial is not None
         w.load_resident()
@@ -1066,6 +1092,9 @@ def test_io_auto_hands_over_between_o_direct_and_the_mapping_as_its_trial_says(s
             assert set(ways[9:]) == {False} and len(ways) == 13
         else:                   # the mapping lost the first pair: the trial ends there
             assert ways == [True] * 3 + [False] * 2 + [True] * 8
+        # no guess in either way's windows (a pool has room for them where a mapping has none); the
+        # guess trial comes after
+        assert guessed and not any(guessed)
         p = w.pager
         assert p.stats is first.stats and p.io_trial is first.io_trial and not p.io_trial.running
         assert isinstance(p, P.PreadPager if faster == "direct" else P.MmapPager) and p.drop_evicted != (faster == "direct")
