@@ -133,8 +133,6 @@ def _thread_mark() -> tuple:
     return time.thread_time(), resource.getrusage(_RUSAGE_THREAD).ru_majflt
 
 
-
-
 class ExpertReadError(OSError):
     pass
 

@@ -30,8 +30,9 @@ def plan(cfg: ModelConfig, fp: Footprint, args, baseline: int, max_ctx: int, chu
     windows of `window` (default: args.prompt_window, once chosen); `recorded`: the baseline is the
     recorded one, not this process's."""
     window = getattr(args, "prompt_window", None) if window is None else window
+    guesses = args.prefetch == "next-layer" or getattr(args, "guess_room", False)      # (see auto_fit)
     return memplan.plan_for(cfg, fp, budget=args.budget, baseline=baseline, max_context=max_ctx, chunk=chunk,
-                            prefetch=args.prefetch == "next-layer" or getattr(args, "guess_room", False), kv_itemsize=2 if args.kv_dtype == "f16" else 4,
+                            prefetch=guesses, kv_itemsize=2 if args.kv_dtype == "f16" else 4,
                             baseline_recorded=recorded, window=window or 0)
 
 

@@ -395,9 +395,8 @@ class ModelWeights(ExpertProvider):
         or None when they cannot all be held."""
         if not self.pager.holds_together(len(experts)):
             return None
-        ids = experts.tolist() if isinstance(experts, np.ndarray) else [int(e) for e in experts]
         return ({e: self._weights(layer, e, views) for e, views in batch}
-                for batch in self.pager.as_they_land(layer, ids))
+                for batch in self.pager.as_they_land(layer, experts))
 
     def get(self, layer: int, e: int) -> tuple[Weight, Weight, Weight]:
         return self.expert(layer, e)
