@@ -2,10 +2,11 @@
 the interrupt held, which is then raised as KeyboardInterrupt: an interrupt in the middle of an import
 can surface as another exception (Python turns a KeyboardInterrupt inside a class body's
 `__set_name__` into a RuntimeError). For later windows, `caused_by_interrupt` recognises an interrupt
-wrapped that way. The hold starts when a command's module is imported (`hold_from_import`), so the
-console script's own lines between that import and `main()` are covered too; only the interpreter's
-start-up before the first line of this project (site, the script's first imports: a few hundredths
-of a second) ends the interpreter's way."""
+wrapped that way. The hold starts at the first line of this project a command runs (the package
+`kimistream.formats`, which every command's package imports first: `EARLY_INTERRUPTS`), or, for
+`python -m`, when the command's module is imported (`hold_from_import`), so the console script's own
+lines between that import and `main()` are covered too; only the interpreter's start-up before that
+line (its site-packages, the console script's `import re`) ends the interpreter's way."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import sys
 import threading
 from contextlib import contextmanager
 
-_early: list = []        # interrupts noted between a command module's import and its main()
+from kimistream.formats import EARLY_INTERRUPTS as _early     # interrupts noted before a command's main()
 
 
 def hold_from_import(prog: str, module: str) -> None:

@@ -176,6 +176,30 @@ def test_ctrl_c_between_import_and_main(module, prog):
     assert proc.returncode != 0 and "KeyboardInterrupt" in proc.stderr     # Python's own Ctrl-C, untouched
 
 
+@pytest.mark.parametrize("module,prog", [("kimistream.runtime.cli", "kimi-run"),
+                                         ("kimistream.convert.cli", "kimi-convert"),
+                                         ("kimistream.convert.verify_cli", "kimi-verify")])
+def test_ctrl_c_from_the_projects_first_line(module, prog):
+    """The console script's import of the command runs this project's first line (the package
+    kimistream.formats, imported first by every command's package) long before the command's module:
+    an interrupt right after that line, while the rest of the command is imported (argparse, enum,
+    the command's own modules), is held from there and ends with the command's one line and 130.
+    A library import of the package holds nothing."""
+    import subprocess
+    import sys
+    script = (f"import os, sys\nsys.argv = ['/usr/local/bin/{prog}', '--help']\nimport kimistream.formats\n"
+              "os.kill(os.getpid(), 2)\nimport signal, time\ntime.sleep(0.2)\n"
+              f"from {module} import main\nsys.exit(main())\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in proc.stderr, (proc.returncode, proc.stderr)
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"{prog}: ") and "interrupted" in line, proc.stderr
+    library = ("import os, signal, sys, time\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+               "sys.argv = ['pytest']\nimport kimistream.formats\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(5)\n")
+    proc = subprocess.run([sys.executable, "-c", library], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "KeyboardInterrupt" in proc.stderr     # Python's own Ctrl-C, untouched
+
+
 def test_an_interrupted_convert_claims_no_partial_it_did_not_leave(tmp_path):
     """Ctrl-C before kimi-convert did anything (here: before it parsed its arguments) says only that
     it was interrupted (it had said "partial output kept as *.partial" whatever the moment, a dry run

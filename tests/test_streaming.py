@@ -1234,6 +1234,42 @@ def test_cgroup_memory_limit_read_from_v1_and_v2(tmp_path):
     assert procfs.cgroup_memory_limit(str(tmp_path / "missing"), str(tmp_path)) is None
 
 
+def test_process_status_is_the_kernels_own_and_a_forked_childs_own():
+    """procfs.status: /proc/self/status's Vm* and Rss* counters in bytes, each as the file gives it
+    (read through a descriptor kept open); a forked child reads its own counters, not its parent's
+    (its RSS grows by the 64 MiB it touches)."""
+    import mmap
+    import os
+    from kimistream.formats import procfs
+    procfs.status()
+    want = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key.startswith(("Vm", "Rss")) and rest.split()[1:] == ["kB"]:
+                want[key] = int(rest.split()[0]) * 1024
+    got = procfs.status()
+    assert got.keys() == want.keys() and {"VmRSS", "VmHWM", "RssAnon", "RssFile"} <= got.keys()
+    assert got["VmPeak"] == want["VmPeak"] and got["VmHWM"] >= want["VmHWM"] > 0
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            before = procfs.status()["VmRSS"]
+            buf = mmap.mmap(-1, 64 << 20)     # fresh pages (a heap kept by an earlier test could reuse resident ones)
+            for off in range(0, len(buf), 4096):
+                buf[off] = 1
+            os.write(w, str(procfs.status()["VmRSS"] - before).encode())
+        except BaseException as e:
+            os.write(w, repr(e).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    said = os.read(r, 256).decode()
+    os.waitpid(pid, 0)
+    assert said.isdigit() and int(said) >= 60 << 20, said
+
+
 def test_no_page_cache_room_only_under_a_hard_limit_and_a_cache_short_of_a_token():
     """O_DIRECT from the start (budget.no_page_cache_room) only when a cgroup limit leaves less than one
     layer's experts beside the budget and the cache holds fewer experts than a token routes to over
