@@ -15,6 +15,11 @@ from .telemetry import Telemetry, proc_status
 from .tokenizer import Tokenizer
 
 _STARTED = time.monotonic()
+# TextStream decodes the ids after a cut at each token and the head before it once: every FREEZE_EVERY
+# tokens it tries to move the cut to FREEZE_KEEP tokens before the end (decoding the whole text anew
+# every token had cost 0.4 ms a token at 4000 tokens of the bundled tokenizer, against a 10 ms step)
+FREEZE_EVERY = 64
+FREEZE_KEEP = 8
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -78,11 +83,28 @@ class TextStream:
         self.shown = 0           # how much of it has been handed out
         self.stopped = False
         self._searched = ""      # the text last searched for stop strings (none was found in it)
+        self._frozen, self._head = 0, ""   # decode(ids[:_frozen]), kept (_decoded)
+        self._next = FREEZE_EVERY + FREEZE_KEEP     # the length at which to try moving the cut
+
+    def _decoded(self) -> str:
+        """decode(ids), in time that does not grow with the text: the head before the cut decoded once,
+        the ids after it each time. The cut moves only where the whole text decoded anew equals the two
+        parts joined: a character split between two tokens, or a decoder that joins tokens with
+        context (a leading-space rule), leaves it where it was."""
+        n = len(self.ids)
+        if n < self._next:
+            return self._head + self.tok.decode(self.ids[self._frozen:])
+        whole, c = self.tok.decode(self.ids), n - FREEZE_KEEP
+        head = self._head + self.tok.decode(self.ids[self._frozen:c])
+        if whole == head + self.tok.decode(self.ids[c:]):
+            self._frozen, self._head = c, head
+        self._next = n + FREEZE_EVERY
+        return whole
 
     def push(self, tid: int) -> str:
         if tid not in self.skip:
             self.ids.append(tid)
-        text = self.tok.decode(self.ids)
+        text = self._decoded()
         if text.endswith("\ufffd"):
             # an incomplete UTF-8 sequence: the characters before it are final, so a stop string
             # completed there ends the text now; the rest waits for the next token
@@ -98,7 +120,7 @@ class TextStream:
         """The rest, even an incomplete character, once generation has ended (cut at a stop string
         if one is there: `stopped` is then set)."""
         if not self.stopped:
-            text = self.tok.decode(self.ids)
+            text = self._decoded()
             if not self._cut(text):
                 self.text = text
         return self._flush(len(self.text))

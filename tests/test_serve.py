@@ -6,6 +6,7 @@ interactive --chat on a pseudo-terminal."""
 import http.client
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -271,6 +272,38 @@ def test_text_stream_work_does_not_grow_with_stop_strings():
     out = [ts.push(c) for c in "ab" * 150 + "a" * 300 + "zz" + "tail"]
     assert time.perf_counter() - t < 2
     assert ts.stopped and "".join(out) + ts.finish() == "ab" * 150 + "a" * 300
+
+
+@pytest.mark.parametrize("decoder", ["bytes", "leading space"])
+def test_text_stream_decodes_a_long_text_in_time_that_does_not_grow_with_it(decoder):
+    """2000 tokens, some of them halves of a character: the text shown, and each push's text, are what
+    decoding all ids at once gives, while the ids decoded per token stay bounded (each push had decoded
+    the whole text: a million ids here). A decoder that drops the text's leading space (as
+    SentencePiece's do) is not a sum of its parts at any cut: its text is right all the same."""
+    pieces = [b" the", b" \xe4\xb8", b"\xad", b"ab", b"\n", b" \xf0\x9f", b"\x98\x80", b"."]
+
+    class Tok:
+        decoded = 0
+
+        def decode(self, ids):
+            Tok.decoded += len(ids)
+            text = b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")
+            return text[1:] if decoder == "leading space" and text.startswith(" ") else text
+    ids = random.Random(3).choices(range(len(pieces)), k=2000)
+    tok = Tok()
+    ts = TextStream(tok)
+    out = []
+    for k, i in enumerate(ids):
+        out.append(ts.push(i))
+        if k % 97 == 0:
+            whole = Tok().decode(ids[:k + 1])
+            Tok.decoded -= k + 1
+            assert "".join(out) == whole.rstrip("\ufffd")[:len("".join(out))]
+    out.append(ts.finish())
+    assert "".join(out) == b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")[
+        1 if decoder == "leading space" and pieces[ids[0]].startswith(b" ") else 0:]
+    if decoder == "bytes":
+        assert Tok.decoded < 100 * len(ids), Tok.decoded      # (about 60; the whole text each push: 1000)
 
 
 class _ByteTok:
