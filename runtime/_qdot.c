@@ -1169,28 +1169,45 @@ AVX2 static void rows_x8(const uint8_t *t, const int64_t *g, int64_t r0, int64_t
 /* A t1 byte q holds five trits: with y_0 = q and y_{f+1} = 3 y_f mod 256 (byte arithmetic), trit f is
  * d_f = floor(3 y_f / 256) (formats/SPEC.md), so 256 d_f = 3 y_f - y_{f+1} exactly. A span's integer dot
  * product is then sum_j d_f(j) x_j = sum_j (y_f(j) 3 x_j - y_{f+1}(j) x_j) / 256, and no trit is ever taken
- * out: a field costs two byte adds (y_{f+1} = y_f + y_f + y_f) and two vpmaddubsw, one by 3x and one by x.
- * y reaches 255, so x is rounded to -21 .. 21 per 128 values (quantize_xt; 3x is kept beside it):
- * neither product's pair sums saturate (2 x 255 x 63 < 2^15), and their difference, 256 times a pair of
- * digit x input (at most 256 x 2 x 2 x 21 in magnitude), is exact in 16-bit words. One vpmaddwd
- * per span applies the span's scale to those words, on every CPU: VNNI's vpdpwssd, which would add
- * the product as it makes it, measured 0.87-0.95x on a Zen 4 (bench_kernel_ab, 2048x7168). Spans add
- * up in int32 until their 128 inputs' step and the super-block's d apply, once per 128 weights. The
- * offsets (-d sc per span) multiply the rounded inputs' sums, as with int8 inputs. (x at -63 .. 63 took
- * a product by y_f and one by y_{f+1} as 32-bit sums, 3 P - Q: four multiplies a span where this takes
- * three, measured 1.08-1.13x; the coarser rounding left the bundled models' KL unchanged,
+ * out: a field costs two byte adds (y_{f+1} = y_f + y_f + y_f) and two products, one by -3x and one by x
+ * (their sum is -256 times the span's sum; the factors per 128 inputs carry the sign back).
+ * y reaches 255, so x is rounded to -21 .. 21 per 128 values (quantize_xt; -3x is kept beside it):
+ * neither product's pair sums saturate (2 x 255 x 63 < 2^15), and their sum, -256 times a pair of
+ * digit x input (at most 256 x 2 x 2 x 21 in magnitude), is exact in 16-bit words. Without VNNI one
+ * vpmaddwd per span applies the span's scale to those words; with VNNI two vpdpbusd make int32 sums
+ * of four products straight away and one vpmulld applies the scale: four operations a span where
+ * AVX2 takes five (the add of the two products' words is gone), measured 1.04-1.10x on a Zen 5
+ * (bench_kernel_ab, 2048x7168, one and two threads). VNNI's vpdpwssd in place of vpmaddwd + add was
+ * 0.87-0.95x on a Zen 4 and 0.89-0.94x on a Zen 5: its latency on the accumulator held the loop.
+ * Spans add up in int32 until their 128 inputs' step and the super-block's d apply, once per 128
+ * weights. The offsets (-d sc per span) multiply the rounded inputs' sums, as with int8 inputs. (x at
+ * -63 .. 63 took a product by y_f and one by y_{f+1} as 32-bit sums, 3 P - Q: four multiplies a span
+ * where this takes three, measured 1.08-1.13x; the coarser rounding left the bundled models' KL unchanged,
  * benchmarks/RESULTS.md.) */
 AVX2 static void quantize_xt(const float *x, int64_t cols, int8_t *q, float *qd, float *qs) {
     quantize_blocks(x, cols, q, qd, qs, 21.0f, 21.0f);
-    for (int64_t j = 0; j < cols; j++) q[cols + j] = (int8_t)(3 * q[j]);
+    for (int64_t j = 0; j < cols; j++) q[cols + j] = (int8_t)(-3 * q[j]);
+}
+
+/* One field's bytes y (y1 = 3 y) times a span's inputs x and n3 = -3 x, scaled by the span's scale sc:
+   eight int32 sums of -256 x sc x digit x input. AVX2: the two products' pair sums as words, then one
+   vpmaddwd by sc in both halves of a word (scw = sc | sc << 16). VNNI: two vpdpbusd, each adding
+   four products to the int32 lanes, then one vpmulld by sc (scw = sc). */
+AVX2 static inline __attribute__((always_inline)) __m256i t1_field(const int vn, __m256i y, __m256i y1, __m256i x,
+                                                                  __m256i n3, int32_t scw) {
+    if (!vn)
+        return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(y, n3), _mm256_maddubs_epi16(y1, x)),
+                                 _mm256_set1_epi32(scw));
+    __m256i p = dp_bytes(vn, _mm256_setzero_si256(), y, n3);
+    return _mm256_mullo_epi32(dp_bytes(vn, p, y1, x), _mm256_set1_epi32(scw));
 }
 
 /* chunks ch .. ch + n - 1 (n = 1 or 2; spans 5 ch .. 5 ch + 5 n - 1) into the int32 sums acc; a span
    ending a block of 128 inputs (s % 4 == 3: known from ph = ch % 4) turns them to float into fa by
-   that block's factor. Each span's sums u = 256 x scale x digit x input come first (int32), the two
+   that block's factor. Each span's sums u = -256 x scale x digit x input come first (int32), the two
    chunks' byte chains side by side: emitted chunk after chunk, each chunk's chain of ten dependent byte
    adds held the loop back (measured: 1.05x on one thread). */
-AVX2 static inline __attribute__((always_inline)) void t1_chunks(const int n, const int ph, const uint8_t *codes,
+AVX2 static inline __attribute__((always_inline)) void t1_chunks(const int vn, const int n, const int ph, const uint8_t *codes,
                                                                int64_t ch, const int8_t *xt, const int8_t *x3,
                                                                const int32_t *sw, const float *cf, __m256i *acc,
                                                                __m256 *fa) {
@@ -1200,9 +1217,7 @@ AVX2 static inline __attribute__((always_inline)) void t1_chunks(const int n, co
         for (int c = 0; c < n; c++) {
             const int64_t s = 5 * (ch + c) + f;
             __m256i y1 = _mm256_add_epi8(y[c], _mm256_add_epi8(y[c], y[c]));
-            u[5 * c + f] = _mm256_madd_epi16(_mm256_sub_epi16(_mm256_maddubs_epi16(y[c], LOAD32(x3 + 32 * s)),
-                                                              _mm256_maddubs_epi16(y1, LOAD32(xt + 32 * s))),
-                                             _mm256_set1_epi32(sw[s]));
+            u[5 * c + f] = t1_field(vn, y[c], y1, LOAD32(xt + 32 * s), LOAD32(x3 + 32 * s), sw[s]);
             y[c] = y1;
         }
     for (int k = 0; k < 5 * n; k++) {
@@ -1218,11 +1233,11 @@ AVX2 static inline __attribute__((always_inline)) void t1_chunks(const int n, co
 
 /* A t1 row's tail chunk when its columns are a multiple of 128: R = 32, 64, 96 or 128 columns, field f
    of its bytes y holding columns f L .. f L + L - 1 (L = (R + 4) / 5, the last field cut at R). Each
-   field's bytes times the inputs of their columns (x, x3: the tail's first input and three times it;
+   field's bytes times the inputs of their columns (x, x3: the tail's first input and -3 times it;
    unaligned loads, the buffers padded past the row) by the whole chunks' identity, split by masks at
    the span boundary the field may cross, each part by its span's scale words (sw: the tail's first
-   span's). p[k] = 256 x span k's sum of scale x digit x input (zero past R). */
-AVX2 static inline __attribute__((always_inline)) void t1_tail_sums(const int R, __m256i y, const int8_t *x,
+   span's). p[k] = -256 x span k's sum of scale x digit x input (zero past R). */
+AVX2 static inline __attribute__((always_inline)) void t1_tail_sums(const int vn, const int R, __m256i y, const int8_t *x,
                                                                   const int8_t *x3, const int32_t *sw, __m256i *p) {
     const int L = (R + 4) / 5;
     const __m256i iota = _mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,
@@ -1234,23 +1249,20 @@ AVX2 static inline __attribute__((always_inline)) void t1_tail_sums(const int R,
         __m256i y1 = _mm256_add_epi8(y, _mm256_add_epi8(y, y)), xv = LOAD32(x + lo), x3v = LOAD32(x3 + lo);
         __m256i live = _mm256_cmpgt_epi8(_mm256_set1_epi8((char)(hi - lo)), iota);
         __m256i m0 = _mm256_and_si256(live, _mm256_cmpgt_epi8(_mm256_set1_epi8((char)split), iota));
-        __m256i u = _mm256_sub_epi16(_mm256_maddubs_epi16(_mm256_and_si256(y, m0), x3v),
-                                     _mm256_maddubs_epi16(_mm256_and_si256(y1, m0), xv));
-        p[k0] = _mm256_add_epi32(p[k0], _mm256_madd_epi16(u, _mm256_set1_epi32(sw[k0])));
+        p[k0] = _mm256_add_epi32(p[k0], t1_field(vn, _mm256_and_si256(y, m0), _mm256_and_si256(y1, m0), xv, x3v, sw[k0]));
         if (hi > 32 * (k0 + 1)) {                     /* the field's columns from the next span on */
             __m256i m1 = _mm256_andnot_si256(m0, live);
-            u = _mm256_sub_epi16(_mm256_maddubs_epi16(_mm256_and_si256(y, m1), x3v),
-                                 _mm256_maddubs_epi16(_mm256_and_si256(y1, m1), xv));
-            p[k0 + 1] = _mm256_add_epi32(p[k0 + 1], _mm256_madd_epi16(u, _mm256_set1_epi32(sw[k0 + 1])));
+            p[k0 + 1] = _mm256_add_epi32(p[k0 + 1], t1_field(vn, _mm256_and_si256(y, m1), _mm256_and_si256(y1, m1), xv,
+                                                             x3v, sw[k0 + 1]));
         }
         y = y1;
     }
 }
 
-/* Row r of a t1 tensor (cols a multiple of 128) times one token's xt (its rounded x, then 3x at xt +
+/* Row r of a t1 tensor (cols a multiple of 128) times one token's xt (its rounded x, then -3x at xt +
    cols; xtd: steps per 128, xts: the rounded inputs' sums per 32). Scratch: nsp + 8 int32 words, then
    nsp / 4 + nsp / 8 + 24 floats. */
-AVX2 static inline __attribute__((always_inline)) float row_t1_xt(const uint8_t *t, const int64_t *g,
+AVX2 static inline __attribute__((always_inline)) float row_t1_xt(const int vn, const uint8_t *t, const int64_t *g,
                                                                 int64_t r, const float *x, const int8_t *xt,
                                                                 const float *xtd, const float *xts, float *scratch,
                                                                 atomic_int *bad) {
@@ -1275,7 +1287,7 @@ AVX2 static inline __attribute__((always_inline)) float row_t1_xt(const uint8_t 
     const __m256i pairs = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
     for (int64_t q = 0; q < nq; q += 8) {
         __m256 d2 = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(D + q / 2)), pairs);
-        _mm256_storeu_ps(cf + q, _mm256_mul_ps(_mm256_mul_ps(d2, _mm256_loadu_ps(xtd + q)), _mm256_set1_ps(1.0f / 256.0f)));
+        _mm256_storeu_ps(cf + q, _mm256_mul_ps(_mm256_mul_ps(d2, _mm256_loadu_ps(xtd + q)), _mm256_set1_ps(-1.0f / 256.0f)));
     }
     const __m256i m15 = _mm256_set1_epi32(15), shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
     /* each span's scale in both 16-bit halves of a word, and the offsets' sum (-d sc per span times the
@@ -1286,7 +1298,7 @@ AVX2 static inline __attribute__((always_inline)) float row_t1_xt(const uint8_t 
         uint32_t w4;                                                                                        \
         memcpy(&w4, so + 4 * (b), 4);                                                                       \
         __m256i sc = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w4), shifts), m15);          \
-        _mm256_storeu_si256((__m256i *)(sw + 8 * (b)), _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16)));     \
+        _mm256_storeu_si256((__m256i *)(sw + 8 * (b)), vn ? sc : _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16))); \
         off = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_broadcast_ss(D + (b)), _mm256_cvtepi32_ps(sc)),         \
                                _mm256_loadu_ps(xts + 8 * (b)), off);                                        \
     }
@@ -1299,7 +1311,7 @@ AVX2 static inline __attribute__((always_inline)) float row_t1_xt(const uint8_t 
     float tot = hsum8(_mm256_add_ps(off0, off1));
     for (int64_t s = 8 * nsb; s < nsp; s++) {       /* a last, shorter super-block */
         int sc = (so[s >> 1] >> (4 * (s & 1))) & 15;
-        sw[s] = sc | (sc << 16);
+        sw[s] = vn ? sc : sc | (sc << 16);
         tot -= D[nsb] * (float)sc * xts[s];
     }
     __m256i acc[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};    /* even and odd spans */
@@ -1308,15 +1320,15 @@ AVX2 static inline __attribute__((always_inline)) float row_t1_xt(const uint8_t 
     for (; ch + 4 <= nch; ch += 4) {
         __builtin_prefetch(codes + 32 * ch + CODE_PREFETCH);
         __builtin_prefetch(codes + 32 * ch + 64 + CODE_PREFETCH);
-        t1_chunks(2, 0, codes, ch, xt, x3, sw, cf, acc, fa);
-        t1_chunks(2, 2, codes, ch + 2, xt, x3, sw, cf, acc, fa);
+        t1_chunks(vn, 2, 0, codes, ch, xt, x3, sw, cf, acc, fa);
+        t1_chunks(vn, 2, 2, codes, ch + 2, xt, x3, sw, cf, acc, fa);
     }
     if (ch + 2 <= nch) {
-        t1_chunks(2, 0, codes, ch, xt, x3, sw, cf, acc, fa);
+        t1_chunks(vn, 2, 0, codes, ch, xt, x3, sw, cf, acc, fa);
         ch += 2;
     }
-    if (ch < nch && (ch & 2)) t1_chunks(1, 2, codes, ch, xt, x3, sw, cf, acc, fa);
-    else if (ch < nch) t1_chunks(1, 0, codes, ch, xt, x3, sw, cf, acc, fa);
+    if (ch < nch && (ch & 2)) t1_chunks(vn, 1, 2, codes, ch, xt, x3, sw, cf, acc, fa);
+    else if (ch < nch) t1_chunks(vn, 1, 0, codes, ch, xt, x3, sw, cf, acc, fa);
     if (nfs & 3)                   /* the spans of a block cut short by the tail */
         fa[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(acc[0], acc[1])), _mm256_broadcast_ss(cf + nfs / 4), fa[0]);
     if (done < cols) {              /* the tail chunk: 32, 64, 96 or 128 columns, one to four spans */
@@ -1330,10 +1342,10 @@ AVX2 static inline __attribute__((always_inline)) float row_t1_xt(const uint8_t 
             y = _mm256_load_si256((const __m256i *)tb);
         }
         switch (cols - done) {           /* each length's fields and span boundaries as constants */
-        case 32: t1_tail_sums(32, y, xt + done, x3 + done, sw + nfs, p); break;
-        case 64: t1_tail_sums(64, y, xt + done, x3 + done, sw + nfs, p); break;
-        case 96: t1_tail_sums(96, y, xt + done, x3 + done, sw + nfs, p); break;
-        default: t1_tail_sums(128, y, xt + done, x3 + done, sw + nfs, p); break;
+        case 32: t1_tail_sums(vn, 32, y, xt + done, x3 + done, sw + nfs, p); break;
+        case 64: t1_tail_sums(vn, 64, y, xt + done, x3 + done, sw + nfs, p); break;
+        case 96: t1_tail_sums(vn, 96, y, xt + done, x3 + done, sw + nfs, p); break;
+        default: t1_tail_sums(vn, 128, y, xt + done, x3 + done, sw + nfs, p); break;
         }
         for (int k = 0; k < 4; k++)      /* (a constant k: fa stays in registers) */
             if (nfs + k < nsp)
@@ -1342,12 +1354,24 @@ AVX2 static inline __attribute__((always_inline)) float row_t1_xt(const uint8_t 
     return tot + hsum8(_mm256_add_ps(fa[0], fa[1])) + outlier_sum(t, g, r, x, bad);
 }
 
+AVX2 static inline __attribute__((always_inline)) void rows_t1_xt_vn(const int vn, const uint8_t *t, const int64_t *g,
+                                                                     int64_t r0, int64_t r1, const float *x,
+                                                                     const int8_t *xt, const float *xtd,
+                                                                     const float *xts, float *scratch, float *out,
+                                                                     atomic_int *bad) {
+    for (int64_t r = r0; r < r1; r++) {
+        prefetch_next_row(t, g, r);
+        out[r - r0] = row_t1_xt(vn, t, g, r, x, xt, xtd, xts, scratch, bad);
+    }
+}
+
 AVX2 static void rows_t1_xt(const uint8_t *t, const int64_t *g, int64_t r0, int64_t r1, const float *x,
                             const int8_t *xt, const float *xtd, const float *xts, float *scratch, float *out,
                             atomic_int *bad) {
-    for (int64_t r = r0; r < r1; r++) {
-        prefetch_next_row(t, g, r);
-        out[r - r0] = row_t1_xt(t, g, r, x, xt, xtd, xts, scratch, bad);
+    switch (use_vnni) {
+    case 1: rows_t1_xt_vn(1, t, g, r0, r1, x, xt, xtd, xts, scratch, out, bad); break;
+    case 2: case 3: rows_t1_xt_vn(2, t, g, r0, r1, x, xt, xtd, xts, scratch, out, bad); break;
+    default: rows_t1_xt_vn(0, t, g, r0, r1, x, xt, xtd, xts, scratch, out, bad); break;
     }
 }
 #endif
@@ -3489,7 +3513,7 @@ static int quantize_rows(const float *xf, int64_t nx, int64_t cols, int16_t **xq
 }
 
 /* one t1 token's input (rows_t1_xt) when a call's geometries hold t1 and it takes int8 inputs: xt as
-   -21 .. 21 per 128 values then three times those (2 cols bytes per token), *xtd their steps then the
+   -21 .. 21 per 128 values then -3 times those (2 cols bytes per token), *xtd their steps then the
    rounded values' sums per 32; nothing where it does not apply (*xt stays NULL); -1 with MemoryError
    set (no_memory) */
 static int quantize_rows_t1(const int64_t *geoms, int64_t ng, const float *xf, int64_t nx, int64_t cols, int64_t ntok,

@@ -235,7 +235,7 @@ def rounded_input(codec: str, x: np.ndarray, tokens: int = 1) -> np.ndarray:
     (float64; exact float sums aside): int8 per X8_BLOCK values where `takes_int8`, else int16 per 32."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if takes_int8(codec, x.shape[0], tokens):
-        # one t1 token: -21 .. 21 (its kernel multiplies bytes up to 255 by three times them, runtime/_qdot.c)
+        # one t1 token: -21 .. 21 (its kernel multiplies bytes up to 255 by -3 times them, runtime/_qdot.c)
         top = np.float32(T1_INPUT_TOP if codec == "t1" and tokens == 1 else Q1T_INPUT_TOP if codec == "q1t"
                          else _x8_levels)
         b = x.reshape(-1, X8_BLOCK)
