@@ -13,7 +13,8 @@ count hits, misses, bytes read, time spent waiting for I/O, and prefetch recall/
 
 `--io auto` (make_pager) starts with `mmap` and, when evicted pages are to be dropped, asks its
 provider to hand over to an O_DIRECT `pread` pager between model steps (successor); O_DIRECT reads are
-then timed against the mapping with evicted experts dropped, and the faster stays (IoTrial). The
+then timed against the mapping with evicted experts dropped (or kept, where most of them were still
+cached when needed again), and the faster stays (IoTrial). The
 pool is private memory in huge pages where it can be (read_buffer). `--prefetch auto`'s guesses of
 the next layer's experts are timed against none the same way (GuessTrial, both a StepTrial)."""
 
@@ -69,9 +70,11 @@ RELOAD_TRIAL = 128             # misses of evicted experts scored before decidin
 RELOAD_CLEAR = (0.15, 0.85)    # shares still cached below which dropping, above which keeping is clear
 # With --io auto, dropping means O_DIRECT reads, which cost nothing to drop; below this share they go
 # ahead at once. Measured on the bench model under caps: at 256 MiB (share 0.43) O_DIRECT was 1.05-1.12x
-# keeping, where dropping mapped pages was 0.87x; at ½ (share 0.76-0.93) keeping was 1.1-1.2x O_DIRECT.
-# Between this and RELOAD_CLEAR[1] the windows are timed (keeping against dropping mapped pages; a
-# verdict to drop then also goes to O_DIRECT).
+# keeping, where dropping mapped pages was 0.87x. From this share on keeping the mapping's pages is
+# timed against O_DIRECT reads themselves, not against dropping mapped pages (an IoTrial whose mapped
+# windows keep them, keep_mapped), whatever the share: at ½ (share 0.76-0.93) keeping was 1.1-1.2x
+# O_DIRECT on a Zen 3 VM reading 0.9-1.2 GB/s, while on a Zen 5 reading 2.5-3.8 GB/s O_DIRECT was
+# 1.3-1.6x keeping at a share of 0.80 (benchmarks/RESULTS.md): the disk decides, not the share.
 RELOAD_DIRECT = 0.6
 TIMED_ORDER = (False, True)    # the timed windows: keeping (as during the share's trial), then dropping
 TIMED_STEPS = 3                # decode steps per window; after a switch its first is not scored
@@ -251,16 +254,23 @@ class StepTrial:
 
 class IoTrial(StepTrial):
     """--io auto with evicted experts dropped: O_DIRECT reads (`direct`, the incumbent) timed against
-    reads through the mapping (IO_TRIAL_*). `direct` is the way the next decode step is to read; the
+    reads through the mapping (IO_TRIAL_*), which drops evicted experts' pages too, or keeps them
+    (keep_mapped: --page-cache auto found most of them cached when needed again). `direct` is the way the next decode step is to read; the
     expert provider hands over to a pager that reads so between model steps (successor). Shared by the
     pagers that take over from one another, so whichever of them the caller holds passes the steps on."""
     constants = "IO_TRIAL"
     incumbent, challenger = "with O_DIRECT reads", "through the mapping"
     incumbent_name, challenger_name = "O_DIRECT reads", "the mapping"
 
-    def __init__(self):
+    def __init__(self, keep_mapped: bool = False, keep_policy: str = ""):
+        if keep_mapped:             # (instance words: the class's serve the trial that drops them)
+            self.challenger = "through the mapping keeping evicted experts' pages"
+            self.challenger_name = "keeping them"
         super().__init__()
         self.direct_policy = ""     # the O_DIRECT pager's page-cache policy in words, for its successors
+        # mapped windows keep evicted experts' pages in the page cache (--page-cache auto found most of
+        # them still there when needed again) instead of dropping them; keep_policy: that finding in words
+        self.keep_mapped, self.keep_policy = keep_mapped, keep_policy
 
     @property
     def direct(self) -> bool:
@@ -318,6 +328,7 @@ class ExpertPager:
         # make_pager); the provider carries it out between model steps (successor)
         self.direct_on_drop = False
         self.wants_direct = False
+        self.keep_trial = False                 # the hand-over to O_DIRECT is to be timed against keeping pages
         self.io_trial: IoTrial | None = None    # --io auto, dropping: O_DIRECT timed against the mapping
         self.guess_trial: GuessTrial | None = None      # --prefetch auto: guessing timed against not
         # reads in a row that found all their bytes in the page cache (0 after one that did not);
@@ -531,6 +542,13 @@ class ExpertPager:
             if self.direct_on_drop and share < RELOAD_DIRECT:
                 # --io auto drops by reading with O_DIRECT: no time to take: see RELOAD_DIRECT
                 self._decide(True)
+            elif self.direct_on_drop:
+                # keeping against O_DIRECT reads, timed (see RELOAD_DIRECT): the hand-over to O_DIRECT
+                # starts an IoTrial whose mapped windows keep evicted experts' pages
+                self._evicted.clear()
+                self._deciding = False
+                self.keep_trial = self.wants_direct = True
+                self.page_cache_policy = f"keep evicted experts (auto: {self._trial_note})"
             elif RELOAD_CLEAR[0] <= share <= RELOAD_CLEAR[1]:
                 self._timed = []                  # observe_step times the two policies from here
                 self._set_dropping(TIMED_ORDER[0])
@@ -1009,9 +1027,13 @@ def successor(old: ExpertPager) -> ExpertPager:
     old.wants_direct = old.direct_on_drop = False
     if trial is not None and not trial.direct:
         trial.direct_policy = trial.direct_policy or old.page_cache_policy
-        new = MmapPager(old.wf, old.capacity, old.policy, page_cache="drop")
-        new.page_cache_policy = ("drop evicted experts" if trial.direct_policy.startswith("not used")
-                                 else trial.direct_policy)
+        if trial.keep_mapped:
+            new = MmapPager(old.wf, old.capacity, old.policy, page_cache="keep")
+            new.page_cache_policy = trial.keep_policy
+        else:
+            new = MmapPager(old.wf, old.capacity, old.policy, page_cache="drop")
+            new.page_cache_policy = ("drop evicted experts" if trial.direct_policy.startswith("not used")
+                                     else trial.direct_policy)
     else:
         try:
             new = PreadPager(old.wf, old.capacity, old.policy, direct=True, page_cache="drop")
@@ -1019,10 +1041,14 @@ def successor(old: ExpertPager) -> ExpertPager:
             old.page_cache_policy += f"; O_DIRECT reads unavailable ({str(e).rsplit(': ', 1)[-1]})"
             old.io_trial = None
             return old
-        new.page_cache_policy = (f"{old.page_cache_policy}; then O_DIRECT reads, which leave nothing to drop"
-                                 if first else trial.direct_policy or old.page_cache_policy)
-        if first:
-            trial = IoTrial()
+        if first and old.keep_trial:
+            new.page_cache_policy = "not used (O_DIRECT reads)"
+            trial = IoTrial(keep_mapped=True, keep_policy=old.page_cache_policy)
+        else:
+            new.page_cache_policy = (f"{old.page_cache_policy}; then O_DIRECT reads, which leave nothing to drop"
+                                     if first else trial.direct_policy or old.page_cache_policy)
+            if first:
+                trial = IoTrial()
     new.stats, new._verified, new._freq, new.watch_reads = old.stats, old._verified, old._freq, old.watch_reads
     new._guessed, new.io_trial, new.guess_trial = old._guessed, trial, old.guess_trial
     # whoever still holds `old` (the run's telemetry holds the first pager) passes the steps on to the trial

@@ -281,7 +281,8 @@ class ModelWeights(ExpertProvider):
         if self.io != "auto":
             return how
         if p.io_trial is not None:
-            return f"auto: {how}{'' if p.mode == 'pread' else ', evicted experts dropped'} ({p.io_trial.note})"
+            kept = "kept" if p.io_trial.keep_mapped else "dropped"
+            return f"auto: {how}{'' if p.mode == 'pread' else f', evicted experts {kept}'} ({p.io_trial.note})"
         if p.direct_on_drop:
             return f"auto: {how} (O_DIRECT reads if evicted experts' pages are to be dropped)"
         return f"auto: {how}" + ("" if how == "mmap" else " (evicted experts' pages are not kept)")

@@ -980,15 +980,17 @@ def test_io_auto_keeps_the_mapping_where_o_direct_cannot_be_had(synthetic, monke
     w.close()
 
 
-@pytest.mark.parametrize("share,direct", [(0.5, True), (0.7, None), (0.9, False)])
-def test_io_auto_reads_with_o_direct_below_a_share_kept_worth_keeping(synthetic, monkeypatch, share, direct):
+@pytest.mark.parametrize("share", [0.5, 0.7, 0.95])
+def test_io_auto_reads_with_o_direct_below_a_share_and_times_keeping_against_it_above(synthetic, monkeypatch, share):
     """Under --io auto, dropping means O_DIRECT reads, which beat keeping at shares of evicted experts
     still cached well short of a clear keep (RELOAD_DIRECT): such a share goes to O_DIRECT at once,
-    with no timed windows (--io mmap times them there, see above); a share between it and a clear
-    keep is timed (None here); a high share keeps the mapping."""
+    with no timed windows (--io mmap times keeping against dropping mapped pages there, see above);
+    from that share on, however high, keeping the mapping's pages is timed against O_DIRECT reads
+    themselves: the hand-over to O_DIRECT starts an IoTrial whose mapped windows keep them."""
     from kimistream.runtime import pager as P
     monkeypatch.setattr(P, "RELOAD_SKIP", 2)
     monkeypatch.setattr(P, "RELOAD_TRIAL", 4)
+    monkeypatch.setattr(P, "IO_TRIAL_SKIP", 100)      # (the trial's windows: the test below)
     w = ModelWeights(synthetic, io="auto", cache_bytes=2 * ModelWeights(synthetic).expert_extent_bytes)
     first = w.pager
     first.cached_share = lambda off, n: share
@@ -997,13 +999,66 @@ def test_io_auto_reads_with_o_direct_below_a_share_kept_worth_keeping(synthetic,
     m.prefill(PROMPT, 8)
     for _ in range(3):
         m.forward([5])
-    assert first.stats.reloads == 4
-    if direct is None:
-        assert first._timed is not None and w.pager is first and "timing keeping against" in first.page_cache_policy
+    assert first.stats.reloads == 4 and first._timed is None
+    assert isinstance(w.pager, P.PreadPager) and w.pager.direct
+    found = f"{share:.0%} of 4 evicted experts were still cached when needed again"
+    if share < P.RELOAD_DIRECT:
+        assert w.pager.page_cache_policy.startswith(f"drop evicted experts (auto: {found}")
+        assert w.pager.io_trial is not None and not w.pager.io_trial.keep_mapped
     else:
-        assert first._timed is None and isinstance(w.pager, P.PreadPager) == direct
-        decision = "drop" if direct else "keep"
-        assert w.pager.page_cache_policy.startswith(f"{decision} evicted experts (auto: {share:.0%} of 4 evicted")
+        trial = w.pager.io_trial
+        assert trial is not None and trial.running and trial.keep_mapped
+        assert trial.keep_policy == f"keep evicted experts (auto: {found})"
+        assert w.pager.page_cache_policy == "not used (O_DIRECT reads)"
+        assert "a trial of O_DIRECT reads against keeping them under way" in w.io_policy
+    w.close()
+
+
+@pytest.mark.parametrize("faster", ["mapped", "direct"])
+def test_keeping_pages_timed_against_o_direct_hands_over_to_a_mapping_that_keeps_them(synthetic_q2, monkeypatch,
+                                                                                      faster):
+    """The trial of keeping evicted experts' pages against O_DIRECT reads: its mapped windows, and its
+    verdict when the mapping wins, read through a mapping whose evicted experts' pages stay in the page
+    cache (not dropped, as in the trial --page-cache drop starts); the run summary says which won and
+    what the share was. The tokens are a pool read's."""
+    from kimistream.runtime import pager as P
+    from kimistream.runtime.telemetry import Telemetry
+    monkeypatch.setattr(P, "RELOAD_SKIP", 2)
+    monkeypatch.setattr(P, "RELOAD_TRIAL", 4)
+    monkeypatch.setattr(P, "IO_TRIAL_SKIP", 1)
+    monkeypatch.setattr(P, "IO_TRIAL_STEPS", 2)
+    expert = max(e.nbytes for e in WeightFile(synthetic_q2).extents if e.kind == "expert")
+    ref = ModelWeights(synthetic_q2, io="pread", direct=True, cache_bytes=4 * expert)
+    ref.load_resident()
+    ref_tokens = list(generate(Model(ref, 64), PROMPT, 24, Sampler(0.0), 8))
+    ref.close()
+    observe, mapped_pagers = P.IoTrial.observe, []
+
+    def timed(trial, seconds, scored=True):
+        observe(trial, 0.02 if trial.direct == (faster == "direct") else 0.03, scored)
+    monkeypatch.setattr(P.IoTrial, "observe", timed)
+    monkeypatch.setattr(P.MmapPager, "__init__", lambda self, *a, _i=P.MmapPager.__init__, **k:
+                        mapped_pagers.append(k.get("page_cache")) or _i(self, *a, **k))
+    w = ModelWeights(synthetic_q2, io="auto", cache_bytes=4 * expert)
+    first = w.pager
+    first.cached_share = lambda off, n: 0.8
+    w.load_resident()
+    tokens = list(generate(Model(w, 64), PROMPT, 24, Sampler(0.0), 8, telemetry=Telemetry(first)))
+    assert tokens == ref_tokens
+    trial = w.pager.io_trial
+    assert trial is not None and trial.keep_mapped and not trial.running
+    windows = mapped_pagers[1:]                  # the trial's mapped windows' (and verdict's) page-cache modes
+    assert windows and set(windows) == {"keep"}
+    found = "keep evicted experts (auto: 80% of 4 evicted experts were still cached when needed again)"
+    if faster == "mapped":
+        assert isinstance(w.pager, P.MmapPager) and not w.pager.drop_evicted
+        assert w.pager.page_cache_policy == found
+        assert w.io_policy.startswith("auto: mmap, evicted experts kept (timed 20.0 and 20.0 ms a step through "
+                                      "the mapping keeping evicted experts' pages against 30.0 and 30.0")
+    else:
+        assert isinstance(w.pager, P.PreadPager) and w.pager.direct
+        assert w.io_policy.startswith("auto: O_DIRECT pread (timed 30.0 ms a step through the mapping keeping "
+                                      "evicted experts' pages against 20.0 with O_DIRECT reads; keeping them lost")
     w.close()
 
 
