@@ -1014,6 +1014,16 @@ def test_io_auto_reads_with_o_direct_below_a_share_and_times_keeping_against_it_
     w.close()
 
 
+def _pool_tokens(path, cache_bytes: int, n: int) -> list:
+    """The greedy tokens of a run reading experts with O_DIRECT into a pool: the reference the trials'
+    hand-overs between pagers must reproduce."""
+    ref = ModelWeights(path, io="pread", direct=True, cache_bytes=cache_bytes)
+    ref.load_resident()
+    tokens = list(generate(Model(ref, 64), PROMPT, n, Sampler(0.0), 8))
+    ref.close()
+    return tokens
+
+
 @pytest.mark.parametrize("faster", ["mapped", "direct"])
 def test_keeping_pages_timed_against_o_direct_hands_over_to_a_mapping_that_keeps_them(synthetic_q2, monkeypatch,
                                                                                       faster):
@@ -1028,10 +1038,7 @@ def test_keeping_pages_timed_against_o_direct_hands_over_to_a_mapping_that_keeps
     monkeypatch.setattr(P, "IO_TRIAL_SKIP", 1)
     monkeypatch.setattr(P, "IO_TRIAL_STEPS", 2)
     expert = max(e.nbytes for e in WeightFile(synthetic_q2).extents if e.kind == "expert")
-    ref = ModelWeights(synthetic_q2, io="pread", direct=True, cache_bytes=4 * expert)
-    ref.load_resident()
-    ref_tokens = list(generate(Model(ref, 64), PROMPT, 24, Sampler(0.0), 8))
-    ref.close()
+    ref_tokens = _pool_tokens(synthetic_q2, 4 * expert, 24)
     observe, mapped_pagers = P.IoTrial.observe, []
 
     def timed(trial, seconds, scored=True):
@@ -1116,10 +1123,7 @@ def test_io_auto_hands_over_between_o_direct_and_the_mapping_as_its_trial_says(s
     monkeypatch.setattr(P, "IO_TRIAL_SKIP", 1)
     monkeypatch.setattr(P, "IO_TRIAL_STEPS", 2)
     expert = max(e.nbytes for e in WeightFile(synthetic_q2).extents if e.kind == "expert")
-    ref = ModelWeights(synthetic_q2, io="pread", direct=True, cache_bytes=6 * expert)
-    ref.load_resident()
-    ref_tokens = list(generate(Model(ref, 64), PROMPT, 14, Sampler(0.0), 8))
-    ref.close()
+    ref_tokens = _pool_tokens(synthetic_q2, 6 * expert, 14)
     for faster in ("mapped", "direct"):
         monkeypatch.undo()
         monkeypatch.setattr(P, "IO_TRIAL_SKIP", 1)
