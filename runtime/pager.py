@@ -309,6 +309,9 @@ class ExpertPager:
         self._trial_note = ""
         self.wf, self.capacity, self.policy = wf, capacity_bytes, policy
         self._largest = max((e.nbytes for e in wf.extents if e.kind == "expert"), default=0)
+        if self._deciding and sum(in_pages(e.nbytes) for e in wf.extents if e.kind == "expert") <= capacity_bytes:
+            self._deciding = False          # nothing will be evicted: nothing to decide
+            self.page_cache_policy = "keep (auto: the cache holds every expert, none is evicted)"
         self.stats = PagerStats()
         self._cache: OrderedDict[tuple, _Entry] = OrderedDict()
         self._inflight: dict[tuple, _Entry] = {}
@@ -623,14 +626,18 @@ class ExpertPager:
         """Whether a read of bytes off .. off+n would find them all in the page cache."""
         return self.cached_share(off, n) >= 1.0
 
-    def _evicted_pages(self, key, off: int, n: int) -> None:
-        """An expert left the cache: drop its pages from the page cache, or note it while deciding."""
+    def _evicted_pages(self, key, off: int, n: int, evicted: bool = True) -> None:
+        """An expert left the cache (`evicted`), or a guess's read was not used: drop its pages from
+        the page cache, or, for an eviction, note it while deciding. An unused guess says nothing
+        about memory pressure: counted, an uncapped run's guesses (all still cached when routed to
+        later) had the decision time O_DIRECT reads against keeping, and a noisy win sent every
+        first use of an expert to the disk in a warm run."""
         if self.drop_evicted:
             # here, not on a helper thread: measured at a quarter of the file, 9.9-10.2 tok/s against
             # 8.6-9.4 (a queued drop can also catch the expert's pages just read again)
             start = off // PAGE * PAGE
             os.posix_fadvise(self.wf.fileno(), start, off + n - start, os.POSIX_FADV_DONTNEED)
-        elif self._deciding:
+        elif self._deciding and evicted:
             self._evicted.add(key)
 
     # ---------------------------------------------------------------- eviction
@@ -798,7 +805,7 @@ class MmapPager(ExpertPager):
             if ent is not None:
                 self.inflight_bytes -= in_pages(ent.nbytes)
         if ent is not None:
-            self._evicted_pages(key, ent.offset, ent.nbytes)
+            self._evicted_pages(key, ent.offset, ent.nbytes, evicted=False)
 
     def _willneed(self, off: int, n: int) -> None:
         fd = self.wf.fileno()
